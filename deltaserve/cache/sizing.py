@@ -1,0 +1,145 @@
+"""Per-layer cache specs and the sizing of the two pools (MLA pages, KDA state slots) from a memory budget.
+
+Every layer declares what it caches: an MLA layer a paged latent spec (a page is block_size tokens ×
+latent_dim values in the run dtype), a KDA layer a fixed state spec per request (the short-conv tails of q, k
+and v in the run dtype, and the float32 recurrent state). Pages are shared by all MLA layers (one block id
+addresses the page of every MLA layer), slots by all KDA layers, so the plan prices one page and one slot
+across the whole model. For the 48B model in bf16: ~8 KB of MLA cache per token, ~43 MB per KDA slot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from deltaserve.config import KDA, ConfigError, EngineConfig, ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+RECURRENT_STATE_BYTES = 4  # the KDA state is float32 whatever the run dtype
+DEFAULT_CPU_CACHE_BYTES = 4 << 30  # cap of the CPU default: enough for small models, safe on a laptop
+GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
+
+
+@dataclass(frozen=True)
+class MLAPageSpec:
+    """One MLA layer's paged latent cache: per page [block_size, latent_dim] values (c_kv 512 + k_rot 64)."""
+
+    layer_id: int
+    block_size: int
+    latent_dim: int
+    dtype_bytes: int
+
+    @property
+    def page_bytes(self) -> int:
+        return self.block_size * self.latent_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class KDAStateSpec:
+    """One KDA layer's per-request state.
+
+    Conv tails [conv_dim, conv_width] in the run dtype; recurrent state [num_heads, head_dim, head_dim] float32.
+    """
+
+    layer_id: int
+    conv_dim: int  # 3 * kda_dim: q, k and v each run their own short conv
+    conv_width: int  # conv_kernel_size - 1 past inputs
+    num_heads: int
+    head_dim: int
+    dtype_bytes: int  # of the conv tails; the recurrent state is always float32
+
+    @property
+    def slot_bytes(self) -> int:
+        conv = self.conv_dim * self.conv_width * self.dtype_bytes
+        recurrent = self.num_heads * self.head_dim * self.head_dim * RECURRENT_STATE_BYTES
+        return conv + recurrent
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """How many pages and slots the runner allocates, and what one of each costs in bytes."""
+
+    num_blocks: int
+    num_slots: int
+    block_size: int
+    bytes_per_block: int  # one page across all MLA layers
+    bytes_per_slot: int  # one request's state across all KDA layers
+
+
+def layer_cache_specs(model: ModelConfig, block_size: int, dtype: str) -> list[MLAPageSpec | KDAStateSpec]:
+    """One spec per decoder layer, in layer order."""
+    dtype_bytes = _dtype_bytes(dtype)
+    specs: list[MLAPageSpec | KDAStateSpec] = []
+    for layer_id, layer_type in enumerate(model.layer_types):
+        if layer_type == KDA:
+            specs.append(KDAStateSpec(layer_id, 3 * model.kda_dim, model.conv_kernel_size - 1,
+                                      model.kda_num_heads, model.kda_head_dim, dtype_bytes))
+        else:
+            specs.append(MLAPageSpec(layer_id, block_size, model.latent_dim, dtype_bytes))
+    return specs
+
+
+def plan_cache(model: ModelConfig, engine: EngineConfig, max_model_len: int,
+               budget_bytes: int | None = None) -> CachePlan:
+    """Size the pools: num_slots = max_num_seqs, pages from num_cache_blocks or from the byte budget.
+
+    The budget is `budget_bytes` (the runner's measurement of free device memory), else engine.cache_bytes,
+    else on CPU the bytes of max_num_seqs sequences of max_model_len tokens, capped at 4 GiB.
+    """
+    specs = layer_cache_specs(model, engine.block_size, engine.dtype)
+    bytes_per_block = sum(s.page_bytes for s in specs if isinstance(s, MLAPageSpec))
+    bytes_per_slot = sum(s.slot_bytes for s in specs if isinstance(s, KDAStateSpec))
+    num_slots = engine.max_num_seqs
+    blocks_per_seq = math.ceil(max_model_len / engine.block_size)
+    if engine.num_cache_blocks is not None:
+        num_blocks = engine.num_cache_blocks
+    elif bytes_per_block == 0:  # no MLA layer: pages cost nothing, give every slot a full-length table
+        num_blocks = num_slots * blocks_per_seq
+    else:
+        budget = _budget(engine, budget_bytes, num_slots * (bytes_per_slot + blocks_per_seq * bytes_per_block))
+        num_blocks = _blocks_in_budget(budget, num_slots, bytes_per_slot, bytes_per_block)
+    return CachePlan(num_blocks, num_slots, engine.block_size, bytes_per_block, bytes_per_slot)
+
+
+def describe_plan(plan: CachePlan) -> str:
+    """One line for the start-up log."""
+    pages = plan.num_blocks * plan.bytes_per_block
+    slots = plan.num_slots * plan.bytes_per_slot
+    return (f"cache: {plan.num_blocks} MLA pages x {plan.block_size} tokens = {plan.num_blocks * plan.block_size} "
+            f"tokens ({format_bytes(pages)}) + {plan.num_slots} KDA state slots ({format_bytes(slots)}); "
+            f"{format_bytes(pages + slots)} in all")
+
+
+def format_bytes(num_bytes: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.1f} {unit}"
+    return f"{num_bytes} B"
+
+
+def _dtype_bytes(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"cache dtype {dtype!r}: must be one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def _budget(engine: EngineConfig, budget_bytes: int | None, full_length_bytes: int) -> int:
+    if budget_bytes is not None:
+        return budget_bytes
+    if engine.cache_bytes is not None:
+        return engine.cache_bytes
+    if engine.device != "cpu":
+        raise ConfigError(f"no cache budget on device {engine.device!r}: pass the measured free memory "
+                          "(free bytes x gpu_memory_utilization) as budget_bytes, or set cache_bytes")
+    return min(full_length_bytes, DEFAULT_CPU_CACHE_BYTES)
+
+
+def _blocks_in_budget(budget: int, num_slots: int, bytes_per_slot: int, bytes_per_block: int) -> int:
+    slots_bytes = num_slots * bytes_per_slot
+    if budget < slots_bytes + bytes_per_block:
+        raise ConfigError(
+            f"cache budget {budget} B ({format_bytes(budget)}) cannot hold {num_slots} KDA state slots "
+            f"({format_bytes(bytes_per_slot)} each, {format_bytes(slots_bytes)} in all) plus one MLA page "
+            f"({format_bytes(bytes_per_block)}); raise the engine option cache_bytes (or gpu_memory_utilization "
+            "on a GPU), or lower max_num_seqs (--max-num-seqs)")
+    return (budget - slots_bytes) // bytes_per_block

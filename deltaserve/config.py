@@ -1,0 +1,275 @@
+"""ModelConfig (parsed and validated from config.json) and EngineConfig (engine options, validated once)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+KDA, MLA = "kda", "mla"
+DENSE, MOE = "dense", "moe"
+
+
+class ConfigError(ValueError):
+    """A config.json or engine option that deltaserve cannot run; the message names the field and the fix."""
+
+
+def _require(cond: bool, field_name: str, value, expectation: str) -> None:
+    if not cond:
+        raise ConfigError(f"config field '{field_name}' = {value!r}: {expectation}")
+
+
+def _get(raw: dict, *names: str, default=None):
+    """The first of `names` present in raw (Moonshot's name first, then transformers' aliases)."""
+    for name in names:
+        if name in raw and raw[name] is not None:
+            return raw[name]
+    return default
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    rms_norm_eps: float
+    # MLA (NoPE): q_lora_rank is always None
+    num_attention_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # KDA
+    kda_num_heads: int
+    kda_head_dim: int
+    conv_kernel_size: int
+    # MoE
+    num_experts: int
+    num_experts_per_token: int
+    num_shared_experts: int
+    num_expert_group: int
+    topk_group: int
+    moe_renormalize: bool
+    routed_scaling_factor: float
+    # per layer, 0-based: "kda" | "mla" and "dense" | "moe"
+    layer_types: tuple[str, ...]
+    mlp_types: tuple[str, ...]
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    max_position_embeddings: int = 1 << 20
+    tie_word_embeddings: bool = False
+    kv_a_layernorm_eps: float = 1e-6  # the reference builds kv_a_layernorm with its default eps, not rms_norm_eps
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per MLA layer: the normalised c_kv and the shared k_rot."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def kda_dim(self) -> int:
+        return self.kda_num_heads * self.kda_head_dim
+
+    @property
+    def kda_layer_ids(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == KDA]
+
+    @property
+    def mla_layer_ids(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == MLA]
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"no config.json at {path}: pass a model folder that holds config.json")
+        try:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} is not valid JSON ({e}); re-download or fix the file") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        _check_supported(raw)
+        num_layers = _int(raw, "num_hidden_layers")
+        lin = raw.get("linear_attn_config") or {}
+        _require(isinstance(lin, dict), "linear_attn_config", lin, "must be an object")
+        eos = _get(raw, "eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        cfg = cls(
+            vocab_size=_int(raw, "vocab_size"),
+            hidden_size=_int(raw, "hidden_size"),
+            intermediate_size=_int(raw, "intermediate_size"),
+            moe_intermediate_size=_int(raw, "moe_intermediate_size"),
+            num_hidden_layers=num_layers,
+            rms_norm_eps=_float(raw, "rms_norm_eps", default=1e-5),
+            num_attention_heads=_int(raw, "num_attention_heads"),
+            kv_lora_rank=_int(raw, "kv_lora_rank"),
+            qk_nope_head_dim=_int(raw, "qk_nope_head_dim"),
+            qk_rope_head_dim=_int(raw, "qk_rope_head_dim"),
+            v_head_dim=_int(raw, "v_head_dim"),
+            kda_num_heads=_int(lin, "num_heads", default=_get(raw, "linear_num_heads", default=32), prefix="linear_attn_config."),
+            kda_head_dim=_int(lin, "head_dim", default=_get(raw, "linear_head_dim", default=128), prefix="linear_attn_config."),
+            conv_kernel_size=_int(
+                lin, "short_conv_kernel_size", default=_get(raw, "linear_conv_kernel_dim", default=4),
+                prefix="linear_attn_config.",
+            ),
+            num_experts=_int(raw, "num_experts", "num_local_experts"),
+            num_experts_per_token=_int(raw, "num_experts_per_token", "num_experts_per_tok"),
+            num_shared_experts=_int(raw, "num_shared_experts", "n_shared_experts", default=1, minimum=0),
+            num_expert_group=_int(raw, "num_expert_group", "n_group", default=1),
+            topk_group=_int(raw, "topk_group", default=1),
+            moe_renormalize=bool(_get(raw, "moe_renormalize", "norm_topk_prob", default=True)),
+            routed_scaling_factor=_float(raw, "routed_scaling_factor", default=1.0),
+            layer_types=_layer_types(raw, lin, num_layers),
+            mlp_types=_mlp_types(raw, num_layers),
+            bos_token_id=_get(raw, "bos_token_id"),
+            eos_token_ids=eos_ids,
+            pad_token_id=_get(raw, "pad_token_id"),
+            max_position_embeddings=_int(raw, "model_max_length", "max_position_embeddings", default=1 << 20),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        _require(
+            self.num_experts % self.num_expert_group == 0, "num_expert_group", self.num_expert_group,
+            f"must divide num_experts ({self.num_experts})",
+        )
+        per_group = self.num_experts // self.num_expert_group
+        _require(per_group >= 2, "num_expert_group", self.num_expert_group,
+                 f"leaves {per_group} expert per group; the group score sums the top 2, so groups need >= 2 experts")
+        _require(1 <= self.topk_group <= self.num_expert_group, "topk_group", self.topk_group,
+                 f"must be in [1, num_expert_group={self.num_expert_group}]")
+        _require(self.num_experts_per_token <= self.topk_group * per_group, "num_experts_per_token",
+                 self.num_experts_per_token, f"must be <= topk_group * experts per group = {self.topk_group * per_group}")
+        _require(self.conv_kernel_size >= 2, "linear_attn_config.short_conv_kernel_size", self.conv_kernel_size,
+                 "must be >= 2")
+        for eid in self.eos_token_ids:
+            _require(isinstance(eid, int) and 0 <= eid < self.vocab_size, "eos_token_id", eid,
+                     f"must be a token id in [0, vocab_size={self.vocab_size})")
+
+
+def _check_supported(raw: dict) -> None:
+    model_type = raw.get("model_type")
+    _require(model_type == "kimi_linear", "model_type", model_type, "deltaserve runs only 'kimi_linear' models")
+    _require(raw.get("mla_use_nope", True) is True, "mla_use_nope", raw.get("mla_use_nope"),
+             "only the NoPE MLA of Kimi-Linear (true) is supported")
+    _require(raw.get("hidden_act", "silu") == "silu", "hidden_act", raw.get("hidden_act"), "only 'silu' is supported")
+    _require(raw.get("q_lora_rank") is None, "q_lora_rank", raw.get("q_lora_rank"),
+             "must be null: Kimi-Linear projects queries with a full q_proj; low-rank queries are not supported")
+    act = raw.get("moe_router_activation_func", "sigmoid")
+    _require(act == "sigmoid", "moe_router_activation_func", act, "only the 'sigmoid' router is supported")
+    _require(not raw.get("attention_bias", False), "attention_bias", raw.get("attention_bias"), "must be false")
+    _require(raw.get("num_nextn_predict_layers", 0) in (0, None), "num_nextn_predict_layers",
+             raw.get("num_nextn_predict_layers"), "multi-token prediction layers are not supported; use 0")
+
+
+def _int(raw: dict, *names: str, default=None, minimum: int = 1, prefix: str = "") -> int:
+    value = _get(raw, *names, default=default)
+    _require(value is not None, prefix + names[0], value, "is required")
+    _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, prefix + names[0], value,
+             f"must be an integer >= {minimum}")
+    return value
+
+
+def _float(raw: dict, name: str, default: float) -> float:
+    value = raw.get(name, default)
+    _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, name, value,
+             "must be a positive number")
+    return float(value)
+
+
+def _layer_types(raw: dict, lin: dict, num_layers: int) -> tuple[str, ...]:
+    if "kda_layers" in lin or "full_attn_layers" in lin:
+        kda, full = lin.get("kda_layers", []), lin.get("full_attn_layers", [])
+        types: list[str | None] = [None] * num_layers
+        for name, ids, kind in (("kda_layers", kda, KDA), ("full_attn_layers", full, MLA)):
+            for i in ids:
+                _require(isinstance(i, int) and 1 <= i <= num_layers, f"linear_attn_config.{name}", ids,
+                         f"layers are 1-based and must be in [1, num_hidden_layers={num_layers}]")
+                _require(types[i - 1] is None, f"linear_attn_config.{name}", ids, f"layer {i} is listed twice")
+                types[i - 1] = kind
+        missing = [i + 1 for i, t in enumerate(types) if t is None]
+        _require(not missing, "linear_attn_config", {"kda_layers": kda, "full_attn_layers": full},
+                 f"layers {missing} (1-based) are in neither kda_layers nor full_attn_layers")
+        return tuple(types)
+    named = raw.get("layer_types")
+    if named is None:
+        return tuple(MLA if i and i % 4 == 0 else KDA for i in range(num_layers))  # transformers' default
+    names = {"linear_attention": KDA, "full_attention": MLA}
+    _require(isinstance(named, list) and len(named) == num_layers and all(t in names for t in named), "layer_types",
+             named, f"must list {num_layers} of 'linear_attention' / 'full_attention'")
+    return tuple(names[t] for t in named)
+
+
+def _mlp_types(raw: dict, num_layers: int) -> tuple[str, ...]:
+    named = raw.get("mlp_layer_types")
+    if named is not None:
+        names = {"dense": DENSE, "sparse": MOE}
+        _require(isinstance(named, list) and len(named) == num_layers and all(t in names for t in named),
+                 "mlp_layer_types", named, f"must list {num_layers} of 'dense' / 'sparse'")
+        return tuple(names[t] for t in named)
+    first_dense = _int(raw, "first_k_dense_replace", default=1, minimum=0)
+    freq = _int(raw, "moe_layer_freq", default=1)
+    return tuple(MOE if i >= first_dense and i % freq == 0 else DENSE for i in range(num_layers))  # DeepSeek's rule
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Options of the serving engine, shared by generate/chat/serve/bench; validated at construction."""
+
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = False
+    dtype: str = "float32"
+    device: str = "cpu"
+    cache_bytes: int | None = None  # CPU budget for MLA pages + KDA slots; None: sized for max_num_seqs full-length
+    gpu_memory_utilization: float = 0.9
+    num_cache_blocks: int | None = None  # explicit page count overrides the budget (tests use it to force preemption)
+    threads: int | None = None
+    load_format: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self):
+        def bad(name, value, expectation):
+            raise ConfigError(f"engine option {name} = {value!r}: {expectation}")
+
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                bad(name, value, "must be a positive integer")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
+            bad("max_model_len", self.max_model_len, "must be a positive integer")
+        if self.block_size > 1024:
+            bad("block_size", self.block_size, "must be <= 1024 (small pages: 16 to 64 tokens)")
+        if self.dtype not in DTYPES:
+            bad("dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            bad("device", self.device, "must be 'cpu' or 'cuda[:N]'")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+        if self.load_format not in ("auto", "dummy"):
+            bad("load_format", self.load_format, "must be 'auto' or 'dummy'")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            bad("threads", self.threads, "must be a positive integer")
+        if self.num_cache_blocks is not None and self.num_cache_blocks < 1:
+            bad("num_cache_blocks", self.num_cache_blocks, "must be a positive integer")

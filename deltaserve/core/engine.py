@@ -1,0 +1,161 @@
+"""Engine: the step loop  schedule -> run -> update -> detokenize  over one model instance.
+
+add_request() queues; step() runs one scheduler step for every unfinished request at once and returns a
+RequestOutput for each request that progressed. Stop strings are found by each request's incremental
+detokenizer and finish the request through the scheduler.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from deltaserve.cache.manager import CacheManager
+from deltaserve.cache.sizing import describe_plan, plan_cache
+from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.core.outputs import CompletionOutput, Logprob, Logprobs, RequestOutput
+from deltaserve.core.scheduler import Scheduler
+from deltaserve.request import Request, RequestStatus
+from deltaserve.runner.model_runner import ModelRunner
+from deltaserve.tokenizer import load_tokenizer
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.tokenizer.detokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("deltaserve")
+
+
+@dataclass
+class _Tracked:
+    """What the engine keeps per request to build its RequestOutputs."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None
+    cumulative_logprob: float | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, model: str, engine_config: EngineConfig, progress=None):
+        self.config = engine_config
+        self.model_config = ModelConfig.from_file(model)
+        self.tokenizer = load_tokenizer(model)
+        self.max_model_len = self._max_model_len()
+        plan = plan_cache(self.model_config, engine_config, self.max_model_len)
+        log.info(describe_plan(plan))
+        self.cache_plan = plan
+        self.runner = ModelRunner.from_folder(model, self.model_config, engine_config, plan, progress)
+        self.scheduler = Scheduler(engine_config, CacheManager.from_plan(plan), self.max_model_len)
+        self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(
+            self.tokenizer.eos_token_ids if self.tokenizer else ())))
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue one prompt; ValueError (nothing queued) if it can never run."""
+        self._check_prompt(prompt_token_ids, params)
+        req_id = request_id if request_id is not None else str(next(self._ids))
+        if req_id in self._tracked:
+            raise ValueError(f"request id {req_id!r} is already in use; pass a unique request_id")
+        req = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids)
+        self.scheduler.add_request(req)
+        detok = None if self.tokenizer is None else IncrementalDetokenizer(
+            self.tokenizer, prompt_token_ids, skip_special_tokens=True, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output)
+        self._tracked[req_id] = _Tracked(
+            req, prompt, detok, [] if params.logprobs is not None else None,
+            [None] if params.prompt_logprobs is not None else None,
+            0.0 if params.logprobs is not None else None, {"arrival_time": req.arrival_time})
+        return req_id
+
+    def abort(self, req_id: str) -> None:
+        self.scheduler.abort_request(req_id)
+        self._tracked.pop(req_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.num_scheduled_tokens:
+            return []
+        runner_out = self.runner.execute(sched)
+        updates = self.scheduler.update_from_output(sched, runner_out)
+        for req_id, entries in runner_out.prompt_logprobs.items():
+            self._add_prompt_logprobs(req_id, entries)
+        now = time.monotonic()
+        outputs = []
+        for req, new_ids in updates:
+            tracked = self._tracked.get(req.req_id)
+            if tracked is None:
+                continue
+            tracked.metrics.setdefault("first_token_time", now)
+            self._add_logprobs(tracked, runner_out.logprobs.get(req.req_id, []))
+            self._detokenize(tracked, new_ids)
+            outputs.append(self._output(tracked, now))
+        return outputs
+
+    def _max_model_len(self) -> int:
+        """The engine option, else the smaller of the model's and the tokenizer's limits."""
+        limits = [self.model_config.max_position_embeddings]
+        if self.tokenizer is not None and self.tokenizer.model_max_length:
+            limits.append(self.tokenizer.model_max_length)
+        wanted = self.config.max_model_len
+        if wanted is not None and wanted > self.model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len = {wanted} exceeds the model's limit "
+                             f"({self.model_config.max_position_embeddings} in config.json); pass a smaller value")
+        return wanted or min(limits)
+
+    def _check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is out of range: ids must be integers in [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer and this model folder has none; "
+                             "use stop_token_ids instead")
+
+    def _detokenize(self, tracked: _Tracked, new_ids: list[int]) -> None:
+        if tracked.detokenizer is None:
+            return
+        tracked.detokenizer.push(new_ids)
+        req = tracked.request
+        if tracked.detokenizer.stopped is not None and not req.status.finished:
+            req.stop_reason = tracked.detokenizer.stopped
+            self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_STOPPED)
+        if req.status.finished:
+            tracked.detokenizer.finish()
+
+    def _add_logprobs(self, tracked: _Tracked, entries: list[Logprobs]) -> None:
+        for entry in entries:
+            tracked.logprobs.append(self._as_dict(entry))
+            tracked.cumulative_logprob += entry.logprobs[0]
+
+    def _add_prompt_logprobs(self, req_id: str, entries: list[Logprobs]) -> None:
+        tracked = self._tracked.get(req_id)
+        if tracked is None or tracked.prompt_logprobs is None:
+            return
+        missing = tracked.request.num_prompt_tokens - len(tracked.prompt_logprobs)
+        tracked.prompt_logprobs.extend(self._as_dict(e) for e in entries[:missing])  # a recompute repeats some
+
+    def _as_dict(self, entry: Logprobs) -> dict[int, Logprob]:
+        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer else (lambda t: None)
+        return {t: Logprob(lp, rank, decode(t)) for t, lp, rank in zip(entry.token_ids, entry.logprobs, entry.ranks)}
+
+    def _output(self, tracked: _Tracked, now: float) -> RequestOutput:
+        req = tracked.request
+        finished = req.status.finished
+        if finished:
+            tracked.metrics["finish_time"] = now
+            self._tracked.pop(req.req_id, None)
+        text = tracked.detokenizer.output_text if tracked.detokenizer else ""
+        completion = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
+                                      list(tracked.logprobs) if tracked.logprobs is not None else None,
+                                      tracked.cumulative_logprob)
+        return RequestOutput(req.req_id, tracked.prompt, req.prompt_token_ids, [completion], finished,
+                             tracked.prompt_logprobs, dict(tracked.metrics))

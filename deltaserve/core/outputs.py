@@ -1,0 +1,91 @@
+"""The data that crosses between scheduler and runner: plain dataclasses, no behaviour, no tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deltaserve.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or must recompute after a preemption), sent in full."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs generated before a preemption; the runner computes from position 0...
+    num_prompt_tokens: int  # ...of which the first num_prompt_tokens are the prompt
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    state_slot: int
+    num_computed_tokens: int = 0  # > 0 only when a cached prefix was restored
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed since its last step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens to compute this step
+    finished_req_ids: set[str] = field(default_factory=set)  # finished, aborted or preempted since the last step
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class Logprobs:
+    """Top-n log-probabilities at one position: the chosen token's first, then the top n (may repeat it)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+
+@dataclass
+class RunnerOutput:
+    req_ids: list[str]  # in the order they were run
+    sampled_token_ids: dict[str, list[int]]  # empty list while the prompt is still being prefilled
+    logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[Logprobs]] = field(default_factory=dict)  # for prompt positions computed now
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability as users see it (vLLM's shape): logprob, rank, decoded text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token when asked for
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What generate() returns per prompt and what streaming yields as a request progresses (cumulative)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None at position 0, as vLLM
+    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token and finish times (monotonic)

@@ -1,0 +1,241 @@
+"""Scheduler: which requests run this step and how many tokens each computes, under a token budget.
+
+Each step has a budget of max_num_batched_tokens tokens. Running requests are served first, in admission
+order: each gets min(tokens it has left to compute, budget left), that is one token for a decode and a
+chunk for an unfinished prompt, so prefill chunks and decodes share one step and a long prompt is split
+across steps. Then waiting requests are admitted first come, first served while budget, a KDA state slot
+(max_num_seqs) and MLA pages remain; the head of the queue is never skipped, so no request starves behind
+later ones, and no waiting request is admitted in a step that preempted (it would only thrash).
+
+Preemption (recompute). When a running request cannot get the pages for its tokens, the most recently
+admitted running request (the tail of `running`) is preempted: its pages and slot are freed, its
+num_computed_tokens goes back to 0, it goes to the FRONT of the waiting queue, and later it is re-sent to
+the runner as a new request whose tokens are prompt + outputs so far. This repeats until the request fits
+or is itself the tail and is preempted. Victims are always later in `running` than the request being
+served, so they have not been scheduled in this step. Progress is guaranteed: the oldest running request
+is never a victim of another, and alone it fits, because add_request rejects any request whose longest
+possible sequence needs more pages than the cache holds; a preempted request is first in line once pages
+free up.
+
+Length limits (as vLLM): a prompt of max_model_len tokens or more is rejected; generation is capped by
+finishing with 'length' when the request reaches max_model_len tokens (or max_tokens outputs).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from deltaserve.cache.manager import CacheManager
+from deltaserve.config import EngineConfig
+from deltaserve.core.outputs import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+from deltaserve.request import Request, RequestStatus
+
+
+class Scheduler:
+    """Token-budget scheduler over one CacheManager; no tensors, no model."""
+
+    def __init__(self, engine_config: EngineConfig, cache_manager: CacheManager, max_model_len: int):
+        if not isinstance(max_model_len, int) or max_model_len < 2:
+            raise ValueError(f"Scheduler max_model_len = {max_model_len!r}: must be an integer >= 2 "
+                             "(a prompt token plus one generated token)")
+        self.max_num_seqs = engine_config.max_num_seqs
+        self.max_num_batched_tokens = engine_config.max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.cache = cache_manager
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the tail is the preemption victim
+        self._finished_req_ids: set[str] = set()  # ones the runner holds, to drop at the next step
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, req: Request) -> None:
+        """Queue req, or raise ValueError if it can never run (empty, too long, larger than the cache)."""
+        self._check_admissible(req)
+        req.status = RequestStatus.WAITING
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def abort_request(self, req_id: str) -> None:
+        """Finish req_id as aborted and free its cache; unknown or already finished ids are ignored."""
+        req = self.requests.get(req_id)
+        if req is not None:
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
+        """Finish requests stopped outside the scheduler (a stop string found by the detokenizer)."""
+        if not status.finished:
+            raise ValueError(f"finish_requests status = {status}: must be a finished status "
+                             "(FINISHED_STOPPED, FINISHED_LENGTH or FINISHED_ABORTED)")
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is not None:
+                self._finish(req, status)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts; see the module docstring for the policy."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget, preempted = self._schedule_running(out, budget)
+        if not preempted:
+            self._schedule_waiting(out, budget)
+        out.finished_req_ids = self._finished_req_ids
+        self._finished_req_ids = set()
+        return out
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: RunnerOutput) -> list[tuple[Request, list[int]]]:
+        """Advance computed tokens, append sampled ones, finish requests that stop.
+
+        Returns (request, new output token ids) for each request the runner sampled for; a request that
+        finished this step has a finished status. Requests aborted since schedule() are skipped.
+        """
+        updates = []
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += num_tokens
+            sampled = runner_output.sampled_token_ids.get(req_id) or []
+            if not sampled:
+                self._check_still_prefilling(req)
+                continue
+            updates.append((req, self._append_tokens(req, sampled)))
+        return updates
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+        """Serve running requests in order; returns the budget left and whether anyone was preempted."""
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            num_tokens = min(req.num_tokens - req.num_computed_tokens, budget)
+            new_block_ids, preempted_any = self._allocate_or_preempt(req, num_tokens)
+            preempted = preempted or preempted_any
+            if new_block_ids is None:
+                break  # req was the tail and preempted itself: no running request is left after it
+            out.cached_reqs.append(CachedRequestData(req.req_id, new_block_ids, req.num_computed_tokens))
+            out.num_scheduled_tokens[req.req_id] = num_tokens
+            budget -= num_tokens
+            index += 1
+        return budget, preempted
+
+    def _allocate_or_preempt(self, req: Request, num_tokens: int) -> tuple[list[int] | None, bool]:
+        """Pages for req's next num_tokens, preempting from the tail of `running` until they fit.
+
+        Returns (new block ids or None if req itself was preempted, whether anyone was preempted).
+        """
+        preempted = False
+        while (new_block_ids := self.cache.allocate_slots(req, num_tokens)) is None:
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted = True
+            if victim is req:
+                return None, True
+        return new_block_ids, preempted
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests first come, first served while budget, slots and pages allow."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            num_tokens = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.cache.allocate_slots(req, num_tokens) is None:
+                break  # the head waits for pages; admitting later ones past it could starve it
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            out.new_reqs.append(NewRequestData(
+                req.req_id, req.all_token_ids, req.num_prompt_tokens, req.sampling_params,
+                list(req.block_ids), req.state_slot, req.num_computed_tokens,
+            ))
+            out.num_scheduled_tokens[req.req_id] = num_tokens
+            budget -= num_tokens
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.cache.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self._finished_req_ids.add(req.req_id)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._finished_req_ids.add(req.req_id)
+        else:
+            self.waiting.remove(req)
+        self.cache.free(req)
+        req.status = status
+        del self.requests[req.req_id]
+
+    def _append_tokens(self, req: Request, sampled: list[int]) -> list[int]:
+        """Append sampled tokens until one ends the request; returns those appended."""
+        new_token_ids = []
+        for token_id in sampled:
+            if len(req.output_token_ids) >= req.sampling_params.max_tokens:
+                self._finish(req, RequestStatus.FINISHED_LENGTH)  # max_tokens 0: the prompt only
+                break
+            req.output_token_ids.append(token_id)
+            new_token_ids.append(token_id)
+            status = self._stop_status(req, token_id)
+            if status is not None:
+                self._finish(req, status)
+                break
+        return new_token_ids
+
+    def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
+        """Why req ends after token_id, or None. A stop token wins over a length limit hit at the same token."""
+        params = req.sampling_params
+        if not params.ignore_eos and token_id in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED  # stop_reason stays None for eos, as in vLLM and OpenAI
+        if token_id in params.stop_token_ids:
+            req.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _check_still_prefilling(self, req: Request) -> None:
+        if req.num_computed_tokens >= req.num_tokens:
+            raise RuntimeError(
+                f"runner returned no sampled token for request {req.req_id!r} although all its "
+                f"{req.num_tokens} tokens are computed; the runner must sample one token per request whose "
+                "last scheduled chunk reaches the end of its tokens")
+
+    def _check_admissible(self, req: Request) -> None:
+        prompt_len = req.num_prompt_tokens
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in the engine; give each request a unique id")
+        if prompt_len == 0:
+            raise ValueError(f"request {req.req_id!r} has an empty prompt; pass at least one token "
+                             "(e.g. the bos token)")
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"request {req.req_id!r}: prompt of {prompt_len} tokens must be shorter than "
+                             f"max_model_len={self.max_model_len} to leave room for one generated token; "
+                             "shorten the prompt or raise --max-model-len")
+        max_cached = self._max_cached_tokens(req)
+        if self.cache.blocks_for_tokens(max_cached) > self.cache.num_blocks:
+            raise ValueError(
+                f"request {req.req_id!r} may cache up to {max_cached} tokens (prompt {prompt_len} + max_tokens "
+                f"{req.sampling_params.max_tokens}, capped at max_model_len={self.max_model_len}), "
+                f"{self.cache.blocks_for_tokens(max_cached)} pages, but the whole cache holds "
+                f"{self.cache.num_blocks} pages ({self.cache.num_blocks * self.cache.block_size} tokens); "
+                "lower max_tokens or shorten the prompt, or give the cache more pages (raise cache_bytes or "
+                "lower --max-num-seqs)")
+
+    def _max_cached_tokens(self, req: Request) -> int:
+        """Most tokens req can hold in the cache: all but its last output token, which is never computed."""
+        max_len = min(req.num_prompt_tokens + req.sampling_params.max_tokens, self.max_model_len)
+        return max(req.num_prompt_tokens, max_len - 1)

@@ -1,0 +1,89 @@
+"""The offline API:  LLM(model=DIR).generate(prompts, SamplingParams(...)) -> [RequestOutput], in prompt order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from deltaserve.config import EngineConfig
+from deltaserve.core.engine import Engine
+from deltaserve.core.outputs import RequestOutput
+from deltaserve.sampling_params import SamplingParams
+
+Prompt = str | dict  # text, or {"prompt_token_ids": [...]}
+BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo-model"
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, *, dtype: str | None = None, device: str | None = None,
+                 **engine_options):
+        """model: a Kimi-Linear folder (default: the bundled demo model); dtype defaults to float32 on the CPU
+        and bfloat16 on a GPU; engine_options are EngineConfig's fields (max_model_len, max_num_seqs, ...)."""
+        device = device or default_device()
+        dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+        self.engine = Engine(str(model or BUNDLED_MODEL), EngineConfig(dtype=dtype, device=device, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion together (continuous batching); outputs in prompt order."""
+        req_ids = self._add(prompts, sampling_params)
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(req_ids), desc="generating", disable=not use_tqdm, unit="req") as bar:
+            for output in self._run():
+                if output.finished:
+                    final[output.request_id] = output
+                    bar.update(1)
+        return [final[r] for r in req_ids]
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Yield each request's cumulative RequestOutput every time it gains tokens, until all finish."""
+        self._add(prompts, sampling_params)
+        yield from self._run()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request started with stream(); its cache is freed at once."""
+        self.engine.abort(request_id)
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> RequestOutput:
+        """One chat (a list of {role, content}) through the model's chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this model folder has no tokenizer")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate([text], sampling_params, use_tqdm=use_tqdm)[0]
+
+    def _add(self, prompts, sampling_params) -> list[str]:
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams; pass one, or one per prompt")
+        encoded = [self._encode(p) for p in prompts]  # validate all before queueing any
+        return [self.engine.add_request(ids, sp, prompt=text) for (text, ids), sp in zip(encoded, params)]
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            ids = prompt.get("prompt_token_ids")
+            if not isinstance(ids, list) or not ids:
+                raise ValueError(f"prompt {prompt!r}: a dict prompt needs a non-empty 'prompt_token_ids' list")
+            return None, ids
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt {prompt!r}: must be a string or {{'prompt_token_ids': [...]}}")
+        if self.tokenizer is None:
+            raise ValueError("this model folder has no tokenizer, so text prompts cannot be encoded; "
+                             "pass {'prompt_token_ids': [...]} instead")
+        return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def _run(self) -> Iterator[RequestOutput]:
+        while self.engine.has_unfinished_requests():
+            yield from self.engine.step()

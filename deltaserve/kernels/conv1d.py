@@ -1,0 +1,32 @@
+"""KDA's short causal depthwise conv (+ SiLU) over packed sequences, with per-request conv state slots."""
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor):
+    """One new token per sequence.
+
+    x: [B, D]; weight: [D, W]; conv_state: [S, D, W-1] (the last W-1 inputs), updated in place at state_slots [B].
+    Returns silu(conv) [B, D].
+    """
+    window = torch.cat([conv_state.index_select(0, state_slots), x[:, :, None]], dim=-1)  # [B, D, W]
+    conv_state.index_copy_(0, state_slots, window[:, :, 1:])
+    return F.silu((window * weight).sum(-1))
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: list[int], cu_seqlens: list[int]
+) -> torch.Tensor:
+    """Packed sequences; sequence b continues from conv_state[state_slots[b]] and leaves its last inputs there.
+
+    x: [N, D]; weight: [D, W]; conv_state: [S, D, W-1]; cu_seqlens: B+1 host offsets. Returns silu(conv) [N, D].
+    """
+    D, W = weight.shape
+    y = torch.empty_like(x)
+    for b, slot in enumerate(state_slots):
+        seq = x[cu_seqlens[b]: cu_seqlens[b + 1]]
+        padded = torch.cat([conv_state[slot], seq.t()], dim=1)  # [D, W-1+T]
+        y[cu_seqlens[b]: cu_seqlens[b + 1]] = F.conv1d(padded[None], weight[:, None, :], groups=D)[0].t()
+        conv_state[slot] = padded[:, padded.shape[1] - (W - 1):]
+    return F.silu(y)

@@ -1,0 +1,61 @@
+"""Chunked (WY) KDA for prefill: variable-length sequences, states read from and written to pooled slots.
+
+Inside a chunk of C tokens the delta rule's corrections u solve one unit lower-triangular system
+
+    (I + L) u = beta*v - (beta*k*exp(gc)) S0,   L[i, j] = beta_i * sum_k k_i k_j exp(gc_i - gc_j)   (j < i)
+
+with gc the in-chunk cumulative log decay; outputs and the next state then follow from matmuls. The pairwise
+decay exp(gc_i - gc_j) (j <= i, so <= 1) is formed exactly rather than factored as exp(gc_i) * exp(-gc_j),
+which overflows float32 when a chunk's total decay passes ~88.
+"""
+
+import torch
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float,
+    state: torch.Tensor,
+    state_slots: list[int],
+    cu_seqlens: list[int],
+    chunk_size: int = 64,
+) -> torch.Tensor:
+    """KDA over packed sequences; sequence b starts from state[state_slots[b]] and leaves its final state there.
+
+    q, k, g: [N, H, K] float32 (q, k l2-normalised); v: [N, H, V] float32; beta: [N, H] float32
+    state: [S, H, K, V] float32, updated in place; cu_seqlens: B+1 host offsets into N.
+    Returns o [N, H, V] float32.
+    """
+    o = torch.empty_like(v)
+    for b, slot in enumerate(state_slots):
+        S = state[slot]
+        for start in range(cu_seqlens[b], cu_seqlens[b + 1], chunk_size):
+            end = min(start + chunk_size, cu_seqlens[b + 1])
+            o[start:end], S = _chunk(q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], scale, S)
+        state[slot] = S
+    return o
+
+
+def _chunk(q, k, v, g, beta, scale, S):
+    """One chunk: q, k, g [C, H, K], v [C, H, V], beta [C, H], S [H, K, V] -> o [C, H, V], next S."""
+    q, k, v, g = (t.transpose(0, 1) for t in (q * scale, k, v, g))  # [H, C, *]
+    beta = beta.t()[..., None]  # [H, C, 1]
+    C = k.shape[1]
+    gc = g.cumsum(1)
+    lower = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
+    decay = (gc[:, :, None, :] - gc[:, None, :, :]).masked_fill(~lower[..., None], float("-inf")).exp()
+    k_decayed = decay * k[:, None, :, :]  # [H, C(i), C(j), K]: k_j exp(gc_i - gc_j), zero for j > i
+    k_beta = k * beta
+    L = (k_beta[:, :, None, :] * k_decayed).sum(-1).tril(-1)
+    rhs = torch.cat([v * beta, k_beta * gc.exp()], dim=-1)
+    solved = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+    u = solved[..., : v.shape[-1]] - solved[..., v.shape[-1]:] @ S  # [H, C, V]
+    attn = (q[:, :, None, :] * k_decayed).sum(-1)  # [H, C, C], lower triangle incl. the diagonal
+    o = (q * gc.exp()) @ S + attn @ u
+    last = gc[:, -1:, :]  # [H, 1, K]
+    S = S * last.transpose(1, 2).exp() + (k * (last - gc).exp()).transpose(1, 2) @ u
+    return o.transpose(0, 1), S

@@ -1,0 +1,61 @@
+"""NoPE MLA attention over the paged latent cache.
+
+The cache holds, per token, the normalised latent c_kv [R] and the shared key k_rot [Dr] (never rotated).
+Prefill expands the latents into per-head keys and values (the reference's order of operations); decode attends
+in the latent space with kv_b_proj folded into the query and the output ("weight absorption"), so a decode step
+reads R + Dr values per cached token instead of expanding the whole history again.
+"""
+
+import torch
+
+
+def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """cache [P, bs, R+Dr], block_table [num_blocks] -> the first `length` latents of one sequence [length, R+Dr]."""
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+
+
+def mla_prefill(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_rope: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    start_pos: int,
+) -> torch.Tensor:
+    """Causal attention of T new queries at positions start_pos.. over L = start_pos + T keys.
+
+    q_nope [T, H, Dn], q_rope [T, H, Dr], k_nope [L, H, Dn], k_rope [L, Dr], v [L, H, Dv] -> [T, H, Dv]
+    (scores in float32, probabilities cast back to v's dtype as the reference does).
+    """
+    T, L = q_nope.shape[0], k_nope.shape[0]
+    scores = torch.einsum("thd,lhd->htl", q_nope, k_nope) + torch.einsum("thd,ld->htl", q_rope, k_rope)
+    future = torch.ones(T, L, dtype=torch.bool, device=q_nope.device).triu(start_pos + 1)
+    probs = torch.softmax((scores * scale).float().masked_fill(future, float("-inf")), dim=-1).to(v.dtype)
+    return torch.einsum("htl,lhd->thd", probs, v)
+
+
+def mla_decode(
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence against its cached latents, in the latent space.
+
+    q_latent [B, H, R] (q_nope already multiplied by the key half of kv_b_proj), q_rope [B, H, Dr],
+    cache [P, bs, R+Dr], block_tables [B, max_blocks] int64, context_lens [B] int64 (tokens cached, this one
+    included). Returns the attention-weighted latent [B, H, R]; the caller applies the value half of kv_b_proj.
+    """
+    B, _, R = q_latent.shape
+    max_len = int(context_lens.max())
+    latents = cache[block_tables[:, : (max_len + cache.shape[1] - 1) // cache.shape[1]]].flatten(1, 2)[:, :max_len]
+    c_kv, k_rope = latents[..., :R], latents[..., R:]  # [B, L, R], [B, L, Dr]
+    scores = torch.einsum("bhr,blr->bhl", q_latent, c_kv) + torch.einsum("bhd,bld->bhl", q_rope, k_rope)
+    beyond = torch.arange(max_len, device=cache.device)[None, :] >= context_lens[:, None]  # [B, L]
+    probs = torch.softmax((scores * scale).float().masked_fill(beyond[:, None, :], float("-inf")), dim=-1)
+    return torch.einsum("bhl,blr->bhr", probs.to(c_kv.dtype), c_kv)

@@ -1,0 +1,23 @@
+"""RMSNorm and the gated RMSNorm of KDA's output, with the reference's order of operations.
+
+Both keep the statistics in float32 whatever the input dtype (the bfloat16 regime of DESIGN.md section 4).
+"""
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D], weight [D] -> [..., D] in x's dtype; normalised in float32, scaled after the cast back."""
+    dtype = x.dtype
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(variance + eps)).to(dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, gate [..., D], weight [D] -> rmsnorm(x) * weight * sigmoid(gate), all in float32, cast to x's dtype."""
+    dtype = x.dtype
+    xf = x.float()
+    variance = xf.pow(2).mean(-1, keepdim=True)
+    y = weight.float() * (xf * torch.rsqrt(variance + eps))
+    return (y * torch.sigmoid(gate.float())).to(dtype)

@@ -1,0 +1,81 @@
+"""Kimi Delta Attention layer: projections, short conv, gates, the delta rule, gated RMSNorm, output projection."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from deltaserve.config import ModelConfig
+from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from deltaserve.kernels.kda import chunk_kda, fused_recurrent_kda
+from deltaserve.kernels.norm import gated_rms_norm
+from deltaserve.layers.linear import Linear
+
+if TYPE_CHECKING:
+    from deltaserve.runner.forward_batch import ForwardBatch
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim: FLA's form (not F.normalize's max(norm, eps))."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, K, D = cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
+        self.num_heads, self.head_dim, self.eps = H, K, cfg.rms_norm_eps
+        self.qkv_proj = Linear(D, 3 * H * K)  # q, k, v stacked, the order of the conv's channels
+        self.conv_weight = nn.Parameter(torch.empty(3 * H * K, cfg.conv_kernel_size))
+        self.f_a_proj = Linear(D, K)
+        self.f_b_proj = Linear(K, H * K)
+        self.dt_bias = nn.Parameter(torch.empty(H * K, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
+        self.b_proj = Linear(D, H)
+        self.g_a_proj = Linear(D, K)
+        self.g_b_proj = Linear(K, H * K)
+        self.o_norm_weight = nn.Parameter(torch.ones(K))
+        self.o_proj = Linear(H * K, D)
+
+    def cache_shapes(self, cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Per state slot: the last W-1 conv inputs (run dtype) and the recurrent state (float32)."""
+        H, K = cfg.kda_num_heads, cfg.kda_head_dim
+        return {"conv": ((3 * H * K, cfg.conv_kernel_size - 1), "model"), "recurrent": ((H, K, K), "float32")}
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> per-channel log decay g [N, H, K] float32, <= 0."""
+        g = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        softplus = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))  # the reference's overflow guard
+        return (-self.A_log.float().exp()[:, None] * softplus.view(-1, self.num_heads, self.head_dim))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x [N, D] -> [N, D]; reads and updates the conv and recurrent states of batch.state_slots."""
+        N, nd, H, K = x.shape[0], batch.num_decodes, self.num_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [N, 3HK]
+        conv_parts = []
+        if nd:
+            conv_parts.append(causal_conv1d_update(qkv[:nd], self.conv_weight, cache["conv"], batch.state_slots[:nd]))
+        if N > nd:
+            conv_parts.append(causal_conv1d_varlen(
+                qkv[nd:], self.conv_weight, cache["conv"], batch.state_slot_list[nd:], batch.prefill_cu_seqlens()))
+        qkv = torch.cat(conv_parts).float().view(N, 3, H, K)
+        q, k, v = l2norm(qkv[:, 0]), l2norm(qkv[:, 1]), qkv[:, 2]  # [N, H, K] each
+        g = self.log_decay(x)
+        beta = torch.sigmoid(self.b_proj(x)).float()  # [N, H]
+        o = self._delta_rule(q, k, v, g, beta, batch, cache["recurrent"]).to(x.dtype)
+        gate = self.g_b_proj(self.g_a_proj(x)).view(N, H, K)
+        return self.o_proj(gated_rms_norm(o, gate, self.o_norm_weight, self.eps).view(N, H * K))
+
+    def _delta_rule(self, q, k, v, g, beta, batch: ForwardBatch, state: torch.Tensor) -> torch.Tensor:
+        nd, scale = batch.num_decodes, self.head_dim ** -0.5
+        if nd == q.shape[0]:
+            return fused_recurrent_kda(q, k, v, g, beta, scale, state, batch.state_slots)
+        o = torch.empty_like(v)
+        if nd:
+            o[:nd] = fused_recurrent_kda(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], scale, state,
+                                         batch.state_slots[:nd])
+        o[nd:] = chunk_kda(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], scale, state, batch.state_slot_list[nd:],
+                           batch.prefill_cu_seqlens())
+        return o

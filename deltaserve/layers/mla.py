@@ -1,0 +1,69 @@
+"""NoPE Multi-head Latent Attention: caches the normalised latent c_kv and the shared key k_rot per token."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from deltaserve.config import ModelConfig
+from deltaserve.kernels.cache_ops import write_latents
+from deltaserve.kernels.mla import gather_latents, mla_decode, mla_prefill
+from deltaserve.kernels.norm import rms_norm
+from deltaserve.layers.linear import Linear
+
+if TYPE_CHECKING:
+    from deltaserve.runner.forward_batch import ForwardBatch
+
+
+class MultiheadLatentAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H, D, R = cfg.num_attention_heads, cfg.hidden_size, cfg.kv_lora_rank
+        self.num_heads, self.kv_lora_rank = H, R
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.scale = cfg.qk_head_dim ** -0.5
+        self.kv_norm_eps = cfg.kv_a_layernorm_eps
+        self.q_proj = Linear(D, H * cfg.qk_head_dim)
+        self.kv_a_proj = Linear(D, R + self.rope_dim)
+        self.kv_a_norm_weight = nn.Parameter(torch.ones(R))
+        self.kv_b_proj = Linear(R, H * (self.nope_dim + self.v_dim))
+        self.o_proj = Linear(H * self.v_dim, D)
+
+    def cache_shapes(self, cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Per page of block_size tokens: latent_dim values per token (the runner adds the page dims)."""
+        return {"latent": ((cfg.latent_dim,), "model")}
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x [N, D] -> [N, D]; writes this step's latents, then attends over each sequence's cached ones."""
+        N, nd, H, R = x.shape[0], batch.num_decodes, self.num_heads, self.kv_lora_rank
+        q = self.q_proj(x).view(N, H, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim:]
+        ckv = self.kv_a_proj(x)  # [N, R + Dr]
+        latents = torch.cat([rms_norm(ckv[:, :R], self.kv_a_norm_weight, self.kv_norm_eps), ckv[:, R:]], dim=-1)
+        write_latents(cache["latent"], batch.slot_mapping, latents)
+        out = x.new_empty(N, H, self.v_dim)
+        if nd:
+            out[:nd] = self._decode(q_nope[:nd], q_rope[:nd], batch, cache["latent"])
+        row = nd
+        for i in range(nd, batch.num_seqs):
+            n, start = batch.query_lens[i], batch.start_positions[i]
+            out[row: row + n] = self._prefill(q_nope[row: row + n], q_rope[row: row + n],
+                                              gather_latents(cache["latent"], batch.block_tables[i], start + n), start)
+            row += n
+        return self.o_proj(out.view(N, H * self.v_dim))
+
+    def _decode(self, q_nope, q_rope, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        """Absorbed: q_nope [B, H, Dn] -> latent query [B, H, R]; attended latent -> values [B, H, Dv]."""
+        nd = q_nope.shape[0]
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        q_latent = torch.einsum("bhd,hdr->bhr", q_nope, w[:, : self.nope_dim])
+        o_latent = mla_decode(q_latent, q_rope, cache, batch.block_tables[:nd], batch.context_lens[:nd], self.scale)
+        return torch.einsum("bhr,hdr->bhd", o_latent, w[:, self.nope_dim:])
+
+    def _prefill(self, q_nope, q_rope, latents: torch.Tensor, start: int) -> torch.Tensor:
+        """Expanded: latents [L, R+Dr] -> per-head keys and values, causal attention from position start."""
+        kv = self.kv_b_proj(latents[:, : self.kv_lora_rank]).view(latents.shape[0], self.num_heads, -1)
+        k_nope, v = kv[..., : self.nope_dim], kv[..., self.nope_dim:]
+        return mla_prefill(q_nope, q_rope, k_nope, latents[:, self.kv_lora_rank:], v, self.scale, start)

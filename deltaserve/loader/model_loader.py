@@ -1,0 +1,90 @@
+"""Build the model on the meta device, then fill it from a checkpoint (one tensor at a time) or with dummy weights."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from deltaserve.config import ModelConfig
+from deltaserve.loader.checkpoint import Checkpoint, CheckpointError
+from deltaserve.loader.names import FLOAT32_PARAMS, Option, checkpoint_options
+from deltaserve.models.kimi_linear import KimiLinearForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "meta") -> KimiLinearForCausalLM:
+    """The model with uninitialised parameters on `device` (meta: no memory), in dtype but FLOAT32_PARAMS."""
+    with torch.device("meta"):
+        model = KimiLinearForCausalLM(cfg)
+    for name, param in model.named_parameters():
+        param.data = param.data.to(torch.float32 if name.rsplit(".", 1)[-1] in FLOAT32_PARAMS else dtype)
+    return model if str(device) == "meta" else model.to_empty(device=device)
+
+
+def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str,
+               progress: Callable[[int, int], None] | None = None) -> KimiLinearForCausalLM:
+    model = build_model(cfg, dtype, device)
+    load_weights(model, Checkpoint(folder), cfg, progress)
+    return model.eval()
+
+
+def load_weights(model, checkpoint: Checkpoint, cfg: ModelConfig, progress=None) -> None:
+    """Copy every parameter's tensors in; missing, unexpected and mis-shaped tensors are errors."""
+    params = dict(model.named_parameters())
+    available = checkpoint.names()
+    plan = {name: _choose(name, options, available) for name, options in checkpoint_options(cfg).items()}
+    used = {piece.name for option in plan.values() for piece in option}
+    unexpected = sorted(available - used)
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor {unexpected[0]} in {checkpoint.file_of[unexpected[0]]} "
+                              f"({len(unexpected)} unexpected in all): not a Kimi-Linear tensor for this config.json; "
+                              "check that config.json matches the weights")
+    for step, (name, option) in enumerate(plan.items()):
+        for piece in option:
+            _check_shape(piece, checkpoint.shape(piece.name), checkpoint.file_of[piece.name], name)
+            target = params[name].data[piece.index] if piece.index else params[name].data
+            target.copy_(checkpoint.read(piece.name).reshape(target.shape))
+        if progress:
+            progress(step + 1, len(plan))
+
+
+def _choose(param: str, options: list[Option], available: set[str]) -> Option:
+    """The option whose tensors are all present; else an error naming a tensor of the closest one."""
+    for option in options:
+        if all(piece.name in available for piece in option):
+            return option
+    closest = max(options, key=lambda o: sum(piece.name in available for piece in o))
+    missing = [piece.name for piece in closest if piece.name not in available]
+    raise CheckpointError(f"missing tensor {missing[0]} (for parameter {param}; {len(missing)} missing for it): "
+                          "the checkpoint is incomplete or its config.json describes another model")
+
+
+def _check_shape(piece, shape: tuple[int, ...], file: str, param: str) -> None:
+    squeeze = lambda s: tuple(d for d in s if d != 1)  # noqa: E731  ([H] and [1, 1, H, 1] are the same A_log)
+    if squeeze(shape) != squeeze(piece.shape):
+        raise CheckpointError(f"tensor {piece.name} in {file} has shape {list(shape)}, expected "
+                              f"{list(piece.shape)} (for parameter {param}); config.json does not match the weights")
+
+
+def init_dummy_weights(model: KimiLinearForCausalLM, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights of the real shapes, non-degenerate where a bug would hide (decays, biases, norms, convs)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        leaf, data = name.rsplit(".", 1)[-1], param.data
+        if leaf == "A_log":
+            data.copy_(torch.empty_like(data).uniform_(1.0, 16.0, generator=gen).log())
+        elif leaf == "dt_bias":
+            dt = torch.empty_like(data).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()
+            data.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        elif leaf == "e_score_correction_bias":
+            data.normal_(0.0, 0.01, generator=gen)
+        elif data.dim() == 1:  # norm weights around 1
+            data.normal_(1.0, 0.1, generator=gen)
+        elif leaf == "gate_weight":
+            data.normal_(0.0, 0.1, generator=gen)  # routers far from ties
+        else:
+            data.normal_(0.0, std, generator=gen)

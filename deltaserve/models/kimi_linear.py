@@ -1,0 +1,64 @@
+"""Kimi-Linear: pre-norm decoder layers of KDA or NoPE MLA attention, each followed by a dense MLP or a MoE.
+
+    x = embed(input_ids)                        # [N, D], N = new tokens of all sequences in the step
+    for each layer:  x += attn(rms(x));  x += mlp(rms(x))
+    logits = lm_head(rms(x))                    # only at the positions the sampler needs
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from deltaserve.config import KDA, MOE, ModelConfig
+from deltaserve.layers.kda import KimiDeltaAttention
+from deltaserve.layers.linear import Linear
+from deltaserve.layers.mla import MultiheadLatentAttention
+from deltaserve.layers.moe import MoE, SwiGLU
+from deltaserve.layers.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from deltaserve.runner.forward_batch import ForwardBatch
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.is_kda = cfg.layer_types[layer_id] == KDA
+        self.self_attn = KimiDeltaAttention(cfg) if self.is_kda else MultiheadLatentAttention(cfg)
+        self.mlp = MoE(cfg) if cfg.mlp_types[layer_id] == MOE else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class KimiLinearForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def cache_shapes(self) -> list[dict[str, tuple[tuple[int, ...], str]]]:
+        """Per layer, what its cache holds: KDA per state slot, MLA per cached token (see the layers)."""
+        return [layer.self_attn.cache_shapes(self.cfg) for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: list[dict[str, torch.Tensor]]):
+        """input_ids [N] -> final hidden states [N, D] (normalised); caches[i] is layer i's cache tensors."""
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, batch, cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [M, D] -> logits [M, V] float32."""
+        return self.lm_head(hidden).float()

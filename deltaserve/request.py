@@ -1,0 +1,56 @@
+"""Request: one prompt's life in the engine; the scheduler's bookkeeping, no tensors."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from deltaserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed from its tokens
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose MLA latents and KDA state are in the cache
+    block_ids: list[int] = field(default_factory=list)  # MLA pages, in order: the block table
+    state_slot: int | None = None  # KDA conv + recurrent state slot while running
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finish_reason(self) -> str | None:
+        if not self.status.finished:
+            return None
+        return "stop" if self.status == RequestStatus.FINISHED_STOPPED else self.status.value

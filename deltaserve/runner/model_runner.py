@@ -1,0 +1,170 @@
+"""ModelRunner: the only holder of device tensors. Turns a SchedulerOutput into one forward pass and samples.
+
+Per step: drop the requests the scheduler let go, take in new ones (their KDA state slot zeroed), build a
+ForwardBatch (decodes first, then prefill chunks), run the model once over all new tokens, compute logits only
+where a token is sampled (or prompt logprobs were asked for), sample, and remember the sampled tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from deltaserve.cache.sizing import CachePlan
+from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.kernels.sampling import build_sampling_metadata, sample
+from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
+from deltaserve.runner.forward_batch import ForwardBatch
+from deltaserve.runner.logprobs import prompt_logprobs, sampled_logprobs
+from deltaserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deltaserve.core.outputs import RunnerOutput, SchedulerOutput
+
+
+@dataclass
+class RequestState:
+    """The runner's copy of a request: its tokens (prompt, then outputs) and where its cache lives."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    state_slot: int
+    num_computed_tokens: int
+    prompt_logprobs: list = field(default_factory=list)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+class ModelRunner:
+    def __init__(self, model, model_config: ModelConfig, plan: CachePlan, dtype: torch.dtype, device: str,
+                 seed: int = 0):
+        self.model, self.cfg, self.plan, self.device = model, model_config, plan, torch.device(device)
+        self.caches = self._allocate_caches(dtype)
+        self.requests: dict[str, RequestState] = {}
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+    @classmethod
+    def from_folder(cls, folder: str, model_config: ModelConfig, engine: EngineConfig, plan: CachePlan,
+                    progress=None) -> "ModelRunner":
+        """Load the weights (or dummy ones with load_format 'dummy') and allocate the cache."""
+        if engine.threads:
+            torch.set_num_threads(engine.threads)
+        dtype = DTYPES[engine.dtype]
+        if engine.load_format == "dummy":
+            model = build_model(model_config, dtype, engine.device)
+            init_dummy_weights(model, engine.seed)
+        else:
+            model = load_model(folder, model_config, dtype, engine.device, progress)
+        return cls(model.eval(), model_config, plan, dtype, engine.device, engine.seed)
+
+    def _allocate_caches(self, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
+        """Per layer: MLA pages [num_blocks, block_size, latent_dim]; KDA states [num_slots, ...]."""
+        caches = []
+        for shapes in self.model.cache_shapes():
+            layer = {}
+            for name, (shape, kind) in shapes.items():
+                lead = (self.plan.num_blocks, self.plan.block_size) if name == "latent" else (self.plan.num_slots,)
+                layer[name] = torch.zeros(*lead, *shape, dtype=torch.float32 if kind == "float32" else dtype,
+                                          device=self.device)
+            caches.append(layer)
+        return caches
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        from deltaserve.core.outputs import RunnerOutput
+
+        self._update_requests(sched)
+        order = sorted(sched.num_scheduled_tokens, key=lambda r: sched.num_scheduled_tokens[r] != 1)
+        if not order:
+            return RunnerOutput([], {})
+        input_ids, batch = self._prepare(order, sched.num_scheduled_tokens)
+        hidden = self.model(input_ids, batch, self.caches)
+        return self._sample(order, sched.num_scheduled_tokens, hidden, batch)
+
+    def _update_requests(self, sched: SchedulerOutput) -> None:
+        for req_id in sched.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched.new_reqs:
+            self.requests[new.req_id] = RequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids),
+                new.state_slot, new.num_computed_tokens)
+            if new.num_computed_tokens == 0:
+                self._reset_state(new.state_slot)
+        for cached in sched.cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _reset_state(self, slot: int) -> None:
+        for layer in self.caches:
+            for name in ("conv", "recurrent"):
+                if name in layer:
+                    layer[name][slot].zero_()
+
+    def _prepare(self, order: list[str], num_tokens: dict[str, int]) -> tuple[torch.Tensor, ForwardBatch]:
+        ids, positions, slots, query_lens, starts = [], [], [], [], []
+        bs = self.plan.block_size
+        for req_id in order:
+            state, n = self.requests[req_id], num_tokens[req_id]
+            start = state.num_computed_tokens
+            ids.extend(state.token_ids[start: start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(state.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
+            query_lens.append(n)
+            starts.append(start)
+        states = [self.requests[r] for r in order]
+        width = max(len(s.block_ids) for s in states)
+        tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s in states]
+        tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
+        state_slot_list = [s.state_slot for s in states]
+        batch = ForwardBatch(
+            positions=tensor(positions), slot_mapping=tensor(slots), state_slots=tensor(state_slot_list),
+            block_tables=tensor(tables), context_lens=tensor([a + n for a, n in zip(starts, query_lens)]),
+            num_decodes=sum(n == 1 for n in query_lens), query_lens=query_lens, start_positions=starts,
+            state_slot_list=state_slot_list)
+        return tensor(ids), batch
+
+    def _sample(self, order, num_tokens, hidden: torch.Tensor, batch: ForwardBatch) -> RunnerOutput:
+        from deltaserve.core.outputs import RunnerOutput
+
+        out = RunnerOutput(req_ids=list(order), sampled_token_ids={r: [] for r in order})
+        ends = torch.tensor(batch.query_lens).cumsum(0).tolist()
+        sampling = []  # (req_id, row of its last token)
+        for req_id, end, n in zip(order, ends, batch.query_lens):
+            state = self.requests[req_id]
+            state.num_computed_tokens += n
+            if state.sampling_params.prompt_logprobs is not None:
+                self._prompt_logprobs(state, hidden[end - n: end], out)
+            if state.num_computed_tokens >= len(state.token_ids):
+                sampling.append((req_id, end - 1))
+        if not sampling:
+            return out
+        states = [self.requests[r] for r, _ in sampling]
+        logits = self.model.compute_logits(hidden[[row for _, row in sampling]])
+        meta = build_sampling_metadata(
+            [s.sampling_params for s in states], [s.token_ids[: s.num_prompt_tokens] for s in states],
+            [s.output_token_ids for s in states], self.cfg.vocab_size, self.device, self.generator)
+        result = sample(logits, meta)
+        for i, (token, state) in enumerate(zip(result.token_ids.tolist(), states)):
+            state.token_ids.append(token)
+            out.sampled_token_ids[state.req_id] = [token]
+            if state.sampling_params.logprobs is not None:
+                out.logprobs[state.req_id] = [sampled_logprobs(result.logprobs, i, token, state.sampling_params.logprobs)]
+        return out
+
+    def _prompt_logprobs(self, state: RequestState, hidden: torch.Tensor, out: RunnerOutput) -> None:
+        """Logprobs of the prompt tokens this chunk predicts (position p predicts token p + 1)."""
+        start = state.num_computed_tokens - hidden.shape[0]
+        last = min(state.num_computed_tokens, state.num_prompt_tokens - 1)  # the last prompt position to score
+        if last <= start:
+            return
+        logits = self.model.compute_logits(hidden[: last - start])
+        targets = state.token_ids[start + 1: last + 1]
+        out.prompt_logprobs[state.req_id] = prompt_logprobs(logits, targets, state.sampling_params.prompt_logprobs)

@@ -1,0 +1,75 @@
+"""SamplingParams: how one request picks its tokens and when it stops; validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    min_p: float = 0.0
+    seed: int | None = None  # per request: the same tokens whatever else is in the batch
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # top-n logprobs per sampled token (the sampled one is always included)
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt token
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name, expectation):
+            raise ValueError(f"SamplingParams.{name} = {getattr(self, name)!r}: {expectation}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+        if not is_int(self.max_tokens) or self.max_tokens < 0:
+            bad("max_tokens", "must be an integer >= 0")
+        if not is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a number >= 0 (0 means greedy)")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 1, or 0 / -1 for no limit")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not is_int(self.seed):
+            bad("seed", "must be an integer or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be in [-2, 2]")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0 (1 means no penalty)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

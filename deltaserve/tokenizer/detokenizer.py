@@ -1,0 +1,94 @@
+"""IncrementalDetokenizer: token ids in, text deltas out; whole characters only, stop strings cut out."""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Sequence
+
+from deltaserve.tokenizer.base import Tokenizer
+from deltaserve.tokenizer.errors import TokenizerError
+
+# An unfinished UTF-8 character is at most 3 bytes long
+_MAX_PENDING_BYTES = 3
+
+
+class IncrementalDetokenizer:
+    """Streams one request's output text.
+
+    It works on token bytes, so a character split over several byte-level tokens comes out once, whole, and
+    the deltas add up to exactly what a full decode gives. Text that could be the start of a stop string is
+    held back (at most len(longest stop) - 1 characters) until it is known not to be. A character begun by
+    the prompt's last bytes and ended by the output counts as output.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        stop: Sequence[str] | None = None,
+        include_stop_str_in_output: bool = False,
+    ):
+        self._tokenizer = tokenizer
+        self._skip_ids = tokenizer.all_special_ids if skip_special_tokens else frozenset()
+        self._stop = _check_stop(stop or ())
+        self._holdback = max(map(len, self._stop), default=1) - 1
+        self._include_stop = include_stop_str_in_output
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._utf8.decode(self._prompt_tail(prompt_token_ids))
+        self._text = ""  # all text decoded so far, cut at the stop string once one is found
+        self._num_emitted = 0  # characters of _text handed out
+        self.stopped: str | None = None  # the stop string that ended the text, once one has
+
+    @property
+    def output_text(self) -> str:
+        """All text handed out so far: the deltas joined."""
+        return self._text[: self._num_emitted]
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """The text that token_ids finish; "" once a stop string was found."""
+        if self.stopped is not None:
+            return ""
+        new_bytes = b"".join(self._tokenizer.id_to_bytes(i) for i in token_ids if i not in self._skip_ids)
+        return self._advance(self._utf8.decode(new_bytes), final=False)
+
+    def finish(self) -> str:
+        """The text held back until now; an unfinished character at the end becomes U+FFFD, as in decode."""
+        if self.stopped is not None:
+            return ""
+        return self._advance(self._utf8.decode(b"", final=True), final=True)
+
+    def _advance(self, new_text: str, final: bool) -> str:
+        search_from = max(0, len(self._text) - self._holdback)
+        self._text += new_text
+        found = _first_stop(self._text, search_from, self._stop)
+        if found is not None:
+            start, self.stopped = found
+            self._text = self._text[: start + len(self.stopped) if self._include_stop else start]
+        end = len(self._text) if final or found is not None else len(self._text) - self._holdback
+        delta = self._text[self._num_emitted : end]
+        self._num_emitted += len(delta)
+        return delta
+
+    def _prompt_tail(self, prompt_token_ids: Sequence[int]) -> bytes:
+        """The prompt's last bytes: enough to hold the start of a character the output may finish."""
+        tail = b""
+        for token_id in reversed(prompt_token_ids):
+            if len(tail) >= _MAX_PENDING_BYTES:
+                break
+            if token_id not in self._skip_ids:
+                tail = self._tokenizer.id_to_bytes(token_id) + tail
+        return tail[-_MAX_PENDING_BYTES:]
+
+
+def _check_stop(stop: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
+        raise TokenizerError(f"stop = {stop!r:.80}, expected a list of non-empty strings; drop the empty ones")
+    return tuple(stop)
+
+
+def _first_stop(text: str, search_from: int, stop: tuple[str, ...]) -> tuple[int, str] | None:
+    """(start, stop string) of the occurrence that ends first, the longest on a tie: where a stream read one
+    character at a time would have stopped, whatever the tokens' boundaries."""
+    found = [(i + len(s), -len(s), i, s) for s in stop if (i := text.find(s, search_from)) >= 0]
+    return min(found)[2:] if found else None

@@ -1,0 +1,97 @@
+"""Cache specs and pool sizing, on the real 48B config and on budgets made to fit or not."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deltaserve.cache.sizing import (
+    DEFAULT_CPU_CACHE_BYTES, KDAStateSpec, MLAPageSpec, describe_plan, layer_cache_specs, plan_cache,
+)
+from deltaserve.config import ConfigError, EngineConfig, ModelConfig
+
+CONFIG_48B = Path("/work/shared/models/kimi-linear-48b-a3b/config.json")
+
+
+@pytest.fixture(scope="module")
+def raw_48b():
+    if not CONFIG_48B.is_file():
+        pytest.skip(f"{CONFIG_48B} is not present")
+    return json.loads(CONFIG_48B.read_text())
+
+
+@pytest.fixture(scope="module")
+def model_48b(raw_48b):
+    return ModelConfig.from_dict(raw_48b)
+
+
+def test_48b_specs_follow_the_layer_types(model_48b):
+    specs = layer_cache_specs(model_48b, block_size=16, dtype="bfloat16")
+    mla = [s.layer_id + 1 for s in specs if isinstance(s, MLAPageSpec)]
+    assert mla == [4, 8, 12, 16, 20, 24, 27] and sum(isinstance(s, KDAStateSpec) for s in specs) == 20
+
+
+def test_48b_bytes_per_token_and_per_slot_in_bf16(model_48b):
+    plan = plan_cache(model_48b, EngineConfig(dtype="bfloat16", num_cache_blocks=10), max_model_len=4096)
+    assert plan.bytes_per_block == 16 * 7 * 576 * 2  # ~8 KB a token
+    conv = 3 * 4096 * 3 * 2
+    assert plan.bytes_per_slot == 20 * (32 * 128 * 128 * 4 + conv)
+    assert 41e6 < plan.bytes_per_slot < 44e6  # ~42 MB a sequence
+
+
+def test_conv_state_follows_the_run_dtype_recurrent_state_stays_f32(model_48b):
+    bf16 = plan_cache(model_48b, EngineConfig(dtype="bfloat16", num_cache_blocks=1), 64)
+    f32 = plan_cache(model_48b, EngineConfig(dtype="float32", num_cache_blocks=1), 64)
+    assert f32.bytes_per_slot - bf16.bytes_per_slot == 20 * 3 * 4096 * 3 * 2
+    assert f32.bytes_per_block == 2 * bf16.bytes_per_block
+
+
+def test_budget_minus_slots_divided_into_pages(model_48b):
+    engine = EngineConfig(dtype="bfloat16", max_num_seqs=4, block_size=16)
+    probe = plan_cache(model_48b, engine, 4096, budget_bytes=10 << 30)
+    budget = 4 * probe.bytes_per_slot + 1000 * probe.bytes_per_block + probe.bytes_per_block - 1
+    plan = plan_cache(model_48b, engine, 4096, budget_bytes=budget)
+    assert (plan.num_blocks, plan.num_slots, plan.block_size) == (1000, 4, 16)
+
+
+def test_engine_cache_bytes_is_the_budget_and_num_cache_blocks_overrides_it(model_48b):
+    engine = EngineConfig(dtype="bfloat16", max_num_seqs=1, cache_bytes=100 << 20)
+    plan = plan_cache(model_48b, engine, 4096)
+    assert plan.num_blocks == ((100 << 20) - plan.bytes_per_slot) // plan.bytes_per_block
+    forced = EngineConfig(dtype="bfloat16", max_num_seqs=1, cache_bytes=100 << 20, num_cache_blocks=3)
+    assert plan_cache(model_48b, forced, 4096).num_blocks == 3
+
+
+def test_budget_that_cannot_hold_the_slots_and_a_page_is_an_error(model_48b):
+    engine = EngineConfig(dtype="bfloat16", max_num_seqs=32, cache_bytes=1 << 30)
+    with pytest.raises(ConfigError, match=r"cannot hold 32 KDA state slots .* lower max_num_seqs"):
+        plan_cache(model_48b, engine, 4096)
+
+
+def test_cpu_default_fits_max_num_seqs_full_sequences(model_48b):
+    engine = EngineConfig(dtype="bfloat16", max_num_seqs=2, block_size=16)
+    assert plan_cache(model_48b, engine, max_model_len=1000).num_blocks == 2 * 63
+
+
+def test_cpu_default_is_capped(model_48b):
+    plan = plan_cache(model_48b, EngineConfig(dtype="bfloat16", max_num_seqs=2), max_model_len=1 << 20)
+    total = plan.num_blocks * plan.bytes_per_block + plan.num_slots * plan.bytes_per_slot
+    assert DEFAULT_CPU_CACHE_BYTES - plan.bytes_per_block < total <= DEFAULT_CPU_CACHE_BYTES
+
+
+def test_gpu_needs_a_budget(model_48b):
+    with pytest.raises(ConfigError, match="pass the measured free memory"):
+        plan_cache(model_48b, EngineConfig(device="cuda"), 4096)
+
+
+def test_model_without_mla_layers_gets_a_full_page_table_per_slot(raw_48b):
+    lin = dict(raw_48b["linear_attn_config"], kda_layers=list(range(1, 28)), full_attn_layers=[])
+    model = ModelConfig.from_dict(dict(raw_48b, linear_attn_config=lin))
+    plan = plan_cache(model, EngineConfig(max_num_seqs=3, block_size=16), max_model_len=160)
+    assert plan.bytes_per_block == 0 and plan.num_blocks == 3 * 10
+
+
+def test_description_is_one_line_with_the_counts(model_48b):
+    plan = plan_cache(model_48b, EngineConfig(dtype="bfloat16", max_num_seqs=2, num_cache_blocks=100), 4096)
+    line = describe_plan(plan)
+    assert "\n" not in line and "100 MLA pages x 16 tokens = 1600 tokens" in line and "2 KDA state slots" in line

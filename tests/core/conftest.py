@@ -1,0 +1,23 @@
+"""The make_scheduler fixture: schedulers that must give back every page and slot by the end of the test."""
+
+from __future__ import annotations
+
+import pytest
+from scheduler_harness import assert_pools_full, new_scheduler
+
+
+@pytest.fixture
+def make_scheduler():
+    """Factory of schedulers; at teardown every leftover request is aborted and both pools must be full."""
+    made = []
+
+    def make(**kwargs):
+        sched = new_scheduler(**kwargs)
+        made.append(sched)
+        return sched
+
+    yield make
+    for sched in made:
+        for req_id in list(sched.requests):
+            sched.abort_request(req_id)
+        assert_pools_full(sched)

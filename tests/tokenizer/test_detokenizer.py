@@ -1,0 +1,122 @@
+import random
+
+import pytest
+
+from deltaserve.tokenizer import IncrementalDetokenizer, TokenizerError
+
+MULTI_BYTE_TEXT = "naïve café 日本語のテキスト 你好，世界！ 🙂🚀 👨‍👩‍👧 👍🏽 € ✓"
+
+
+def _stream(tokenizer, ids, prompt=(), chunk_sizes=None, **kwargs):
+    """(deltas, detokenizer) after pushing ids in chunks (one id each by default) and finishing."""
+    detok = IncrementalDetokenizer(tokenizer, list(prompt), **kwargs)
+    sizes = iter(chunk_sizes or [])
+    deltas, i = [], 0
+    while i < len(ids):
+        size = next(sizes, 1)
+        deltas.append(detok.push(ids[i : i + size]))
+        i += size
+    deltas.append(detok.finish())
+    return deltas, detok
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_random_ids_equal_full_decode(tokenizer, skip_special_tokens):
+    rng = random.Random(1)
+    for _ in range(200):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(0, 30))]
+        chunks = [rng.randint(1, 4) for _ in ids]
+        deltas, detok = _stream(tokenizer, ids, chunk_sizes=chunks, skip_special_tokens=skip_special_tokens)
+        expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert "".join(deltas) == detok.output_text == expected
+
+
+def test_split_characters_never_emit_replacement(tokenizer):
+    ids = tokenizer.encode(MULTI_BYTE_TEXT)
+    split = [i for i in ids if _is_partial_utf8(tokenizer.id_to_bytes(i))]
+    assert split, "the test needs tokens that end inside a character"
+    deltas, detok = _stream(tokenizer, ids, prompt=tokenizer.encode("Say it: "))
+    assert "".join(deltas) == detok.output_text == MULTI_BYTE_TEXT
+    assert not any("\ufffd" in delta for delta in deltas)
+
+
+def test_character_split_into_single_bytes(tokenizer, byte_ids):
+    ids = [byte_ids[b] for b in "🙂".encode()]
+    deltas, _ = _stream(tokenizer, ids)
+    assert deltas == ["", "", "", "🙂", ""]
+
+
+def test_character_begun_by_the_prompt(tokenizer, byte_ids):
+    emoji = ["x".encode()[0], *"🙂".encode()]
+    deltas, detok = _stream(tokenizer, [byte_ids[emoji[3]], byte_ids[emoji[4]]], prompt=[byte_ids[b] for b in emoji[:3]])
+    assert deltas == ["", "🙂", ""] and detok.output_text == "🙂"
+
+
+def test_unfinished_character_at_finish_is_replaced(tokenizer, byte_ids):
+    ids = [byte_ids[ord("a")], *(byte_ids[b] for b in "日".encode()[:2])]
+    deltas, _ = _stream(tokenizer, ids)
+    assert deltas == ["a", "", "", "\ufffd"] and "".join(deltas) == tokenizer.decode(ids)
+
+
+def test_stop_string_held_back_and_cut(tokenizer, byte_ids):
+    ids = [byte_ids[ord(c)] for c in "zzabcz"]
+    deltas, detok = _stream(tokenizer, ids, stop=["abc"])
+    assert deltas == ["", "", "z", "z", "", "", ""]
+    assert detok.stopped == "abc" and detok.output_text == "zz"
+
+
+def test_stop_string_kept_when_asked(tokenizer, byte_ids):
+    ids = [byte_ids[ord(c)] for c in "zzabcz"]
+    deltas, detok = _stream(tokenizer, ids, stop=["abc"], include_stop_str_in_output=True)
+    assert deltas == ["", "", "z", "z", "abc", "", ""] and detok.output_text == "zzabc"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_spanning_tokens(tokenizer, include):
+    text = "The river ran slowly past the old mill, and then 日本語 came"
+    ids = tokenizer.encode(text)
+    for stop in ("slowly past", "mill, and", "日本", "語 c"):
+        deltas, detok = _stream(tokenizer, ids, stop=[stop, "never there"], include_stop_str_in_output=include)
+        end = text.index(stop) + (len(stop) if include else 0)
+        assert detok.stopped == stop and "".join(deltas) == detok.output_text == text[:end]
+        assert not any(stop in delta for delta in deltas[:-1]) or include
+
+
+def test_stop_found_at_the_same_place_however_chunked(tokenizer, byte_ids):
+    ids = [byte_ids[ord(c)] for c in "xabcd"]
+    for chunks in ([1] * 5, [5], [2, 3]):
+        _, detok = _stream(tokenizer, ids, chunk_sizes=chunks, stop=["abcd", "bc"])
+        assert (detok.stopped, detok.output_text) == ("bc", "xa")
+
+
+def test_stop_on_special_token_text(tokenizer, trained):
+    ids = tokenizer.encode("done<|im_end|>more")
+    _, detok = _stream(tokenizer, ids, skip_special_tokens=False, stop=["<|im_end|>"])
+    assert detok.output_text == "done"
+    _, detok = _stream(tokenizer, ids, skip_special_tokens=True, stop=["<|im_end|>"])
+    assert detok.stopped is None and detok.output_text == "donemore"
+
+
+def test_push_after_stop_gives_nothing(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["b"])
+    assert detok.push(tokenizer.encode("abc")) == "a"
+    assert detok.push(tokenizer.encode("def")) == "" and detok.finish() == "" and detok.output_text == "a"
+
+
+def test_finish_flushes_held_back_text(tokenizer):
+    deltas, detok = _stream(tokenizer, tokenizer.encode("ends with xy"), stop=["xyz"])
+    assert detok.stopped is None and "".join(deltas) == "ends with xy" and deltas[-1] == "xy"
+
+
+@pytest.mark.parametrize("stop", [[""], "abc", ["ok", 3]])
+def test_bad_stop(tokenizer, stop):
+    with pytest.raises(TokenizerError, match=r"stop = .*, expected a list of non-empty strings"):
+        IncrementalDetokenizer(tokenizer, [], stop=stop)
+
+
+def _is_partial_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return True
+    return False
