@@ -16,7 +16,7 @@ from deltaserve.config import KDA, ConfigError, EngineConfig, ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RECURRENT_STATE_BYTES = 4  # the KDA state is float32 whatever the run dtype
-DEFAULT_CPU_CACHE_BYTES = 4 << 30  # cap of the CPU default: enough for small models, safe on a laptop
+DEFAULT_CPU_CACHE_BYTES = 1 << 30  # cap of the CPU default: enough for small models, cheap to zero on a laptop
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
 
 
@@ -84,7 +84,7 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, max_model_len: int,
     """Size the pools: num_slots = max_num_seqs, pages from num_cache_blocks or from the byte budget.
 
     The budget is `budget_bytes` (the runner's measurement of free device memory), else engine.cache_bytes,
-    else on CPU the bytes of max_num_seqs sequences of max_model_len tokens, capped at 4 GiB.
+    else on CPU the bytes of max_num_seqs sequences of max_model_len tokens, capped at 1 GiB.
     """
     specs = layer_cache_specs(model, engine.block_size, engine.dtype)
     bytes_per_block = sum(s.page_bytes for s in specs if isinstance(s, MLAPageSpec))

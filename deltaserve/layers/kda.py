@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
@@ -27,14 +28,12 @@ class KimiDeltaAttention(nn.Module):
         super().__init__()
         H, K, D = cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
         self.num_heads, self.head_dim, self.eps = H, K, cfg.rms_norm_eps
-        self.qkv_proj = Linear(D, 3 * H * K)  # q, k, v stacked, the order of the conv's channels
+        self.split = [3 * H * K, K, K, H]  # in_proj's outputs: q, k, v (the conv's channel order), f_a, g_a, b
+        self.in_proj = Linear(D, sum(self.split))
         self.conv_weight = nn.Parameter(torch.empty(3 * H * K, cfg.conv_kernel_size))
-        self.f_a_proj = Linear(D, K)
         self.f_b_proj = Linear(K, H * K)
         self.dt_bias = nn.Parameter(torch.empty(H * K, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
-        self.b_proj = Linear(D, H)
-        self.g_a_proj = Linear(D, K)
         self.g_b_proj = Linear(K, H * K)
         self.o_norm_weight = nn.Parameter(torch.ones(K))
         self.o_proj = Linear(H * K, D)
@@ -44,28 +43,28 @@ class KimiDeltaAttention(nn.Module):
         H, K = cfg.kda_num_heads, cfg.kda_head_dim
         return {"conv": ((3 * H * K, cfg.conv_kernel_size - 1), "model"), "recurrent": ((H, K, K), "float32")}
 
-    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, D] -> per-channel log decay g [N, H, K] float32, <= 0."""
-        g = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        softplus = torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))  # the reference's overflow guard
-        return (-self.A_log.float().exp()[:, None] * softplus.view(-1, self.num_heads, self.head_dim))
+    def log_decay(self, f_a: torch.Tensor) -> torch.Tensor:
+        """f_a [N, K] (the forget gate's low-rank input) -> per-channel log decay g [N, H, K] float32, <= 0."""
+        g = self.f_b_proj(f_a).float() + self.dt_bias.float()
+        softplus = F.softplus(g, threshold=20.0)  # linear above 20, as the reference's overflow guard
+        return -self.A_log.float().exp()[:, None] * softplus.view(-1, self.num_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
         """x [N, D] -> [N, D]; reads and updates the conv and recurrent states of batch.state_slots."""
         N, nd, H, K = x.shape[0], batch.num_decodes, self.num_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # [N, 3HK]
+        qkv, f_a, g_a, b = self.in_proj(x).split(self.split, dim=-1)  # [N, 3HK], [N, K], [N, K], [N, H]
         conv_parts = []
         if nd:
             conv_parts.append(causal_conv1d_update(qkv[:nd], self.conv_weight, cache["conv"], batch.state_slots[:nd]))
         if N > nd:
             conv_parts.append(causal_conv1d_varlen(
                 qkv[nd:], self.conv_weight, cache["conv"], batch.state_slot_list[nd:], batch.prefill_cu_seqlens()))
-        qkv = torch.cat(conv_parts).float().view(N, 3, H, K)
-        q, k, v = l2norm(qkv[:, 0]), l2norm(qkv[:, 1]), qkv[:, 2]  # [N, H, K] each
-        g = self.log_decay(x)
-        beta = torch.sigmoid(self.b_proj(x)).float()  # [N, H]
-        o = self._delta_rule(q, k, v, g, beta, batch, cache["recurrent"]).to(x.dtype)
-        gate = self.g_b_proj(self.g_a_proj(x)).view(N, H, K)
+        qkv = (conv_parts[0] if len(conv_parts) == 1 else torch.cat(conv_parts)).float().view(N, 3, H, K)
+        qk = l2norm(qkv[:, :2])
+        q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]  # [N, H, K] each
+        beta = torch.sigmoid(b).float()  # [N, H]
+        o = self._delta_rule(q, k, v, self.log_decay(f_a), beta, batch, cache["recurrent"]).to(x.dtype)
+        gate = self.g_b_proj(g_a).view(N, H, K)
         return self.o_proj(gated_rms_norm(o, gate, self.o_norm_weight, self.eps).view(N, H * K))
 
     def _delta_rule(self, q, k, v, g, beta, batch: ForwardBatch, state: torch.Tensor) -> torch.Tensor:

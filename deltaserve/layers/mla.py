@@ -25,8 +25,8 @@ class MultiheadLatentAttention(nn.Module):
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.scale = cfg.qk_head_dim ** -0.5
         self.kv_norm_eps = cfg.kv_a_layernorm_eps
-        self.q_proj = Linear(D, H * cfg.qk_head_dim)
-        self.kv_a_proj = Linear(D, R + self.rope_dim)
+        self.split = [H * cfg.qk_head_dim, R + self.rope_dim]  # in_proj's outputs: q, then c_kv and k_rot
+        self.in_proj = Linear(D, sum(self.split))
         self.kv_a_norm_weight = nn.Parameter(torch.ones(R))
         self.kv_b_proj = Linear(R, H * (self.nope_dim + self.v_dim))
         self.o_proj = Linear(H * self.v_dim, D)
@@ -38,9 +38,9 @@ class MultiheadLatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
         """x [N, D] -> [N, D]; writes this step's latents, then attends over each sequence's cached ones."""
         N, nd, H, R = x.shape[0], batch.num_decodes, self.num_heads, self.kv_lora_rank
-        q = self.q_proj(x).view(N, H, self.nope_dim + self.rope_dim)
+        q, ckv = self.in_proj(x).split(self.split, dim=-1)  # [N, H*(Dn+Dr)], [N, R+Dr]
+        q = q.view(N, H, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim:]
-        ckv = self.kv_a_proj(x)  # [N, R + Dr]
         latents = torch.cat([rms_norm(ckv[:, :R], self.kv_a_norm_weight, self.kv_norm_eps), ckv[:, R:]], dim=-1)
         write_latents(cache["latent"], batch.slot_mapping, latents)
         out = x.new_empty(N, H, self.v_dim)

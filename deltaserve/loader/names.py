@@ -54,9 +54,13 @@ def _whole(name: str, shape: tuple[int, ...]) -> list[Option]:
     return [[Piece(name, (), shape)]]
 
 
-def _stacked(names: list[str], rows: int, cols: tuple[int, ...]) -> Option:
-    """Tensors of `rows` rows each, stacked along dim 0."""
-    return [Piece(n, (slice(j * rows, (j + 1) * rows),), (rows, *cols)) for j, n in enumerate(names)]
+def _stacked(parts: list[tuple[str, int]], cols: tuple[int, ...]) -> Option:
+    """Tensors of the given row counts, stacked along dim 0 in order."""
+    pieces, start = [], 0
+    for name, rows in parts:
+        pieces.append(Piece(name, (slice(start, start + rows),), (rows, *cols)))
+        start += rows
+    return pieces
 
 
 def _kda_options(cfg: ModelConfig, p: str) -> dict[str, list[Option]]:
@@ -67,15 +71,15 @@ def _kda_options(cfg: ModelConfig, p: str) -> dict[str, list[Option]]:
         return [[Piece(p + name, (), shape)], [Piece(p + "forget_gate." + name, (), shape)]]
 
     return {
-        "qkv_proj.weight": [_stacked([p + "q_proj.weight", p + "k_proj.weight", p + "v_proj.weight"], HK, (D,))],
-        "conv_weight": [_stacked([p + f"{c}_conv1d.weight" for c in "qkv"], HK, (1, W)),
+        # every projection of x, in one matmul: q, k, v (the conv's channel order), f_a, g_a, b
+        "in_proj.weight": [_stacked([(p + "q_proj.weight", HK), (p + "k_proj.weight", HK), (p + "v_proj.weight", HK),
+                                     (p + gate + "f_a_proj.weight", K), (p + "g_a_proj.weight", K),
+                                     (p + "b_proj.weight", H)], (D,)) for gate in ("", "forget_gate.")],
+        "conv_weight": [_stacked([(p + f"{c}_conv1d.weight", HK) for c in "qkv"], (1, W)),
                         [Piece(p + "conv1d.weight", (), (3 * HK, 1, W))]],
-        "f_a_proj.weight": gate_param("f_a_proj.weight", (K, D)),
         "f_b_proj.weight": gate_param("f_b_proj.weight", (HK, K)),
         "dt_bias": gate_param("dt_bias", (HK,)),
         "A_log": gate_param("A_log", (1, 1, H, 1)),
-        "b_proj.weight": _whole(p + "b_proj.weight", (H, D)),
-        "g_a_proj.weight": _whole(p + "g_a_proj.weight", (K, D)),
         "g_b_proj.weight": _whole(p + "g_b_proj.weight", (HK, K)),
         "o_norm_weight": _whole(p + "o_norm.weight", (K,)),
         "o_proj.weight": _whole(p + "o_proj.weight", (D, HK)),
@@ -85,8 +89,9 @@ def _kda_options(cfg: ModelConfig, p: str) -> dict[str, list[Option]]:
 def _mla_options(cfg: ModelConfig, p: str) -> dict[str, list[Option]]:
     H, D, R = cfg.num_attention_heads, cfg.hidden_size, cfg.kv_lora_rank
     return {
-        "q_proj.weight": _whole(p + "q_proj.weight", (H * cfg.qk_head_dim, D)),
-        "kv_a_proj.weight": _whole(p + "kv_a_proj_with_mqa.weight", (R + cfg.qk_rope_head_dim, D)),
+        # q and the latent's down-projection, in one matmul
+        "in_proj.weight": [_stacked([(p + "q_proj.weight", H * cfg.qk_head_dim),
+                                     (p + "kv_a_proj_with_mqa.weight", R + cfg.qk_rope_head_dim)], (D,))],
         "kv_a_norm_weight": _whole(p + "kv_a_layernorm.weight", (R,)),
         "kv_b_proj.weight": _whole(p + "kv_b_proj.weight", (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), R)),
         "o_proj.weight": _whole(p + "o_proj.weight", (D, H * cfg.v_head_dim)),
@@ -97,7 +102,8 @@ def _dense_options(layer: str, D: int, inter: int, prefix: str = "") -> dict[str
     """A SwiGLU under mlp. or block_sparse_moe. (+ prefix, e.g. 'shared_experts.')."""
     return {
         prefix + "gate_up_proj.weight": [
-            _stacked([f"{layer}{m}.{prefix}gate_proj.weight", f"{layer}{m}.{prefix}up_proj.weight"], inter, (D,))
+            _stacked([(f"{layer}{m}.{prefix}gate_proj.weight", inter), (f"{layer}{m}.{prefix}up_proj.weight", inter)],
+                     (D,))
             for m in MLP_PREFIXES],
         prefix + "down_proj.weight": [[Piece(f"{layer}{m}.{prefix}down_proj.weight", (), (D, inter))]
                                       for m in MLP_PREFIXES],

@@ -14,7 +14,7 @@ import torch
 
 from deltaserve.cache.sizing import CachePlan
 from deltaserve.config import EngineConfig, ModelConfig
-from deltaserve.kernels.sampling import build_sampling_metadata, sample
+from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, sample
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
 from deltaserve.runner.forward_batch import ForwardBatch
 from deltaserve.runner.logprobs import prompt_logprobs, sampled_logprobs
@@ -148,11 +148,15 @@ class ModelRunner:
             return out
         states = [self.requests[r] for r, _ in sampling]
         logits = self.model.compute_logits(hidden[[row for _, row in sampling]])
-        meta = build_sampling_metadata(
-            [s.sampling_params for s in states], [s.token_ids[: s.num_prompt_tokens] for s in states],
-            [s.output_token_ids for s in states], self.cfg.vocab_size, self.device, self.generator)
-        result = sample(logits, meta)
-        for i, (token, state) in enumerate(zip(result.token_ids.tolist(), states)):
+        params = [s.sampling_params for s in states]
+        if plain_greedy(params):
+            token_ids, result = logits.argmax(dim=-1), None
+        else:
+            result = sample(logits, build_sampling_metadata(
+                params, [s.token_ids[: s.num_prompt_tokens] for s in states], [s.output_token_ids for s in states],
+                self.cfg.vocab_size, self.device, self.generator))
+            token_ids = result.token_ids
+        for i, (token, state) in enumerate(zip(token_ids.tolist(), states)):
             state.token_ids.append(token)
             out.sampled_token_ids[state.req_id] = [token]
             if state.sampling_params.logprobs is not None:

@@ -36,14 +36,9 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop_str_in_output
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._utf8.decode(self._prompt_tail(prompt_token_ids))
-        self._text = ""  # all text decoded so far, cut at the stop string once one is found
-        self._num_emitted = 0  # characters of _text handed out
+        self._held = ""  # decoded text not handed out yet: it may begin a stop string
+        self.output_text = ""  # all text handed out so far: the deltas joined
         self.stopped: str | None = None  # the stop string that ended the text, once one has
-
-    @property
-    def output_text(self) -> str:
-        """All text handed out so far: the deltas joined."""
-        return self._text[: self._num_emitted]
 
     def push(self, token_ids: Sequence[int]) -> str:
         """The text that token_ids finish; "" once a stop string was found."""
@@ -59,15 +54,15 @@ class IncrementalDetokenizer:
         return self._advance(self._utf8.decode(b"", final=True), final=True)
 
     def _advance(self, new_text: str, final: bool) -> str:
-        search_from = max(0, len(self._text) - self._holdback)
-        self._text += new_text
-        found = _first_stop(self._text, search_from, self._stop)
+        # every stop string ending in new_text starts inside _held, which holds the last _holdback characters
+        held = self._held + new_text
+        found = _first_stop(held, self._stop)
         if found is not None:
             start, self.stopped = found
-            self._text = self._text[: start + len(self.stopped) if self._include_stop else start]
-        end = len(self._text) if final or found is not None else len(self._text) - self._holdback
-        delta = self._text[self._num_emitted : end]
-        self._num_emitted += len(delta)
+            held = held[: start + len(self.stopped) if self._include_stop else start]
+        end = len(held) if final or found is not None else max(0, len(held) - self._holdback)
+        delta, self._held = held[:end], held[end:]
+        self.output_text += delta
         return delta
 
     def _prompt_tail(self, prompt_token_ids: Sequence[int]) -> bytes:
@@ -82,13 +77,15 @@ class IncrementalDetokenizer:
 
 
 def _check_stop(stop: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(stop, str) or not all(isinstance(s, str) and s for s in stop):
-        raise TokenizerError(f"stop = {stop!r:.80}, expected a list of non-empty strings; drop the empty ones")
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise TokenizerError(
+            f"stop = {stop!r:.80}, expected a list of non-empty strings; remove empty or non-string entries"
+        )
     return tuple(stop)
 
 
-def _first_stop(text: str, search_from: int, stop: tuple[str, ...]) -> tuple[int, str] | None:
+def _first_stop(text: str, stop: tuple[str, ...]) -> tuple[int, str] | None:
     """(start, stop string) of the occurrence that ends first, the longest on a tie: where a stream read one
     character at a time would have stopped, whatever the tokens' boundaries."""
-    found = [(i + len(s), -len(s), i, s) for s in stop if (i := text.find(s, search_from)) >= 0]
+    found = [(i + len(s), -len(s), i, s) for s in stop if (i := text.find(s)) >= 0]
     return min(found)[2:] if found else None

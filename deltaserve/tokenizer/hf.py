@@ -16,6 +16,8 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 class HFTokenizer(Tokenizer):
+    """tokenizer.json through the tokenizers library; its decoder must be ByteLevel."""
+
     def __init__(self, model_dir: Path):
         path = model_dir / TOKENIZER_FILE
         text = read_text(path)
@@ -30,7 +32,9 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if not isinstance(text, str):
-            raise TokenizerError(f"encode takes a str, got {type(text).__name__}; pass text, or token ids to the engine")
+            raise TokenizerError(
+                f"encode takes a str, got {type(text).__name__}; pass text, or token ids to the engine"
+            )
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:

@@ -99,10 +99,8 @@ def _train(texts: list[str], vocab_size: int) -> Tokenizer:
 
 def _tokenizer_config(ids: dict[str, int]) -> dict:
     """transformers' layout, so that AutoTokenizer loads the folder too."""
-    added = {
-        str(token_id): dict(content=token, lstrip=False, normalized=False, rstrip=False, single_word=False, special=True)
-        for token, token_id in ids.items()
-    }
+    flags = dict(lstrip=False, normalized=False, rstrip=False, single_word=False, special=True)
+    added = {str(token_id): dict(content=token, **flags) for token, token_id in ids.items()}
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,

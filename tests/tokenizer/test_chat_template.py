@@ -61,6 +61,16 @@ def test_template_sees_special_tokens_and_helpers():
     assert rendered == f"[BOS]|[EOS]||{datetime.datetime.now().year}"
 
 
+def test_constructs_real_templates_use():
+    source = (
+        "{{ tools | tojson(separators=(',', ':')) }}|{{ messages[0].get('name') or messages[0]['role'] }}|"
+        "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}|"
+        "{{ dict(a=1) | tojson }}{% for m in messages %}{% if loop.first %}{% break %}{% endif %}{% endfor %}"
+    )
+    rendered = ChatTemplate(source, "t").render(SINGLE, tools=[{"name": "é"}])
+    assert rendered == '[{"name":"é"}]|user|1|{"a": 1}'
+
+
 def test_missing_fields_are_empty_like_in_transformers():
     template = ChatTemplate("{% for m in messages %}[{{ m.name }}]{% if m.tool_calls %}x{% endif %}{% endfor %}", "t")
     assert template.render(SINGLE) == "[]"

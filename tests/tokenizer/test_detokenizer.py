@@ -24,7 +24,8 @@ def _stream(tokenizer, ids, prompt=(), chunk_sizes=None, **kwargs):
 def test_random_ids_equal_full_decode(tokenizer, skip_special_tokens):
     rng = random.Random(1)
     for _ in range(200):
-        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(0, 30))]
+        # ids past the tokenizer's vocabulary (the model's may be larger) decode to nothing
+        ids = [rng.randrange(tokenizer.vocab_size + 8) for _ in range(rng.randint(0, 30))]
         chunks = [rng.randint(1, 4) for _ in ids]
         deltas, detok = _stream(tokenizer, ids, chunk_sizes=chunks, skip_special_tokens=skip_special_tokens)
         expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -47,8 +48,8 @@ def test_character_split_into_single_bytes(tokenizer, byte_ids):
 
 
 def test_character_begun_by_the_prompt(tokenizer, byte_ids):
-    emoji = ["x".encode()[0], *"🙂".encode()]
-    deltas, detok = _stream(tokenizer, [byte_ids[emoji[3]], byte_ids[emoji[4]]], prompt=[byte_ids[b] for b in emoji[:3]])
+    emoji = [byte_ids[b] for b in "x🙂".encode()]
+    deltas, detok = _stream(tokenizer, emoji[3:], prompt=emoji[:3])
     assert deltas == ["", "🙂", ""] and detok.output_text == "🙂"
 
 
@@ -79,7 +80,6 @@ def test_stop_string_spanning_tokens(tokenizer, include):
         deltas, detok = _stream(tokenizer, ids, stop=[stop, "never there"], include_stop_str_in_output=include)
         end = text.index(stop) + (len(stop) if include else 0)
         assert detok.stopped == stop and "".join(deltas) == detok.output_text == text[:end]
-        assert not any(stop in delta for delta in deltas[:-1]) or include
 
 
 def test_stop_found_at_the_same_place_however_chunked(tokenizer, byte_ids):
@@ -89,7 +89,7 @@ def test_stop_found_at_the_same_place_however_chunked(tokenizer, byte_ids):
         assert (detok.stopped, detok.output_text) == ("bc", "xa")
 
 
-def test_stop_on_special_token_text(tokenizer, trained):
+def test_stop_on_special_token_text(tokenizer):
     ids = tokenizer.encode("done<|im_end|>more")
     _, detok = _stream(tokenizer, ids, skip_special_tokens=False, stop=["<|im_end|>"])
     assert detok.output_text == "done"
@@ -108,7 +108,7 @@ def test_finish_flushes_held_back_text(tokenizer):
     assert detok.stopped is None and "".join(deltas) == "ends with xy" and deltas[-1] == "xy"
 
 
-@pytest.mark.parametrize("stop", [[""], "abc", ["ok", 3]])
+@pytest.mark.parametrize("stop", [[""], "abc", ["ok", 3], 5])
 def test_bad_stop(tokenizer, stop):
     with pytest.raises(TokenizerError, match=r"stop = .*, expected a list of non-empty strings"):
         IncrementalDetokenizer(tokenizer, [], stop=stop)

@@ -113,3 +113,15 @@ def test_added_token_id_disagrees_with_vocab(model_dir, trained):
     _edit_config(model_dir, added_tokens_decoder={"5": {"content": IM_END, "special": True}})
     with pytest.raises(TokenizerError, match=rf"'<\|im_end\|>' has id 5 there but {trained[1].im_end_id} in the"):
         load_tokenizer(model_dir)
+
+
+def test_added_tokens_outside_the_byte_alphabet(model_dir):
+    import tokenizers
+
+    raw = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    raw.add_tokens(["a b é", "ĀĠ"])  # raw UTF-8 (a space is not in the alphabet), and two byte-level characters
+    raw.save(str(model_dir / "tokenizer.json"))
+    tokenizer = load_tokenizer(model_dir)
+    ids = tokenizer.encode("x a b é y ĀĠ")
+    assert [tokenizer.id_to_bytes(i) for i in ids[-1:]] == [b"\x00 "]
+    assert b"".join(map(tokenizer.id_to_bytes, ids)).decode() == tokenizer.decode(ids) == "x a b é y \x00 "

@@ -11,7 +11,8 @@ def _write(tmp_path, config) -> None:
 
 
 def test_absent_files_give_empty_config(tmp_path):
-    assert load_tokenizer_config(tmp_path) == TokenizerConfig(chat_template_origin=str(tmp_path / "tokenizer_config.json"))
+    expected = TokenizerConfig(chat_template_origin=str(tmp_path / "tokenizer_config.json"))
+    assert load_tokenizer_config(tmp_path) == expected
 
 
 def test_fields_in_both_forms(tmp_path):

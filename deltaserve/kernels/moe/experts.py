@@ -3,8 +3,12 @@
 Contributions are summed in ascending expert order, the order the reference uses, so float32 results match it.
 """
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
+
+_FEW_ASSIGNMENTS = 64  # up to this many (token, expert) pairs, group on the host: fewer ops for decode steps
 
 
 def fused_experts(
@@ -15,17 +19,29 @@ def fused_experts(
     Returns sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, D] in x's dtype.
     """
     out = torch.zeros_like(x)
-    flat_ids = ids.flatten()
-    order = flat_ids.argsort(stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    token_of = order // ids.shape[1]
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = token_of[start: start + count]
+    flat_weights = weights.flatten()
+    for expert, rows, positions in _group_by_expert(ids):
         gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert]) * weights.flatten()[order[start: start + count], None]
+        y = F.linear(F.silu(gate) * up, w2[expert]) * flat_weights[positions, None]
         out.index_add_(0, rows, y.to(x.dtype))
-        start += count
     return out
+
+
+def _group_by_expert(ids: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """For each expert hit, ascending: (expert, its token rows [n], their flat positions in ids [n])."""
+    k, flat = ids.shape[1], ids.flatten()
+    if flat.numel() <= _FEW_ASSIGNMENTS:
+        by_expert: dict[int, list[int]] = {}
+        for position, expert in enumerate(flat.tolist()):
+            by_expert.setdefault(expert, []).append(position)
+        for expert in sorted(by_expert):
+            positions = torch.tensor(by_expert[expert], device=ids.device)
+            yield expert, positions // k, positions
+        return
+    order = flat.argsort(stable=True)
+    start = 0
+    for expert, count in enumerate(torch.bincount(flat).tolist()):
+        if count:
+            positions = order[start: start + count]
+            yield expert, positions // k, positions
+            start += count

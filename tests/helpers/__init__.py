@@ -1,0 +1,1 @@
+"""Shared test helpers: reference models built with transformers, and hand-driven deltaserve forward passes."""
