@@ -120,8 +120,10 @@ class ModelConfig:
             qk_nope_head_dim=_int(raw, "qk_nope_head_dim"),
             qk_rope_head_dim=_int(raw, "qk_rope_head_dim"),
             v_head_dim=_int(raw, "v_head_dim"),
-            kda_num_heads=_int(lin, "num_heads", default=_get(raw, "linear_num_heads", default=32), prefix="linear_attn_config."),
-            kda_head_dim=_int(lin, "head_dim", default=_get(raw, "linear_head_dim", default=128), prefix="linear_attn_config."),
+            kda_num_heads=_int(lin, "num_heads", default=_get(raw, "linear_num_heads", default=32),
+                               prefix="linear_attn_config."),
+            kda_head_dim=_int(lin, "head_dim", default=_get(raw, "linear_head_dim", default=128),
+                              prefix="linear_attn_config."),
             conv_kernel_size=_int(
                 lin, "short_conv_kernel_size", default=_get(raw, "linear_conv_kernel_dim", default=4),
                 prefix="linear_attn_config.",
@@ -151,11 +153,12 @@ class ModelConfig:
         )
         per_group = self.num_experts // self.num_expert_group
         _require(per_group >= 2, "num_expert_group", self.num_expert_group,
-                 f"leaves {per_group} expert per group; the group score sums the top 2, so groups need >= 2 experts")
+                 f"leaves {per_group} expert per group; the group score sums the top 2, so a group needs >= 2")
         _require(1 <= self.topk_group <= self.num_expert_group, "topk_group", self.topk_group,
                  f"must be in [1, num_expert_group={self.num_expert_group}]")
-        _require(self.num_experts_per_token <= self.topk_group * per_group, "num_experts_per_token",
-                 self.num_experts_per_token, f"must be <= topk_group * experts per group = {self.topk_group * per_group}")
+        allowed = self.topk_group * per_group
+        _require(self.num_experts_per_token <= allowed, "num_experts_per_token", self.num_experts_per_token,
+                 f"must be <= topk_group * experts per group = {allowed}")
         _require(self.conv_kernel_size >= 2, "linear_attn_config.short_conv_kernel_size", self.conv_kernel_size,
                  "must be >= 2")
         for eid in self.eos_token_ids:

@@ -11,16 +11,18 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.sizing import describe_plan, plan_cache
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.core.outputs import CompletionOutput, Logprob, Logprobs, RequestOutput
 from deltaserve.core.scheduler import Scheduler
+from deltaserve.loader.model_loader import DTYPES
 from deltaserve.request import Request, RequestStatus
 from deltaserve.runner.model_runner import ModelRunner
-from deltaserve.tokenizer import load_tokenizer
 from deltaserve.sampling_params import SamplingParams
+from deltaserve.tokenizer import load_tokenizer
 from deltaserve.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("deltaserve")
@@ -43,12 +45,16 @@ class Engine:
     def __init__(self, model: str, engine_config: EngineConfig, progress=None):
         self.config = engine_config
         self.model_config = ModelConfig.from_file(model)
-        self.tokenizer = load_tokenizer(model)
+        if Path(model).is_file() and engine_config.load_format != "dummy":
+            raise ValueError(f"{model} is a file: pass a model folder, or a config.json with load_format 'dummy'")
+        self.tokenizer = load_tokenizer(model) if Path(model).is_dir() else None
         self.max_model_len = self._max_model_len()
-        plan = plan_cache(self.model_config, engine_config, self.max_model_len)
+        weights = ModelRunner.load_model(model, self.model_config, engine_config, progress)
+        plan = plan_cache(self.model_config, engine_config, self.max_model_len, _device_budget(engine_config))
         log.info(describe_plan(plan))
         self.cache_plan = plan
-        self.runner = ModelRunner.from_folder(model, self.model_config, engine_config, plan, progress)
+        self.runner = ModelRunner(weights, self.model_config, plan, DTYPES[engine_config.dtype], engine_config.device,
+                                  engine_config.seed)
         self.scheduler = Scheduler(engine_config, CacheManager.from_plan(plan), self.max_model_len)
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(
             self.tokenizer.eos_token_ids if self.tokenizer else ())))
@@ -83,6 +89,11 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if not sched.num_scheduled_tokens:
+            if self.scheduler.has_unfinished_requests():  # the next call would schedule nothing again: a loop
+                raise RuntimeError(
+                    f"the scheduler scheduled nothing while {self.scheduler.num_running} running and "
+                    f"{self.scheduler.num_waiting} waiting requests remain; this is a scheduler bug (a request "
+                    "that can never get pages or a slot), not something to retry: abort the requests")
             return []
         runner_out = self.runner.execute(sched)
         updates = self.scheduler.update_from_output(sched, runner_out)
@@ -123,11 +134,16 @@ class Engine:
     def _detokenize(self, tracked: _Tracked, new_ids: list[int]) -> None:
         if tracked.detokenizer is None:
             return
-        tracked.detokenizer.push(new_ids)
         req = tracked.request
-        if tracked.detokenizer.stopped is not None and not req.status.finished:
+        if req.status == RequestStatus.FINISHED_STOPPED and not req.sampling_params.include_stop_str_in_output:
+            new_ids = new_ids[:-1]  # the eos or stop token that ended it is not in the text (vLLM)
+        tracked.detokenizer.push(new_ids)
+        if tracked.detokenizer.stopped is not None and req.status != RequestStatus.FINISHED_STOPPED:
             req.stop_reason = tracked.detokenizer.stopped
-            self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_STOPPED)
+            if req.status.finished:  # a stop string wins over the length limit reached at the same token (vLLM)
+                req.status = RequestStatus.FINISHED_STOPPED
+            else:
+                self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_STOPPED)
         if req.status.finished:
             tracked.detokenizer.finish()
 
@@ -159,3 +175,17 @@ class Engine:
                                       tracked.cumulative_logprob)
         return RequestOutput(req.req_id, tracked.prompt, req.prompt_token_ids, [completion], finished,
                              tracked.prompt_logprobs, dict(tracked.metrics))
+
+
+ACTIVATION_RESERVE_BYTES = 4 << 30  # left free on a GPU for a step's activations and the CUDA graphs
+
+
+def _device_budget(engine: EngineConfig) -> int | None:
+    """Bytes for the cache on a GPU: gpu_memory_utilization of the card, less what the weights took and a reserve."""
+    if engine.device == "cpu" or engine.cache_bytes is not None:
+        return None
+    import torch
+
+    total = torch.cuda.get_device_properties(torch.device(engine.device)).total_memory
+    used = torch.cuda.memory_allocated(engine.device)
+    return int(total * engine.gpu_memory_utilization) - used - ACTIVATION_RESERVE_BYTES

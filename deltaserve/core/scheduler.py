@@ -47,6 +47,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the tail is the preemption victim
         self._finished_req_ids: set[str] = set()  # ones the runner holds, to drop at the next step
+        self.num_preemptions = 0  # since start, for logs and tests
 
     @property
     def num_running(self) -> int:
@@ -167,6 +168,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
         self._finished_req_ids.add(req.req_id)
 

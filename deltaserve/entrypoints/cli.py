@@ -8,6 +8,8 @@ import logging
 import sys
 import time
 
+from deltaserve.entrypoints.openai.command import add_serve_options, cmd_serve
+from deltaserve.parity.commands import add_parity_parser, cmd_parity
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -50,10 +52,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+    bench = sub.add_parser("bench", help="measure TTFT, TPOT, throughput and the bandwidth floor")
+    _engine_options(bench)
+    bench.add_argument("--config", default=None, help="a config.json (with --load-format dummy) instead of --model")
+    bench.add_argument("--batch-sizes", type=_token_ids, default=[1, 16, 64], help="e.g. 1,16,64")
+    bench.add_argument("--prompt-len", type=int, default=512)
+    bench.add_argument("--output-len", type=int, default=64)
+    bench.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _engine_options(serve)
+    add_serve_options(serve)
     tiny = sub.add_parser("make-tiny", help="write a small random Kimi-Linear checkpoint")
     tiny.add_argument("out")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--layout", choices=["moonshot", "saved", "transformers"], default="moonshot")
+    add_parity_parser(sub)
     return parser
 
 
@@ -88,26 +101,47 @@ def cmd_generate(args) -> None:
           file=sys.stderr)
 
 
+def cmd_bench(args) -> None:
+    from deltaserve.config import EngineConfig
+    from deltaserve.entrypoints.bench import bench, print_report
+    from deltaserve.entrypoints.llm import BUNDLED_MODEL, default_device
+
+    if args.config and args.load_format != "dummy":
+        raise ValueError("--config FILE has no weights: add --load-format dummy (or pass --model DIR)")
+    device = args.device or default_device()
+    engine = EngineConfig(dtype=args.dtype or ("float32" if device == "cpu" else "bfloat16"), device=device,
+                          max_model_len=args.max_model_len or args.prompt_len + args.output_len,
+                          max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
+                          block_size=args.block_size, threads=args.threads, load_format=args.load_format)
+    result = bench(args.config or args.model or str(BUNDLED_MODEL), engine, args.batch_sizes, args.prompt_len,
+                   args.output_len)
+    print_report(result)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
 def cmd_make_tiny(args) -> None:
     from deltaserve.entrypoints.make_tiny import make_tiny
 
     print(f"wrote {make_tiny(args.out, args.seed, args.layout)}", file=sys.stderr)
 
 
-COMMANDS = {"generate": cmd_generate, "make-tiny": cmd_make_tiny}
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "make-tiny": cmd_make_tiny, "parity": cmd_parity,
+            "serve": lambda args: cmd_serve(args, _make_llm)}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
-        COMMANDS[args.command](args)
+        status = COMMANDS[args.command](args)  # a command returns None (success) or its exit code
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

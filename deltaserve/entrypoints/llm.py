@@ -10,6 +10,7 @@ from tqdm import tqdm
 from deltaserve.config import EngineConfig
 from deltaserve.core.engine import Engine
 from deltaserve.core.outputs import RequestOutput
+from deltaserve.entrypoints.chat_tools import chat_completion_output, render_chat_prompt
 from deltaserve.sampling_params import SamplingParams
 
 Prompt = str | dict  # text, or {"prompt_token_ids": [...]}
@@ -37,30 +38,41 @@ class LLM:
         """Run every prompt to completion together (continuous batching); outputs in prompt order."""
         req_ids = self._add(prompts, sampling_params)
         final: dict[str, RequestOutput] = {}
-        with tqdm(total=len(req_ids), desc="generating", disable=not use_tqdm, unit="req") as bar:
-            for output in self._run():
-                if output.finished:
-                    final[output.request_id] = output
-                    bar.update(1)
+        try:
+            with tqdm(total=len(req_ids), desc="generating", disable=not use_tqdm, unit="req") as bar:
+                for output in self._run():
+                    if output.finished:
+                        final[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            self._abort_all(req_ids)  # an error or Ctrl-C leaves none of this call's requests in the engine
+            raise
         return [final[r] for r in req_ids]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
-        """Yield each request's cumulative RequestOutput every time it gains tokens, until all finish."""
+        """Yield each request's cumulative RequestOutput every time it gains tokens, until all finish.
+        Invalid prompts raise here, at the call, with nothing queued."""
         self._add(prompts, sampling_params)
-        yield from self._run()
+        return self._run()
 
     def abort(self, request_id: str) -> None:
         """Stop a request started with stream(); its cache is freed at once."""
         self.engine.abort(request_id)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> RequestOutput:
-        """One chat (a list of {role, content}) through the model's chat template."""
+             use_tqdm: bool = False, *, tools: list[dict] | None = None,
+             tool_choice: str | None = None) -> RequestOutput:
+        """One chat (a list of {role, content}) through the model's chat template. outputs[0] is a
+        ChatCompletionOutput: .content and .tool_calls hold the assistant message read from .text. tools are
+        OpenAI's, declared to the model; tool_choice "auto" (the default with tools) parses tool calls, "none"
+        leaves the whole output as content."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model folder has no tokenizer")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate([text], sampling_params, use_tqdm=use_tqdm)[0]
+        prompt = render_chat_prompt(self.tokenizer, messages, tools, tool_choice)
+        output = self.generate([prompt.text], sampling_params, use_tqdm=use_tqdm)[0]
+        output.outputs = [chat_completion_output(c, prompt.parse_tool_calls) for c in output.outputs]
+        return output
 
     def _add(self, prompts, sampling_params) -> list[str]:
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
@@ -68,8 +80,19 @@ class LLM:
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams; pass one, or one per prompt")
-        encoded = [self._encode(p) for p in prompts]  # validate all before queueing any
-        return [self.engine.add_request(ids, sp, prompt=text) for (text, ids), sp in zip(encoded, params)]
+        encoded = [self._encode(p) for p in prompts]
+        req_ids = []
+        try:
+            for (text, ids), sp in zip(encoded, params):
+                req_ids.append(self.engine.add_request(ids, sp, prompt=text))
+        except ValueError:
+            self._abort_all(req_ids)  # all or nothing: one rejected prompt leaves none of its batch queued
+            raise
+        return req_ids
+
+    def _abort_all(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self.engine.abort(req_id)
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -82,7 +105,10 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer, so text prompts cannot be encoded; "
                              "pass {'prompt_token_ids': [...]} instead")
-        return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not ids:
+            raise ValueError(f"prompt {prompt!r} encodes to no tokens; pass a non-empty prompt")
+        return prompt, ids
 
     def _run(self) -> Iterator[RequestOutput]:
         while self.engine.has_unfinished_requests():

@@ -10,6 +10,10 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     x: [B, D]; weight: [D, W]; conv_state: [S, D, W-1] (the last W-1 inputs), updated in place at state_slots [B].
     Returns silu(conv) [B, D].
     """
+    if x.is_cuda:
+        from deltaserve.kernels.conv1d_triton import conv1d_update
+
+        return conv1d_update(x, weight, conv_state, state_slots)
     window = torch.cat([conv_state.index_select(0, state_slots), x[:, :, None]], dim=-1)  # [B, D, W]
     conv_state.index_copy_(0, state_slots, window[:, :, 1:])
     return F.silu((window * weight).sum(-1))

@@ -5,22 +5,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
-from deltaserve.kernels.kda import chunk_kda, fused_recurrent_kda
+from deltaserve.kernels.kda import kda_decode, kda_prefill
 from deltaserve.kernels.norm import gated_rms_norm
 from deltaserve.layers.linear import Linear
 
 if TYPE_CHECKING:
     from deltaserve.runner.forward_batch import ForwardBatch
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim: FLA's form (not F.normalize's max(norm, eps))."""
-    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -43,12 +37,6 @@ class KimiDeltaAttention(nn.Module):
         H, K = cfg.kda_num_heads, cfg.kda_head_dim
         return {"conv": ((3 * H * K, cfg.conv_kernel_size - 1), "model"), "recurrent": ((H, K, K), "float32")}
 
-    def log_decay(self, f_a: torch.Tensor) -> torch.Tensor:
-        """f_a [N, K] (the forget gate's low-rank input) -> per-channel log decay g [N, H, K] float32, <= 0."""
-        g = self.f_b_proj(f_a).float() + self.dt_bias.float()
-        softplus = F.softplus(g, threshold=20.0)  # linear above 20, as the reference's overflow guard
-        return -self.A_log.float().exp()[:, None] * softplus.view(-1, self.num_heads, self.head_dim)
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
         """x [N, D] -> [N, D]; reads and updates the conv and recurrent states of batch.state_slots."""
         N, nd, H, K = x.shape[0], batch.num_decodes, self.num_heads, self.head_dim
@@ -59,22 +47,21 @@ class KimiDeltaAttention(nn.Module):
         if N > nd:
             conv_parts.append(causal_conv1d_varlen(
                 qkv[nd:], self.conv_weight, cache["conv"], batch.state_slot_list[nd:], batch.prefill_cu_seqlens()))
-        qkv = (conv_parts[0] if len(conv_parts) == 1 else torch.cat(conv_parts)).float().view(N, 3, H, K)
-        qk = l2norm(qkv[:, :2])
-        q, k, v = qk[:, 0], qk[:, 1], qkv[:, 2]  # [N, H, K] each
-        beta = torch.sigmoid(b).float()  # [N, H]
-        o = self._delta_rule(q, k, v, self.log_decay(f_a), beta, batch, cache["recurrent"]).to(x.dtype)
+        qkv = (conv_parts[0] if len(conv_parts) == 1 else torch.cat(conv_parts)).view(N, 3, H, K)
+        o = self._delta_rule(qkv[:, 0], qkv[:, 1], qkv[:, 2], self.f_b_proj(f_a), b, batch, cache["recurrent"])
         gate = self.g_b_proj(g_a).view(N, H, K)
         return self.o_proj(gated_rms_norm(o, gate, self.o_norm_weight, self.eps).view(N, H * K))
 
-    def _delta_rule(self, q, k, v, g, beta, batch: ForwardBatch, state: torch.Tensor) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, g_raw, b_raw, batch: ForwardBatch, state: torch.Tensor) -> torch.Tensor:
+        """q, k, v [N, H, K] raw; g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V] in the layer's dtype."""
         nd, scale = batch.num_decodes, self.head_dim ** -0.5
+        params = (self.dt_bias, self.A_log)
         if nd == q.shape[0]:
-            return fused_recurrent_kda(q, k, v, g, beta, scale, state, batch.state_slots)
-        o = torch.empty_like(v)
+            return kda_decode(q, k, v, g_raw, b_raw, *params, state, batch.state_slots, scale).to(v.dtype)
+        o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         if nd:
-            o[:nd] = fused_recurrent_kda(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], scale, state,
-                                         batch.state_slots[:nd])
-        o[nd:] = chunk_kda(q[nd:], k[nd:], v[nd:], g[nd:], beta[nd:], scale, state, batch.state_slot_list[nd:],
-                           batch.prefill_cu_seqlens())
-        return o
+            o[:nd] = kda_decode(q[:nd], k[:nd], v[:nd], g_raw[:nd], b_raw[:nd], *params, state,
+                                batch.state_slots[:nd], scale)
+        o[nd:] = kda_prefill(q[nd:], k[nd:], v[nd:], g_raw[nd:], b_raw[nd:], *params, state,
+                             batch.state_slot_list[nd:], batch.prefill_cu_seqlens(), scale)
+        return o.to(v.dtype)

@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from deltaserve.kernels.norm import rms_norm
+from deltaserve.kernels.norm import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -10,5 +10,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """rmsnorm(x); with residual: (rmsnorm(x + residual), x + residual), one fused kernel on a GPU."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return add_rms_norm(x, residual, self.weight, self.eps)

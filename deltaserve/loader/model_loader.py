@@ -36,13 +36,15 @@ def load_weights(model, checkpoint: Checkpoint, cfg: ModelConfig, progress=None)
     """Copy every parameter's tensors in; missing, unexpected and mis-shaped tensors are errors."""
     params = dict(model.named_parameters())
     available = checkpoint.names()
-    plan = {name: _choose(name, options, available) for name, options in checkpoint_options(cfg).items()}
+    plan = {name: _choose(name, options, available, checkpoint.folder)
+            for name, options in checkpoint_options(cfg).items()}
     used = {piece.name for option in plan.values() for piece in option}
     unexpected = sorted(available - used)
     if unexpected:
-        raise CheckpointError(f"unexpected tensor {unexpected[0]} in {checkpoint.file_of[unexpected[0]]} "
-                              f"({len(unexpected)} unexpected in all): not a Kimi-Linear tensor for this config.json; "
-                              "check that config.json matches the weights")
+        first = unexpected[0]
+        raise CheckpointError(f"unexpected tensor {first} of shape {list(checkpoint.shape(first))} in "
+                              f"{checkpoint.file_of[first]} ({len(unexpected)} unexpected in all): not a Kimi-Linear "
+                              "tensor for this config.json; check that config.json matches the weights")
     for step, (name, option) in enumerate(plan.items()):
         for piece in option:
             _check_shape(piece, checkpoint.shape(piece.name), checkpoint.file_of[piece.name], name)
@@ -52,15 +54,16 @@ def load_weights(model, checkpoint: Checkpoint, cfg: ModelConfig, progress=None)
             progress(step + 1, len(plan))
 
 
-def _choose(param: str, options: list[Option], available: set[str]) -> Option:
+def _choose(param: str, options: list[Option], available: set[str], folder: Path) -> Option:
     """The option whose tensors are all present; else an error naming a tensor of the closest one."""
     for option in options:
         if all(piece.name in available for piece in option):
             return option
     closest = max(options, key=lambda o: sum(piece.name in available for piece in o))
-    missing = [piece.name for piece in closest if piece.name not in available]
-    raise CheckpointError(f"missing tensor {missing[0]} (for parameter {param}; {len(missing)} missing for it): "
-                          "the checkpoint is incomplete or its config.json describes another model")
+    missing = [piece for piece in closest if piece.name not in available]
+    raise CheckpointError(f"missing tensor {missing[0].name} of shape {list(missing[0].shape)} in {folder} (for "
+                          f"parameter {param}; {len(missing)} missing for it): the checkpoint is incomplete or its "
+                          "config.json describes another model")
 
 
 def _check_shape(piece, shape: tuple[int, ...], file: str, param: str) -> None:

@@ -43,7 +43,8 @@ def checkpoint_options(cfg: ModelConfig) -> dict[str, list[Option]]:
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
             options[f"{dst}{norm}.weight"] = [[Piece(f"{src}{norm}.weight", (), (D,))]]
-        attn = _kda_options(cfg, src + "self_attn.") if cfg.layer_types[i] == KDA else _mla_options(cfg, src + "self_attn.")
+        attn_options = _kda_options if cfg.layer_types[i] == KDA else _mla_options
+        attn = attn_options(cfg, src + "self_attn.")
         mlp = _moe_options(cfg, src) if cfg.mlp_types[i] == MOE else _dense_options(src, D, cfg.intermediate_size)
         options.update({f"{dst}self_attn.{k}": v for k, v in attn.items()})
         options.update({f"{dst}mlp.{k}": v for k, v in mlp.items()})

@@ -32,9 +32,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embedding for layer 0, with residual None); residual: the stream
+        before it. Returns this layer's (MLP output, stream before it); adds are fused into the next norm."""
+        h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, batch, cache), residual)
+        return self.mlp(h), residual
 
 
 class KimiLinearForCausalLM(nn.Module):
@@ -54,10 +58,10 @@ class KimiLinearForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: list[dict[str, torch.Tensor]]):
         """input_ids [N] -> final hidden states [N, D] (normalised); caches[i] is layer i's cache tensors."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, batch, cache)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch, cache)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, D] -> logits [M, V] float32."""

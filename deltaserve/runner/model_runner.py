@@ -16,6 +16,7 @@ from deltaserve.cache.sizing import CachePlan
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, sample
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
+from deltaserve.runner.cuda_graph import DecodeGraphs
 from deltaserve.runner.forward_batch import ForwardBatch
 from deltaserve.runner.logprobs import prompt_logprobs, sampled_logprobs
 from deltaserve.sampling_params import SamplingParams
@@ -44,16 +45,21 @@ class RequestState:
 
 class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, plan: CachePlan, dtype: torch.dtype, device: str,
-                 seed: int = 0):
+                 seed: int = 0, cuda_graphs: bool = True, graph_max_context: int = 4096):
         self.model, self.cfg, self.plan, self.device = model, model_config, plan, torch.device(device)
         self.caches = self._allocate_caches(dtype)
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda" and dtype != torch.float32:  # float32: the exact, eager path
+            self.graphs = DecodeGraphs(model, self.caches, plan.num_slots, -(-graph_max_context // plan.block_size),
+                                       plan.block_size, plan.num_slots, plan.num_blocks, self.device)
+            with torch.inference_mode():
+                self.graphs.capture()
 
-    @classmethod
-    def from_folder(cls, folder: str, model_config: ModelConfig, engine: EngineConfig, plan: CachePlan,
-                    progress=None) -> "ModelRunner":
-        """Load the weights (or dummy ones with load_format 'dummy') and allocate the cache."""
+    @staticmethod
+    def load_model(folder: str, model_config: ModelConfig, engine: EngineConfig, progress=None):
+        """The model on engine.device: its weights from `folder`, or random ones with load_format 'dummy'."""
         if engine.threads:
             torch.set_num_threads(engine.threads)
         dtype = DTYPES[engine.dtype]
@@ -62,15 +68,17 @@ class ModelRunner:
             init_dummy_weights(model, engine.seed)
         else:
             model = load_model(folder, model_config, dtype, engine.device, progress)
-        return cls(model.eval(), model_config, plan, dtype, engine.device, engine.seed)
+        return model.eval()
 
     def _allocate_caches(self, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
-        """Per layer: MLA pages [num_blocks, block_size, latent_dim]; KDA states [num_slots, ...]."""
+        """Per layer: MLA pages [num_blocks + 1, block_size, latent_dim]; KDA states [num_slots + 1, ...].
+        The last page and slot are scratch space for the padding rows of CUDA graphs; never handed out."""
         caches = []
         for shapes in self.model.cache_shapes():
             layer = {}
             for name, (shape, kind) in shapes.items():
-                lead = (self.plan.num_blocks, self.plan.block_size) if name == "latent" else (self.plan.num_slots,)
+                lead = (self.plan.num_blocks + 1, self.plan.block_size) if name == "latent" else (
+                    self.plan.num_slots + 1,)
                 layer[name] = torch.zeros(*lead, *shape, dtype=torch.float32 if kind == "float32" else dtype,
                                           device=self.device)
             caches.append(layer)
@@ -85,8 +93,11 @@ class ModelRunner:
         if not order:
             return RunnerOutput([], {})
         input_ids, batch = self._prepare(order, sched.num_scheduled_tokens)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(input_ids, batch)
+            return self._sample(order, batch, lambda rows: logits[rows])
         hidden = self.model(input_ids, batch, self.caches)
-        return self._sample(order, sched.num_scheduled_tokens, hidden, batch)
+        return self._sample(order, batch, lambda rows: self.model.compute_logits(hidden[rows]))
 
     def _update_requests(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -131,7 +142,8 @@ class ModelRunner:
             state_slot_list=state_slot_list)
         return tensor(ids), batch
 
-    def _sample(self, order, num_tokens, hidden: torch.Tensor, batch: ForwardBatch) -> RunnerOutput:
+    def _sample(self, order: list[str], batch: ForwardBatch, logits_at) -> RunnerOutput:
+        """logits_at(rows) -> logits [len(rows), V] float32 at those token rows of this step."""
         from deltaserve.core.outputs import RunnerOutput
 
         out = RunnerOutput(req_ids=list(order), sampled_token_ids={r: [] for r in order})
@@ -141,13 +153,13 @@ class ModelRunner:
             state = self.requests[req_id]
             state.num_computed_tokens += n
             if state.sampling_params.prompt_logprobs is not None:
-                self._prompt_logprobs(state, hidden[end - n: end], out)
+                self._prompt_logprobs(state, end - n, n, logits_at, out)
             if state.num_computed_tokens >= len(state.token_ids):
                 sampling.append((req_id, end - 1))
         if not sampling:
             return out
         states = [self.requests[r] for r, _ in sampling]
-        logits = self.model.compute_logits(hidden[[row for _, row in sampling]])
+        logits = logits_at([row for _, row in sampling])
         params = [s.sampling_params for s in states]
         if plain_greedy(params):
             token_ids, result = logits.argmax(dim=-1), None
@@ -160,15 +172,16 @@ class ModelRunner:
             state.token_ids.append(token)
             out.sampled_token_ids[state.req_id] = [token]
             if state.sampling_params.logprobs is not None:
-                out.logprobs[state.req_id] = [sampled_logprobs(result.logprobs, i, token, state.sampling_params.logprobs)]
+                num = state.sampling_params.logprobs
+                out.logprobs[state.req_id] = [sampled_logprobs(result.logprobs, i, token, num)]
         return out
 
-    def _prompt_logprobs(self, state: RequestState, hidden: torch.Tensor, out: RunnerOutput) -> None:
+    def _prompt_logprobs(self, state: RequestState, first_row: int, n: int, logits_at, out: RunnerOutput) -> None:
         """Logprobs of the prompt tokens this chunk predicts (position p predicts token p + 1)."""
-        start = state.num_computed_tokens - hidden.shape[0]
+        start = state.num_computed_tokens - n
         last = min(state.num_computed_tokens, state.num_prompt_tokens - 1)  # the last prompt position to score
         if last <= start:
             return
-        logits = self.model.compute_logits(hidden[: last - start])
+        logits = logits_at(list(range(first_row, first_row + last - start)))
         targets = state.token_ids[start + 1: last + 1]
         out.prompt_logprobs[state.req_id] = prompt_logprobs(logits, targets, state.sampling_params.prompt_logprobs)

@@ -8,11 +8,11 @@ from deltaserve.tokenizer.base import Tokenizer
 from deltaserve.tokenizer.detokenizer import IncrementalDetokenizer
 from deltaserve.tokenizer.errors import ChatTemplateError, TokenizerError
 from deltaserve.tokenizer.hf import TOKENIZER_FILE, HFTokenizer
+from deltaserve.tokenizer.tiktoken_file import TIKTOKEN_FILE
+from deltaserve.tokenizer.tiktoken_kimi import KimiTokenizer
 from deltaserve.tokenizer.tokenizer_config import CONFIG_FILE
 
 __all__ = ["ChatTemplateError", "IncrementalDetokenizer", "Tokenizer", "TokenizerError", "load_tokenizer"]
-
-TIKTOKEN_FILE = "tiktoken.model"
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
@@ -23,13 +23,10 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     if (model_dir / TOKENIZER_FILE).is_file():
         return HFTokenizer(model_dir)
     if (model_dir / TIKTOKEN_FILE).is_file():
-        raise TokenizerError(
-            f"{model_dir / TIKTOKEN_FILE}: tiktoken tokenizers are not supported by this version of deltaserve; "
-            f"add a tokenizer.json beside it, or move it away to run on token ids only"
-        )
+        return KimiTokenizer(model_dir)
     if (model_dir / CONFIG_FILE).is_file():
         raise TokenizerError(
-            f"{model_dir / CONFIG_FILE} has no vocabulary beside it (expected {TOKENIZER_FILE}); "
+            f"{model_dir / CONFIG_FILE} has no vocabulary beside it (expected {TOKENIZER_FILE} or {TIKTOKEN_FILE}); "
             f"copy the model's {TOKENIZER_FILE} into {model_dir}, or remove {CONFIG_FILE} to run on token ids only"
         )
     return None

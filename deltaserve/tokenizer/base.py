@@ -19,7 +19,8 @@ class Tokenizer(ABC):
     A back end builds its vocabulary first, then calls Tokenizer.__init__, which checks the config against it
     and sets bos_token_id, eos_token_ids (eos_token plus the chat template's end-of-turn tokens),
     all_special_ids and chat_template (None when the folder has none).
-    Special-token strings in encoded text become their ids: the chat template's output relies on it.
+    Special-token strings in encoded text become their ids (the Kimi tiktoken back end: only with
+    add_special_tokens=True, which the engine passes for prompts): the chat template's output relies on it.
     """
 
     def __init__(self, config: TokenizerConfig, config_origin: str):

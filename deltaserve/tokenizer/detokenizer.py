@@ -36,6 +36,7 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop_str_in_output
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._utf8.decode(self._prompt_tail(prompt_token_ids))
+        self._prompt_pending = bool(self._utf8.getstate()[0])  # the prompt ends inside a character
         self._held = ""  # decoded text not handed out yet: it may begin a stop string
         self.output_text = ""  # all text handed out so far: the deltas joined
         self.stopped: str | None = None  # the stop string that ended the text, once one has
@@ -45,12 +46,18 @@ class IncrementalDetokenizer:
         if self.stopped is not None:
             return ""
         new_bytes = b"".join(self._tokenizer.id_to_bytes(i) for i in token_ids if i not in self._skip_ids)
+        if self._prompt_pending and new_bytes:
+            self._prompt_pending = False
+            if not 0x80 <= new_bytes[0] < 0xC0:  # not a continuation byte: the prompt's unfinished character
+                self._utf8.reset()  # stays the prompt's, and never becomes a U+FFFD of the output
         return self._advance(self._utf8.decode(new_bytes), final=False)
 
     def finish(self) -> str:
         """The text held back until now; an unfinished character at the end becomes U+FFFD, as in decode."""
         if self.stopped is not None:
             return ""
+        if self._prompt_pending:  # no output byte continued the prompt's unfinished character
+            self._utf8.reset()
         return self._advance(self._utf8.decode(b"", final=True), final=True)
 
     def _advance(self, new_text: str, final: bool) -> str:

@@ -1,6 +1,9 @@
+import base64
+
 import pytest
 
 from deltaserve.tokenizer import Tokenizer, TokenizerError, load_tokenizer
+from deltaserve.tokenizer.tiktoken_kimi import KimiTokenizer
 
 
 def test_folder_without_tokenizer_files(tmp_path):
@@ -18,9 +21,10 @@ def test_missing_folder(tmp_path):
 
 
 def test_tiktoken_only(tmp_path):
-    (tmp_path / "tiktoken.model").write_text("")
-    with pytest.raises(TokenizerError, match=r"tiktoken.model: tiktoken tokenizers are not supported .* add a tokeni"):
-        load_tokenizer(tmp_path)
+    lines = (f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256))
+    (tmp_path / "tiktoken.model").write_text("".join(lines))
+    tokenizer = load_tokenizer(tmp_path)
+    assert isinstance(tokenizer, KimiTokenizer) and tokenizer.vocab_size == 512
 
 
 def test_config_without_vocabulary(tmp_path):

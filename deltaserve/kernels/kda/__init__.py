@@ -1,4 +1,44 @@
+"""KDA ops by mode. Each takes the raw projections (after the short conv) and picks the fastest implementation
+for the device: on the CPU the torch kernels of this package, on a GPU our fused Triton decode step and
+fla-core's chunked prefill (the `gpu` extra). naive.py is the spec all of them are tested against."""
+
+import torch
+
 from deltaserve.kernels.kda.chunk import chunk_kda
 from deltaserve.kernels.kda.fused_recurrent import fused_recurrent_kda
+from deltaserve.kernels.kda.gate import kda_gate, l2norm
 
-__all__ = ["chunk_kda", "fused_recurrent_kda"]
+__all__ = ["chunk_kda", "fused_recurrent_kda", "kda_decode", "kda_gate", "kda_prefill", "l2norm"]
+
+
+def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: torch.Tensor, scale: float):
+    """One token per sequence. q, k, v: [B, H, K] (post conv + SiLU); g_raw [B, H*K] (f_b_proj output);
+    b_raw [B, H] (before sigmoid); state [S, H, K, V] float32 updated in place at state_slots [B].
+    Returns o [B, H, V] float32."""
+    if q.is_cuda:
+        from deltaserve.kernels.kda.triton_decode import kda_decode as triton_kda_decode
+
+        return triton_kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots, scale)
+    beta = torch.sigmoid(b_raw).float()
+    return fused_recurrent_kda(l2norm(q), l2norm(k), v.float(), kda_gate(g_raw, dt_bias, a_log), beta, scale,
+                               state, state_slots)
+
+
+def kda_prefill(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: list[int], cu_seqlens: list[int],
+                scale: float):
+    """Packed sequences (cu_seqlens: B+1 host offsets). Same tensors as kda_decode with N tokens instead of B;
+    sequence b starts from state[state_slots[b]] and leaves its final state there. Returns o [N, H, V] float32."""
+    g, beta = kda_gate(g_raw, dt_bias, a_log), torch.sigmoid(b_raw).float()
+    if q.is_cuda and q.dtype != torch.float32 and _fla_available():  # float32 keeps the exact torch path
+        from deltaserve.kernels.kda.fla_chunk import fla_chunk_kda
+
+        return fla_chunk_kda(q, k, v, g, beta, scale, state, state_slots, cu_seqlens)
+    return chunk_kda(l2norm(q), l2norm(k), v.float(), g, beta, scale, state, state_slots, cu_seqlens)
+
+
+def _fla_available() -> bool:
+    try:
+        import fla.ops.kda  # noqa: F401
+    except ImportError:
+        return False
+    return True

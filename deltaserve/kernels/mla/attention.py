@@ -7,6 +7,7 @@ reads R + Dr values per cached token instead of expanding the whole history agai
 """
 
 import torch
+import torch.nn.functional as F
 
 
 def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -31,6 +32,8 @@ def mla_prefill(
     (scores in float32, probabilities cast back to v's dtype as the reference does).
     """
     T, L = q_nope.shape[0], k_nope.shape[0]
+    if q_nope.is_cuda:
+        return _sdpa_prefill(q_nope, q_rope, k_nope, k_rope, v, scale, start_pos)
     scores = torch.einsum("thd,lhd->htl", q_nope, k_nope) + torch.einsum("thd,ld->htl", q_rope, k_rope)
     future = torch.ones(T, L, dtype=torch.bool, device=q_nope.device).triu(start_pos + 1)
     probs = torch.softmax((scores * scale).float().masked_fill(future, float("-inf")), dim=-1).to(v.dtype)
@@ -52,10 +55,24 @@ def mla_decode(
     included). Returns the attention-weighted latent [B, H, R]; the caller applies the value half of kv_b_proj.
     """
     B, _, R = q_latent.shape
-    max_len = int(context_lens.max())
-    latents = cache[block_tables[:, : (max_len + cache.shape[1] - 1) // cache.shape[1]]].flatten(1, 2)[:, :max_len]
+    latents = cache[block_tables].flatten(1, 2)  # [B, L, R+Dr], L = max_blocks * block_size: no host sync
+    max_len = latents.shape[1]
     c_kv, k_rope = latents[..., :R], latents[..., R:]  # [B, L, R], [B, L, Dr]
     scores = torch.einsum("bhr,blr->bhl", q_latent, c_kv) + torch.einsum("bhd,bld->bhl", q_rope, k_rope)
     beyond = torch.arange(max_len, device=cache.device)[None, :] >= context_lens[:, None]  # [B, L]
     probs = torch.softmax((scores * scale).float().masked_fill(beyond[:, None, :], float("-inf")), dim=-1)
     return torch.einsum("bhl,blr->bhr", probs.to(c_kv.dtype), c_kv)
+
+
+def _sdpa_prefill(q_nope, q_rope, k_nope, k_rope, v, scale: float, start_pos: int) -> torch.Tensor:
+    """mla_prefill through PyTorch's fused attention (GPU): never materialises the [H, T, L] scores."""
+    T, H, _ = q_nope.shape
+    L = k_nope.shape[0]
+    q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)[None]  # [1, H, T, Dn+Dr]
+    k = torch.cat([k_nope, k_rope[:, None, :].expand(L, H, -1)], dim=-1).transpose(0, 1)[None]
+    mask = None
+    if start_pos:
+        mask = torch.arange(L, device=q.device)[None, :] <= start_pos + torch.arange(T, device=q.device)[:, None]
+    out = F.scaled_dot_product_attention(q, k, v.transpose(0, 1)[None], attn_mask=mask, is_causal=not start_pos,
+                                         scale=scale)
+    return out[0].transpose(0, 1)  # [T, H, Dv]

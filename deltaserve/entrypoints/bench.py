@@ -1,0 +1,114 @@
+"""deltaserve bench: TTFT, TPOT, prefill and output tokens/s, peak memory, and the bandwidth floor of a decode step.
+
+The floor is the bytes a decode step must move (the active weights: everything but the routed experts no token
+of the step chose, with uniform routing assumed; the MLA latents read; the KDA states read and written) over
+the copy bandwidth measured in the same process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from deltaserve.config import MLA, MOE, EngineConfig, ModelConfig
+from deltaserve.core.engine import Engine
+from deltaserve.sampling_params import SamplingParams
+
+
+def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int) -> int:
+    """Bytes one decode step of `batch` sequences at `context` tokens must read or write at least."""
+    E, k, D, I = cfg.num_experts, cfg.num_experts_per_token, cfg.hidden_size, cfg.moe_intermediate_size
+    expert = 3 * D * I
+    hit = E * (1 - (1 - k / E) ** batch)  # expected distinct experts per MoE layer, uniform routing
+    num_moe = sum(t == MOE for t in cfg.mlp_types)
+    dense_params = _non_expert_params(cfg) + num_moe * hit * expert
+    latents = batch * context * cfg.latent_dim * sum(t == MLA for t in cfg.layer_types) * dtype_bytes
+    kda_state = 2 * batch * len(cfg.kda_layer_ids) * cfg.kda_num_heads * cfg.kda_head_dim ** 2 * 4
+    return int(dense_params * dtype_bytes + latents + kda_state)
+
+
+def _non_expert_params(cfg: ModelConfig) -> int:
+    from deltaserve.loader.model_loader import build_model
+    from deltaserve.models.kimi_linear import parameter_counts
+
+    model = build_model(cfg, torch.bfloat16)  # meta device: no memory
+    total, _ = parameter_counts(model)
+    num_moe = sum(t == MOE for t in cfg.mlp_types)
+    routed = num_moe * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    return total - routed - cfg.vocab_size * cfg.hidden_size  # the embedding reads one row per token
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a large device-to-device copy (read + write), median of 10."""
+    if device == "cpu":
+        src = torch.randn(64 << 20)
+    else:
+        src = torch.randn(256 << 20, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def run_batch(engine: Engine, batch: int, prompt_len: int, output_len: int, seed: int) -> dict:
+    """Submit `batch` random prompts at once and run them to the end; per-request timings averaged."""
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    for _ in range(batch):
+        ids = torch.randint(0, engine.model_config.vocab_size, (prompt_len,), generator=gen).tolist()
+        engine.add_request(ids, params)
+    start = time.perf_counter()
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    elapsed = time.perf_counter() - start
+    ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in finished]
+    decode = [(o.metrics["finish_time"] - o.metrics["first_token_time"]) / max(output_len - 1, 1) for o in finished]
+    last_first = max(o.metrics["first_token_time"] for o in finished)
+    decode_span = max(o.metrics["finish_time"] for o in finished) - last_first
+    return {"batch": batch, "ttft_ms": 1000 * sum(ttft) / batch, "tpot_ms": 1000 * sum(decode) / batch,
+            "prefill_tok_s": batch * prompt_len / max(ttft), "output_tok_s": batch * (output_len - 1) / decode_span,
+            "total_s": elapsed}
+
+
+def bench(model: str, engine_config: EngineConfig, batch_sizes: list[int], prompt_len: int, output_len: int) -> dict:
+    engine = Engine(model, engine_config)
+    cfg, device = engine.model_config, engine_config.device
+    dtype_bytes = 4 if engine_config.dtype == "float32" else 2
+    bandwidth = copy_bandwidth(device)
+    run_batch(engine, 1, min(prompt_len, 16), 4, seed=99)  # warm-up
+    if device != "cpu":
+        torch.cuda.reset_peak_memory_stats(device)
+    rows = []
+    for batch in batch_sizes:
+        row = run_batch(engine, batch, prompt_len, output_len, seed=batch)
+        floor = decode_step_bytes(cfg, batch, prompt_len + output_len // 2, dtype_bytes) / bandwidth
+        row.update(floor_ms=1000 * floor, floor_tok_s=batch / floor)
+        rows.append(row)
+    peak = torch.cuda.max_memory_allocated(device) if device != "cpu" else None
+    return {"device": torch.cuda.get_device_name(device) if device != "cpu" else "cpu", "dtype": engine_config.dtype,
+            "copy_GBps": bandwidth / 1e9, "peak_memory_GiB": peak / 2**30 if peak else None,
+            "prompt_len": prompt_len, "output_len": output_len, "rows": rows}
+
+
+def print_report(result: dict) -> None:
+    cols = ("batch", "ttft_ms", "tpot_ms", "prefill_tok_s", "output_tok_s", "floor_ms", "floor_tok_s")
+    print(f"device {result['device']}, {result['dtype']}, copy {result['copy_GBps']:.0f} GB/s, "
+          f"peak memory {result['peak_memory_GiB'] or 0:.1f} GiB, prompt {result['prompt_len']}, "
+          f"output {result['output_len']}")
+    print("".join(f"{c:>15}" for c in cols))
+    for row in result["rows"]:
+        print("".join(f"{row[c]:>15.2f}" if isinstance(row[c], float) else f"{row[c]:>15}" for c in cols))
+    print(json.dumps(result))
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) over the engine; see api_server.py."""

@@ -1,0 +1,105 @@
+"""The OpenAI-compatible HTTP server: build_app() wires the routes over one Engine; run_server() serves it.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}] (API key when one is set),
+GET /health and GET /metrics (open). uvicorn's graceful shutdown is the drain: on SIGTERM it stops accepting,
+lets every in-flight response (streams included) finish, then the lifespan stops the engine loop.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from deltaserve.core.async_engine import AsyncEngine
+from deltaserve.core.engine import Engine
+from deltaserve.entrypoints.openai.errors import OpenAIError, install_handlers
+from deltaserve.entrypoints.openai.guard import RequestGuard
+from deltaserve.entrypoints.openai.metrics import ServerMetrics
+from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from deltaserve.entrypoints.openai.serving import ServerConfig, ServingContext
+from deltaserve.entrypoints.openai.serving_chat import ChatServing
+from deltaserve.entrypoints.openai.serving_completions import CompletionServing
+
+_ERROR = {"description": "an error in OpenAI's shape: {\"error\": {\"message\", \"type\", \"param\", \"code\"}}"}
+ERROR_RESPONSES = {status: _ERROR for status in (400, 401, 404, 413, 429, 503)}
+
+
+def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    metrics = ServerMetrics(config.served_model_name)
+    async_engine = AsyncEngine(engine, config.max_queue, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        metrics.on_step(engine)
+        yield
+        await async_engine.shutdown()
+
+    app = FastAPI(title="deltaserve", summary="OpenAI-compatible server for Kimi-Linear", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    install_handlers(app, metrics.on_error_response)
+    app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       on_error=metrics.on_error_response)
+    ctx = ServingContext(async_engine, config)
+    _add_routes(app, ctx, CompletionServing(ctx), ChatServing(ctx), metrics, int(time.time()))
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _add_routes(app: FastAPI, ctx: ServingContext, completions: CompletionServing, chat: ChatServing,
+                metrics: ServerMetrics, created: int) -> None:
+    model_card = {"id": ctx.config.served_model_name, "object": "model", "created": created, "owned_by": "deltaserve",
+                  "max_model_len": ctx.max_model_len}
+
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def create_completion(body: CompletionRequest, request: Request):
+        return await completions.create(body, request)
+
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        return await chat.create(body, request)
+
+    @app.get("/v1/models", responses=ERROR_RESPONSES)
+    async def list_models():
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}", responses=ERROR_RESPONSES)
+    async def retrieve_model(model_id: str):
+        ctx.check_model(model_id)
+        return model_card
+
+    @app.get("/health", responses={503: _ERROR})
+    async def health():
+        if not ctx.async_engine.is_running:
+            raise OpenAIError(503, "the engine loop is not running", code="unavailable")
+        return JSONResponse({})
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema, less the 422 it documents for every route: validation errors are 400 here."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def run_server(engine: Engine, config: ServerConfig, host: str, port: int, drain_timeout: float | None,
+               log_level: str = "info") -> None:
+    """Serve until SIGINT/SIGTERM; then drain (at most drain_timeout seconds) and return."""
+    import uvicorn
+
+    uvicorn.run(build_app(engine, config), host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=drain_timeout)

@@ -1,0 +1,53 @@
+"""`deltaserve serve`: its options (beside the engine options that generate has) and the command itself.
+
+Nothing heavy is imported here at module level, so `deltaserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+API_KEY_ENV = "DELTASERVE_API_KEY"
+
+
+def add_serve_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none)")
+    g.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model as given)")
+    g.add_argument("--max-queue", type=int, default=256,
+                   help="requests that may wait beyond the --max-num-seqs running ones; more are answered 429")
+    g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies are answered 413")
+    g.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="on SIGTERM, seconds to let in-flight requests finish before exiting")
+
+
+def server_config(args):
+    """The validated ServerConfig of the parsed arguments (ValueError names the bad option)."""
+    from deltaserve.entrypoints.openai.serving import ServerConfig
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key is empty; pass a non-empty key, or leave it out to serve without one")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port}: must be in [0, 65535]")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue {args.max_queue}: must be >= 0")
+    if args.max_body_bytes < 1024:
+        raise ValueError(f"--max-body-bytes {args.max_body_bytes}: must be at least 1024")
+    if args.drain_timeout <= 0:
+        raise ValueError(f"--drain-timeout {args.drain_timeout}: must be > 0 seconds")
+    return ServerConfig(served_model_name=args.served_model_name or args.model or "demo-model", api_key=api_key,
+                        max_body_bytes=args.max_body_bytes, max_queue=args.max_queue, default_seed=args.seed)
+
+
+def cmd_serve(args, make_llm) -> None:
+    """Load the model (make_llm(args), as generate does), then serve until SIGINT/SIGTERM."""
+    from deltaserve.entrypoints.openai.api_server import run_server
+
+    config = server_config(args)
+    llm = make_llm(args)
+    run_server(llm.engine, config, args.host, args.port, args.drain_timeout)

@@ -1,0 +1,88 @@
+"""Request bodies of the OpenAI API as pydantic models: the types and static ranges of every field.
+
+Strict types (a string is never coerced to a number), unknown fields ignored as OpenAI's SDK may add new
+ones. Checks that need the model (context length, tokenizer) are in the serving modules.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deltaserve.sampling_params import MAX_LOGPROBS
+
+MAX_N = 128  # choices per request, OpenAI's limit
+MAX_STOP = 16  # stop strings per request
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+Stop = str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    """What completions and chat share; None means OpenAI's default."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stop: Stop = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    suffix: str | None = None
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant turn's earlier calls, rendered by the chat template
+    tool_call_id: str | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None

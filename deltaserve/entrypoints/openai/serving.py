@@ -1,0 +1,204 @@
+"""What the completions and chat endpoints share: limits checked before tokenizing, sampling parameters,
+handing requests to the AsyncEngine, watching for a client that leaves, and server-sent events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from deltaserve.core.async_engine import AsyncEngine, EngineInput, EngineStoppedError, QueueFullError, RequestStream
+from deltaserve.core.outputs import RequestOutput
+from deltaserve.entrypoints.openai.errors import OpenAIError, bad_request, error_body
+from deltaserve.entrypoints.openai.protocol import SamplingFields
+from deltaserve.sampling_params import SamplingParams
+from deltaserve.tokenizer import ChatTemplateError
+
+log = logging.getLogger("deltaserve")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    max_queue: int = 256  # engine requests that may wait beyond the max_num_seqs running ones
+    default_seed: int | None = None  # for requests that send no seed (the serve command's --seed)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its non-streaming answer was ready."""
+
+
+class ServingContext:
+    def __init__(self, async_engine: AsyncEngine, config: ServerConfig):
+        engine = async_engine.engine
+        self.async_engine = async_engine
+        self.config = config
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        cache = engine.scheduler.cache
+        self.cache_tokens = cache.num_blocks * cache.block_size
+        self.max_token_bytes = _longest_token_bytes(self.tokenizer)
+
+    def token_text(self, token_id: int, entry: dict | None) -> str:
+        """A token as logprobs show it: its text, or token_id:N for a model without a tokenizer."""
+        logprob = entry.get(token_id) if entry else None
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.served_model_name:
+            raise OpenAIError(404, f"The model '{name}' does not exist; this server serves "
+                                   f"'{self.config.served_model_name}' (GET /v1/models)", "model", "model_not_found")
+
+    def need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise bad_request(f"{what} needs a tokenizer and this model folder has none; send token ids as 'prompt'")
+        return self.tokenizer
+
+    def encode(self, text: str, param: str) -> list[int]:
+        """Token ids of a text prompt; a text that cannot fit the context is refused before it is tokenized."""
+        tokenizer = self.need_tokenizer("a text prompt")
+        try:
+            num_bytes = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise bad_request(f"'{param}' holds an unpaired UTF-16 surrogate at character {e.start}; "
+                              "send valid Unicode text", param) from e
+        min_tokens = -(-num_bytes // self.max_token_bytes)  # no token covers more than max_token_bytes bytes
+        if min_tokens >= self.max_model_len:
+            raise bad_request(f"'{param}' is {num_bytes} bytes, at least {min_tokens} tokens, and this model's "
+                              f"maximum context length is {self.max_model_len} tokens; shorten it", param)
+        return tokenizer.encode(text, add_special_tokens=True)
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None) -> str:
+        tokenizer = self.need_tokenizer("chat")
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+        except ChatTemplateError as e:
+            raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from e
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int, param: str) -> None:
+        if num_prompt_tokens + max_tokens > self.max_model_len or num_prompt_tokens >= self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {param}, {max_tokens} in the "
+                f"completion). Please reduce the length of the {param} or the completion.", param)
+
+    def check_max_tokens(self, max_tokens: int | None, param: str) -> None:
+        """Before tokenizing: a max_tokens that no prompt could go with."""
+        if max_tokens is not None and max_tokens >= self.max_model_len:
+            raise bad_request(f"'{param}' = {max_tokens} must be less than this model's maximum context length "
+                              f"({self.max_model_len} tokens, which includes the prompt)", param)
+
+    def default_max_tokens(self, num_prompt_tokens: int) -> int:
+        return max(0, min(self.max_model_len, self.cache_tokens) - num_prompt_tokens)
+
+    def check_fanout(self, num_inputs: int) -> None:
+        if num_inputs > self.async_engine.capacity:
+            raise bad_request(f"this request needs {num_inputs} sequences (prompts x n) but the server runs at most "
+                              f"{self.async_engine.capacity} at once; lower n or send fewer prompts", "n")
+
+    def sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> list[SamplingParams]:
+        """One SamplingParams per choice; with a seed, choice i uses seed + i so that choices differ."""
+        if body.logit_bias:
+            raise bad_request("'logit_bias' is not supported by this server", "logit_bias")
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        seed = body.seed if body.seed is not None else self.config.default_seed
+        fields = dict(
+            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            stop=_stop_list(body.stop), stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        try:
+            return [SamplingParams(seed=None if seed is None else seed + i, **fields) for i in range(body.n)]
+        except ValueError as e:
+            raise bad_request(str(e).removeprefix("SamplingParams.")) from e
+
+    async def start(self, inputs: list[EngineInput], request_id: str, request: Request) -> tuple[RequestStream, asyncio.Task]:
+        """Queue inputs; returns their stream and a task that aborts it when the client disconnects."""
+        try:
+            stream = await self.async_engine.add(inputs, request_id)
+        except QueueFullError as e:
+            raise OpenAIError(429, str(e), None, "queue_full", {"retry-after": "1"}) from e
+        except EngineStoppedError as e:
+            raise OpenAIError(503, str(e), None, "unavailable") from e
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+        return stream, asyncio.get_running_loop().create_task(_abort_on_disconnect(request, stream))
+
+    async def collect(self, stream: RequestStream, watcher: asyncio.Task) -> list[RequestOutput]:
+        """Every request's final output, in input order (non-streaming)."""
+        final: dict[int, RequestOutput] = {}
+        try:
+            async for index, output in stream:
+                final[index] = output
+        finally:
+            stream.abort()
+            watcher.cancel()
+        if len(final) != len(stream.req_ids) or not all(o.finished for o in final.values()):
+            raise ClientGone()
+        return [final[i] for i in range(len(final))]
+
+    def sse(self, events: AsyncIterator[dict], stream: RequestStream, watcher: asyncio.Task) -> StreamingResponse:
+        async def body():
+            try:
+                try:
+                    async for event in events:
+                        yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+                except Exception as e:  # headers are sent: report in-band, as OpenAI does
+                    log.exception("stream failed")
+                    yield f"data: {json.dumps(error_body(500, f'the stream failed: {e}'))}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                stream.abort()
+                watcher.cancel()
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+
+async def respond_or_gone(make_response) -> Response:
+    """Await a non-streaming response; a client that left gets nothing meaningful back (499, as nginx logs it)."""
+    try:
+        return JSONResponse(await make_response)
+    except ClientGone:
+        return Response(status_code=499)
+
+
+async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stream.abort()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _longest_token_bytes(tokenizer) -> int:
+    """The most bytes of text one token can stand for (special tokens by their written form)."""
+    if tokenizer is None:
+        return 1
+    longest = max(len(tokenizer.id_to_bytes(i)) for i in range(tokenizer.vocab_size))
+    specials = (len(tokenizer.decode([i]).encode()) for i in tokenizer.all_special_ids)
+    return max(longest, *specials, 1)

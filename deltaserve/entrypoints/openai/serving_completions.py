@@ -1,0 +1,144 @@
+"""POST /v1/completions: prompts (text or token ids) x n choices, whole or streamed, with OpenAI's logprobs.
+
+Choice index = prompt index * n + choice, as OpenAI numbers them. echo puts the prompt before the text and,
+with logprobs, the prompt's logprobs before the completion's (the first prompt token has none): with
+max_tokens 0 that is the prompt-scoring request that lm-eval's loglikelihood tasks send.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import Request
+
+from deltaserve.core.async_engine import EngineInput
+from deltaserve.core.outputs import RequestOutput
+from deltaserve.entrypoints.openai.errors import bad_request
+from deltaserve.entrypoints.openai.protocol import CompletionRequest
+from deltaserve.entrypoints.openai.serving import ServingContext, respond_or_gone, usage
+
+
+class CompletionServing:
+    def __init__(self, ctx: ServingContext):
+        self.ctx = ctx
+
+    async def create(self, body: CompletionRequest, request: Request):
+        ctx = self.ctx
+        ctx.check_model(body.model)
+        _check_unsupported(body)
+        ctx.check_max_tokens(body.max_tokens, "max_tokens")
+        prompts = self._prompts(body)
+        ctx.check_fanout(len(prompts) * body.n)
+        inputs, echoes = [], []
+        for text, ids in prompts:
+            max_tokens = ctx.default_max_tokens(len(ids)) if body.max_tokens is None else body.max_tokens
+            ctx.check_length(len(ids), max_tokens, "prompt")
+            prompt_logprobs = body.logprobs if body.echo else None
+            for params in ctx.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs):
+                inputs.append(EngineInput(ids, params, text))
+                echoes.append(self._echo_text(text, ids) if body.echo else "")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream, watcher = await ctx.start(inputs, request_id, request)
+        meta = dict(id=request_id, created=int(time.time()), model=ctx.config.served_model_name)
+        if body.stream:
+            return ctx.sse(self._chunks(body, stream, echoes, meta), stream, watcher)
+        return await respond_or_gone(self._whole(body, stream, watcher, echoes, meta))
+
+    def _prompts(self, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt or any(isinstance(p, list) and not p for p in prompt):
+            raise bad_request("'prompt' must not be empty: send text, or at least one token id", "prompt")
+        if isinstance(prompt[0], int):
+            return [(None, list(prompt))]
+        return [(None, p) if isinstance(p, list) else (p, self.ctx.encode(p, "prompt")) for p in prompt]
+
+    def _echo_text(self, text: str | None, ids: list[int]) -> str:
+        if text is not None:
+            return text
+        return self.ctx.tokenizer.decode(ids) if self.ctx.tokenizer is not None else ""
+
+    async def _whole(self, body: CompletionRequest, stream, watcher, echoes: list[str], meta: dict) -> dict:
+        outputs = await self.ctx.collect(stream, watcher)
+        choices = []
+        for index, (output, echo) in enumerate(zip(outputs, echoes)):
+            completion = output.outputs[0]
+            logprobs = None
+            if body.logprobs is not None:
+                parts = [(_prompt_scored(output), 0)] if body.echo else []
+                logprobs = _logprobs(parts + [(_output_scored(output, 0), len(echo))], self.ctx.token_text)
+            choices.append({"index": index, "text": echo + completion.text, "logprobs": logprobs,
+                            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
+        return {**meta, "object": "text_completion", "choices": choices, "usage": _usage(outputs, body.n)}
+
+    async def _chunks(self, body: CompletionRequest, stream, echoes: list[str], meta: dict):
+        """One chunk per choice that gained text (the echo comes with its first), then the usage chunk if asked."""
+        sent_chars = [None] * len(echoes)  # output text sent per choice; None before its first chunk
+        sent_tokens = [0] * len(echoes)
+        text_offset = [0] * len(echoes)  # characters sent per choice, echo included
+        final: dict[int, RequestOutput] = {}
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        async for index, output in stream:
+            completion = output.outputs[0]
+            first = sent_chars[index] is None
+            prefix = echoes[index] if first else ""
+            text = prefix + completion.text[sent_chars[index] or 0:]
+            if not (text or output.finished):
+                continue  # the detokenizer holds back a partial character: these tokens go with the next chunk
+            logprobs = None
+            if body.logprobs is not None:
+                parts = [(_prompt_scored(output), text_offset[index])] if first and body.echo else []
+                parts.append((_output_scored(output, sent_tokens[index]), text_offset[index] + len(prefix)))
+                logprobs = _logprobs(parts, self.ctx.token_text)
+            text_offset[index] += len(text)
+            sent_chars[index], sent_tokens[index] = len(completion.text), len(completion.token_ids)
+            if output.finished:
+                final[index] = output
+            yield {**meta, "object": "text_completion", "choices": [
+                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                 "stop_reason": completion.stop_reason}], **({"usage": None} if include_usage else {})}
+        if include_usage:
+            yield {**meta, "object": "text_completion", "choices": [],
+                   "usage": _usage([final[i] for i in sorted(final)], body.n)}
+
+
+def _check_unsupported(body: CompletionRequest) -> None:
+    if body.suffix:
+        raise bad_request("'suffix' is not supported by this server", "suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("'best_of' other than n is not supported by this server", "best_of")
+
+
+def _prompt_scored(output: RequestOutput) -> list[tuple[int, dict | None]]:
+    """(prompt token id, its logprob entry); the first token has none."""
+    entries = output.prompt_logprobs or []
+    return [(t, entries[i] if i < len(entries) else None) for i, t in enumerate(output.prompt_token_ids)]
+
+
+def _output_scored(output: RequestOutput, start: int) -> list[tuple[int, dict | None]]:
+    completion = output.outputs[0]
+    entries = completion.logprobs or []
+    return [(t, entries[i] if i < len(entries) else None) for i, t in enumerate(completion.token_ids) if i >= start]
+
+
+def _logprobs(parts: list[tuple[list[tuple[int, dict | None]], int]], token_text) -> dict:
+    """OpenAI's completions logprobs of (scored tokens, text offset of the first) parts laid end to end."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for scored, offset in parts:
+        for token_id, entry in scored:
+            text = token_text(token_id, entry)
+            tokens.append(text)
+            text_offset.append(offset)
+            offset += len(text)
+            token_logprobs.append(entry[token_id].logprob if entry else None)
+            top_logprobs.append({token_text(t, entry): lp.logprob for t, lp in entry.items()} if entry else None)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+def _usage(outputs: list[RequestOutput], n: int) -> dict:
+    """Each prompt counts once however many choices it has."""
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs[::n])
+    return usage(prompt_tokens, sum(len(o.outputs[0].token_ids) for o in outputs))

@@ -1,0 +1,61 @@
+"""A deltaserve model run over one sequence with a fresh cache of its own, without the scheduler or the sampler.
+
+Teacher forcing needs the logits at every position of prompt + golden continuation; the engine only computes
+the ones it samples from. SequenceRunner builds the ForwardBatch the runner builds for a single sequence: one
+page holding all its tokens, one zeroed KDA state slot; a piece of n > 1 tokens is a prefill chunk, a single
+token takes the decode path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.runner.forward_batch import ForwardBatch
+
+
+def fresh_caches(model, num_tokens: int) -> list[dict[str, torch.Tensor]]:
+    """Per layer: MLA latents [1 page, num_tokens, latent_dim]; KDA conv and recurrent state [1 slot, ...]."""
+    weight = model.embed_tokens.weight
+    caches = []
+    for shapes in model.cache_shapes():
+        lead = {name: (1, num_tokens) if name == "latent" else (1,) for name in shapes}
+        caches.append({name: torch.zeros(*lead[name], *shape, device=weight.device,
+                                         dtype=torch.float32 if kind == "float32" else weight.dtype)
+                       for name, (shape, kind) in shapes.items()})
+    return caches
+
+
+class SequenceRunner:
+    """One sequence fed in pieces, as the engine feeds it: a prefill chunk, then one token a step."""
+
+    def __init__(self, model, max_tokens: int):
+        self.model, self.num_computed = model, 0
+        self.device = model.embed_tokens.weight.device
+        self.caches = fresh_caches(model, max_tokens)
+
+    @torch.inference_mode()
+    def extend(self, token_ids: list[int], first_row: int = 0) -> torch.Tensor:
+        """The next n tokens -> logits [n - first_row, V] float32 at the new positions from first_row on."""
+        n, start = len(token_ids), self.num_computed
+        positions = torch.arange(start, start + n, device=self.device)
+        one = lambda value: torch.tensor([value], dtype=torch.int64, device=self.device)  # noqa: E731
+        batch = ForwardBatch(positions=positions, slot_mapping=positions.clone(), state_slots=one(0),
+                             block_tables=one(0)[None], context_lens=one(start + n), num_decodes=int(n == 1),
+                             query_lens=[n], start_positions=[start], state_slot_list=[0])
+        hidden = self.model(torch.tensor(token_ids, device=self.device), batch, self.caches)  # [n, D]
+        self.num_computed += n
+        return self.model.compute_logits(hidden[first_row:])
+
+
+def sequence_logits(model, token_ids: list[int], first_row: int = 0) -> torch.Tensor:
+    """token_ids [T] in one pass -> logits [T - first_row, V] float32 (position p predicts token p + 1)."""
+    return SequenceRunner(model, len(token_ids)).extend(token_ids, first_row)
+
+
+def decode_logits(model, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """The engine's path for one request: prefill the prompt, then feed continuation[:-1] one token a step.
+    Returns the logits [M, V] float32 that predict the M tokens of continuation."""
+    runner = SequenceRunner(model, len(prompt) + len(continuation))
+    rows = [runner.extend(prompt, len(prompt) - 1)]
+    rows += [runner.extend([token]) for token in continuation[:-1]]
+    return torch.cat(rows)

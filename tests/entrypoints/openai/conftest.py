@@ -1,0 +1,48 @@
+"""One real server on the tiny model for the whole session (API key on), the official openai client on it,
+and an offline LLM on the same model to compare against."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from helpers.http_server import API_KEY, start_server, wait_idle
+
+from deltaserve import LLM
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model):
+    srv = start_server(tiny_model, max_model_len=512)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def http(server):
+    """An httpx client with the key; at teardown the server must be idle with its whole cache free."""
+    with server.http() as client:
+        yield client
+        wait_idle(client)
+
+
+@pytest.fixture
+def client(server, http):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def async_client(server, http):
+    return openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def offline_llm(tiny_model):
+    return LLM(str(tiny_model), device="cpu", max_model_len=512, threads=1)
+
+
+@pytest.fixture(scope="session")
+def small_server(tiny_model):
+    """A server that fills up fast: 2 running + 1 waiting request at most, 64-token context."""
+    srv = start_server(tiny_model, max_model_len=64, max_num_seqs=2, max_queue=1)
+    yield srv
+    srv.stop()

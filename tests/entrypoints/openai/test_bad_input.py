@@ -1,0 +1,108 @@
+"""Every malformed request gets OpenAI's error shape and status and a message that names the problem; none of
+them reaches the engine (no token is prefilled or generated), and a normal request still succeeds after them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.http_server import read_metrics
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+
+def completion(**fields):
+    return {"model": "tiny", "prompt": "hi", "max_tokens": 2, **fields}
+
+
+def chat(**fields):
+    return {"model": "tiny", "messages": USER, "max_tokens": 2, **fields}
+
+
+# (case id, path, JSON body or raw bytes, status, words the message must hold)
+CASES = [
+    ("malformed JSON", COMPLETIONS, b'{"prompt": "hi",', 400, "not valid JSON"),
+    ("body not an object", COMPLETIONS, b"[1, 2]", 400, "must be a JSON object"),
+    ("non-UTF-8 body", COMPLETIONS, b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8"),
+    ("prompt of wrong type", COMPLETIONS, completion(prompt=5), 400, "'prompt' must be a string"),
+    ("max_tokens a string", COMPLETIONS, completion(max_tokens="ten"), 400, "'max_tokens'"),
+    ("temperature a string", CHAT, chat(temperature="hot"), 400, "'temperature'"),
+    ("stream not a bool", CHAT, chat(stream="yes"), 400, "'stream'"),
+    ("missing prompt", COMPLETIONS, {"model": "tiny"}, 400, "'prompt' is required"),
+    ("unknown model", COMPLETIONS, completion(model="gpt-9"), 404, "'gpt-9' does not exist"),
+    ("negative max_tokens", COMPLETIONS, completion(max_tokens=-1), 400, "greater than or equal to 0"),
+    ("huge max_tokens", COMPLETIONS, completion(max_tokens=10**12), 400, "maximum context length"),
+    ("huge max_completion_tokens", CHAT, chat(max_completion_tokens=100_000), 400, "maximum context length"),
+    ("prompt over the context", COMPLETIONS, completion(prompt="ab " * 400), 400, "maximum context length"),
+    ("token prompt over the context", COMPLETIONS, completion(prompt=[7] * 600), 400, "maximum context length"),
+    ("text far over the context", COMPLETIONS, completion(prompt="x" * 200_000), 400, "bytes, at least"),
+    ("token id out of the vocabulary", COMPLETIONS, completion(prompt=[1, 99999]), 400, "out of range"),
+    ("empty prompt list", COMPLETIONS, completion(prompt=[]), 400, "must not be empty"),
+    ("empty messages", CHAT, chat(messages=[]), 400, "'messages'"),
+    ("invalid role", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "'messages[0].role'"),
+    ("content of wrong type", CHAT, chat(messages=[{"role": "user", "content": 3}]), 400, "'messages[0].content'"),
+    ("n too large", COMPLETIONS, completion(n=1000), 400, "'n'"),
+    ("n zero", CHAT, chat(n=0), 400, "'n'"),
+    ("logprobs too many", COMPLETIONS, completion(logprobs=21), 400, "'logprobs'"),
+    ("top_p out of range", CHAT, chat(top_p=1.5), 400, "'top_p'"),
+    ("empty stop string", COMPLETIONS, completion(stop=[""]), 400, "'stop'"),
+    ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    ("unpaired surrogate", COMPLETIONS, b'{"prompt": "a\\ud800b", "max_tokens": 1}', 400, "surrogate"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_request_gets_openai_error(http, path, body, status, words):
+    before = read_metrics(http)
+    if isinstance(body, bytes):
+        response = http.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = http.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert words in error["message"]
+    after = read_metrics(http)
+    for name in ("deltaserve_prompt_tokens_total", "deltaserve_generation_tokens_total"):
+        assert after[name] == before[name], f"{name}: the bad request reached the engine"
+
+
+def test_oversized_body_is_413_by_length_and_by_chunks(http, server):
+    too_big = json.dumps(completion(prompt="x" * (server.config.max_body_bytes + 1))).encode()
+    response = http.post(COMPLETIONS, content=too_big, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and "larger than" in response.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: the limit must hold while reading
+        for start in range(0, len(too_big), 64 << 10):
+            yield too_big[start:start + (64 << 10)]
+
+    response = http.post(COMPLETIONS, content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key"], ids=["missing key", "wrong key"])
+def test_api_key_guards_v1_but_not_health(server, key):
+    with server.http(api_key=key) as anonymous:
+        for method, path in (("GET", "/v1/models"), ("POST", COMPLETIONS), ("POST", CHAT)):
+            response = anonymous.request(method, path, json=completion())
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_api_key"
+            assert "API key" in response.json()["error"]["message"]
+        assert anonymous.get("/health").status_code == 200
+
+
+def test_unknown_route_is_404_in_openai_shape(http):
+    response = http.get("/v1/engines")
+    assert response.status_code == 404 and "error" in response.json()
+
+
+def test_normal_requests_succeed_after_bad_ones(http):
+    for _, path, body, _, _ in CASES:
+        http.post(path, **({"content": body} if isinstance(body, bytes) else {"json": body}))
+    response = http.post(COMPLETIONS, json=completion(max_tokens=3, temperature=0, ignore_eos=True))
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 3
+    response = http.post(CHAT, json=chat(max_tokens=3, ignore_eos=True))
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["role"] == "assistant"

@@ -1,0 +1,84 @@
+"""POST /v1/chat/completions through the official openai client: the chat template, LLM.chat parity, streaming,
+max_completion_tokens, logprobs, n with seeds, and clear refusals of what the server does not do."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from deltaserve import SamplingParams
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+
+
+def test_greedy_chat_equals_llm_chat(client, offline_llm):
+    expected = offline_llm.chat(MESSAGES, SamplingParams(max_tokens=10, temperature=0))
+    response = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0)
+    choice = response.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected.outputs[0].text
+    assert choice.finish_reason == expected.outputs[0].finish_reason
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+
+def test_content_parts_and_developer_role_render_like_plain_text(client):
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0)
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "You are "}, {"type": "text", "text": "terse."}]},
+             MESSAGES[1]]
+    same = client.chat.completions.create(model="tiny", messages=parts, max_tokens=6, temperature=0)
+    assert same.choices[0].message.content == plain.choices[0].message.content
+    assert same.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_stream_role_first_then_content_then_usage(client):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_completion_tokens=8, temperature=0,
+                  extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8 == whole.usage.completion_tokens
+
+
+def test_logprobs_and_top_logprobs(client):
+    response = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0,
+                                              logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = response.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        top = [t.logprob for t in entry.top_logprobs]
+        assert len(top) == 3 and top == sorted(top, reverse=True)
+        assert entry.logprob == pytest.approx(top[0])  # greedy picks the most likely token
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+
+
+def test_n_choices_with_seed_are_reproducible(client):
+    def run():
+        response = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, n=3, seed=5,
+                                                  temperature=1.0, extra_body={"ignore_eos": True})
+        return [c.message.content for c in response.choices]
+
+    first = run()
+    assert first == run() and len(set(first)) == 3
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(response_format={"type": "json_object"}), "response_format"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), "tools"),
+    (dict(top_logprobs=2), "top_logprobs"),
+])
+def test_unsupported_features_are_refused_clearly(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, **kwargs)
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == param and param in err.value.body["message"]
+
+
+def test_tools_with_tool_choice_none_are_shown_to_the_model(client):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    with_tools = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, tools=tools,
+                                                tool_choice="none")
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens

@@ -1,0 +1,80 @@
+"""`deltaserve serve` as a process: it binds loopback, serves, and on SIGTERM lets the stream in flight finish
+(every token and `data: [DONE]`), then exits 0 and stops listening."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_sigterm_drains_the_stream_in_flight_then_exits(tiny_model, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "deltaserve.entrypoints.cli", "serve", "--model", str(tiny_model), "--port", str(port),
+         "--served-model-name", "tiny", "--threads", "1", "--max-model-len", "512"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "DELTASERVE_API_KEY": "env-key"})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, base)
+        headers = {"authorization": "Bearer env-key"}
+        body = {"model": "tiny", "prompt": "Once", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        events, first_chunk = [], threading.Event()
+
+        def read_stream():
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, headers=headers, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line:
+                        events.append(line)
+                        first_chunk.set()
+
+        reader = threading.Thread(target=read_stream)
+        reader.start()
+        assert first_chunk.wait(60)
+        proc.send_signal(signal.SIGTERM)
+        reader.join(120)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert events[-1] == "data: [DONE]", (tmp_path / "serve.log").read_text()[-2000:]
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{base}/health", timeout=5)
+
+
+def test_serve_rejects_a_bad_option_before_loading(tiny_model):
+    run = subprocess.run([sys.executable, "-m", "deltaserve.entrypoints.cli", "serve", "--model", str(tiny_model),
+                          "--max-queue", "-1"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "--max-queue -1" in run.stderr
+
+
+def _wait_healthy(proc: subprocess.Popen, base: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the server exited before it was healthy"
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("the server did not become healthy")

@@ -1,0 +1,83 @@
+"""Many clients at once: a dropped stream is aborted and its cache freed, a full queue answers 429, and a
+bounded load of concurrent streams (a quarter dropped mid-way) leaves every completed answer right, no server
+error, and the cache full again (read from /metrics). Loopback only; every loop is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+from helpers.http_server import API_KEY, read_metrics, wait_idle
+
+from deltaserve import SamplingParams
+
+
+def test_dropped_stream_is_aborted_and_frees_its_cache(client, http):
+    before = read_metrics(http)
+    stream = client.completions.create(model="tiny", prompt="Tell me a long story", max_tokens=480,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    received = [chunk for _, chunk in zip(range(2), stream)]
+    stream.close()
+    after = wait_idle(http, timeout=10)
+    assert len(received) == 2
+    assert after['deltaserve_requests_finished_total{finished_reason="abort"}'] == \
+        before.get('deltaserve_requests_finished_total{finished_reason="abort"}', 0) + 1
+    generated = after["deltaserve_generation_tokens_total"] - before["deltaserve_generation_tokens_total"]
+    assert generated < 480  # stopped, not run to the end
+
+
+def test_full_queue_answers_429_then_recovers(small_server):
+    """small_server runs 2 requests and queues 1: a fourth at once is refused with 429 and Retry-After."""
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 60, "ignore_eos": True, "stream": True}
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=small_server.base_url, headers=headers, timeout=60) as http:
+        streams = [http.stream("POST", "/v1/completions", json=body) for _ in range(3)]
+        responses = [s.__enter__() for s in streams]
+        try:
+            assert [r.status_code for r in responses] == [200, 200, 200]
+            refused = http.post("/v1/completions", json={**body, "stream": False})
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "queue_full"
+        finally:
+            for stream in streams:
+                stream.__exit__(None, None, None)
+        wait_idle(http)
+        assert http.post("/v1/completions", json={**body, "stream": False, "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.slow
+def test_64_concurrent_streams_with_a_quarter_dropped(server, http, offline_llm):
+    prompts = [[10 + 7 * i + j for j in range(3 + 5 * i)] for i in range(8)]
+    jobs = [(prompts[i % 8], 6 + (i % 5) * 3, i % 4 == 0) for i in range(64)]  # (prompt, max_tokens, dropped)
+    kinds = sorted({(tuple(p), m) for p, m, _ in jobs})
+    outputs = offline_llm.generate([{"prompt_token_ids": list(p)} for p, _ in kinds],
+                                   [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in kinds],
+                                   use_tqdm=False)
+    expected = {kind: out.outputs[0].text for kind, out in zip(kinds, outputs)}
+
+    async def one(client, prompt, max_tokens, dropped):
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+        text, finish = "", None
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason
+            if dropped and len(text) > 0:
+                await stream.close()
+                return None
+        return text, finish
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0,
+                                      timeout=120) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, *job) for job in jobs)), timeout=240)
+
+    results = asyncio.run(run_all())  # any error status (a 5xx included) raises here
+    completed = [(job, result) for job, result in zip(jobs, results) if result is not None]
+    assert len(completed) == 48
+    for (prompt, max_tokens, _), (text, finish) in completed:
+        assert text == expected[(tuple(prompt), max_tokens)] and finish == "length"
+    metrics = wait_idle(http)
+    assert not any(k.startswith("deltaserve_requests_rejected_total") and v > 0 and '"5' in k for k, v in metrics.items())

@@ -1,0 +1,137 @@
+"""GPU kernels against their twins, on fresh random inputs at ragged shapes. Skipped without CUDA."""
+
+import pytest
+import torch
+
+from deltaserve.kernels.kda import fused_recurrent_kda, kda_decode, kda_gate, l2norm
+from deltaserve.kernels.kda.chunk import chunk_kda
+from deltaserve.kernels.mla.naive import naive_mla
+from deltaserve.kernels.moe.experts import grouped_experts
+from deltaserve.kernels.moe.naive import naive_experts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEV = "cuda"
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def kda_inputs(N, H, K, dtype, gen):
+    qkv = torch.randn(N, 3, H, K, generator=gen, device=DEV).to(dtype)
+    g_raw = torch.randn(N, H * K, generator=gen, device=DEV).to(dtype)
+    b_raw = torch.randn(N, H, generator=gen, device=DEV).to(dtype)
+    dt_bias = torch.randn(H * K, generator=gen, device=DEV) * 2 - 3
+    a_log = torch.empty(H, device=DEV).uniform_(1, 16, generator=gen).log()
+    return qkv, g_raw, b_raw, dt_bias, a_log
+
+
+@pytest.mark.parametrize("B", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kda_decode_matches_torch_twin(B, dtype):
+    gen = torch.Generator(device=DEV).manual_seed(B)
+    H, K, S = 4, 128, 40
+    qkv, g_raw, b_raw, dt_bias, a_log = kda_inputs(B, H, K, dtype, gen)
+    state = torch.randn(S, H, K, K, generator=gen, device=DEV) * 0.1
+    slots = torch.randperm(S - 1, generator=gen, device=DEV)[:B]
+    untouched = torch.ones(S, dtype=torch.bool, device=DEV)
+    untouched[slots] = False
+    state[untouched] = 1e30
+    twin_state = state.clone()
+    o = kda_decode(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b_raw, dt_bias, a_log, state, slots, K ** -0.5)
+    beta = torch.sigmoid(b_raw).float()
+    o_twin = fused_recurrent_kda(l2norm(qkv[:, 0]), l2norm(qkv[:, 1]), qkv[:, 2].float(),
+                                 kda_gate(g_raw, dt_bias, a_log), beta, K ** -0.5, twin_state, slots)
+    assert rel_err(o, o_twin) < 1e-5
+    assert rel_err(state[slots], twin_state[slots]) < 1e-5
+    assert torch.all(state[untouched] == 1e30)
+
+
+@pytest.mark.parametrize("lengths", [[1], [63, 64, 65], [200, 1, 17]])
+def test_fla_chunk_prefill_matches_torch_chunk(lengths):
+    pytest.importorskip("fla.ops.kda")
+    from deltaserve.kernels.kda.fla_chunk import fla_chunk_kda
+
+    gen = torch.Generator(device=DEV).manual_seed(sum(lengths))
+    H, K, S = 4, 128, 8
+    N = sum(lengths)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    qkv, g_raw, b_raw, dt_bias, a_log = kda_inputs(N, H, K, torch.bfloat16, gen)
+    g, beta = kda_gate(g_raw, dt_bias, a_log), torch.sigmoid(b_raw).float()
+    state = torch.randn(S, H, K, K, generator=gen, device=DEV) * 0.1
+    twin_state = state.clone()
+    slots = list(range(1, len(lengths) + 1))
+    o = fla_chunk_kda(qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, K ** -0.5, state, slots, cu)
+    o_twin = chunk_kda(l2norm(qkv[:, 0]), l2norm(qkv[:, 1]), qkv[:, 2].float(), g, beta, K ** -0.5, twin_state,
+                       slots, cu)
+    assert rel_err(o, o_twin) < 2e-2
+    assert rel_err(state[slots], twin_state[slots]) < 2e-2
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 256, 8), (5, 16, 2), (300, 64, 8)])
+def test_grouped_experts_match_naive(T, E, k):
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    D, I = 256, 128
+    x = torch.randn(T, D, generator=gen, device=DEV).bfloat16()
+    w13 = (torch.randn(E, 2 * I, D, generator=gen, device=DEV) * 0.05).bfloat16()
+    w2 = (torch.randn(E, D, I, generator=gen, device=DEV) * 0.05).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=gen, device=DEV)
+    out = grouped_experts(x, w13, w2, weights, ids)
+    ref = naive_experts(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu())
+    assert rel_err(out.cpu(), ref) < 2e-2
+
+
+@pytest.mark.parametrize("T,start", [(1, 0), (37, 0), (16, 40)])
+def test_sdpa_mla_prefill_matches_naive(T, start):
+    from deltaserve.kernels.mla.attention import mla_prefill
+
+    gen = torch.Generator(device=DEV).manual_seed(T + start)
+    H, R, Dn, Dr, Dv = 4, 64, 32, 16, 32
+    L = start + T
+    latents = torch.randn(L, R + Dr, generator=gen, device=DEV)
+    w_kv_b = torch.randn(H * (Dn + Dv), R, generator=gen, device=DEV) * 0.1
+    q_nope = torch.randn(T, H, Dn, generator=gen, device=DEV)
+    q_rope = torch.randn(T, H, Dr, generator=gen, device=DEV)
+    kv = (latents[:, :R] @ w_kv_b.t()).view(L, H, Dn + Dv)
+    out = mla_prefill(q_nope, q_rope, kv[..., :Dn], latents[:, R:], kv[..., Dn:], (Dn + Dr) ** -0.5, start)
+    ref = naive_mla(q_nope, q_rope, latents, w_kv_b, (Dn + Dr) ** -0.5, start)
+    assert rel_err(out, ref) < 1e-3
+
+
+@pytest.mark.parametrize("B", [1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_conv_update_matches_naive(B, dtype):
+    from deltaserve.kernels.conv1d import causal_conv1d_update
+    from deltaserve.kernels.kda.naive import naive_causal_conv1d
+
+    gen = torch.Generator(device=DEV).manual_seed(B)
+    C, W, S = 3 * 4 * 128 + 8, 4, 12
+    x = torch.randn(B, 2 * C, generator=gen, device=DEV).to(dtype)[:, :C]  # strided rows, as in_proj's split
+    weight = torch.randn(C, W, generator=gen, device=DEV).to(dtype)
+    state = torch.randn(S, C, W - 1, generator=gen, device=DEV).to(dtype)
+    slots = torch.randperm(S, generator=gen, device=DEV)[:B]
+    before = state.clone()
+    y = causal_conv1d_update(x, weight, state, slots)
+    for b, slot in enumerate(slots.tolist()):
+        y_ref, s_ref = naive_causal_conv1d(x[b:b + 1].float(), weight.float(), before[slot].float())
+        assert rel_err(y[b:b + 1], y_ref) < 1e-2
+        assert torch.equal(state[slot].float(), s_ref.to(dtype).float())
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 256, 8), (3, 64, 8), (2, 16, 2)])
+def test_triton_decode_experts_match_naive(T, E, k):
+    from deltaserve.kernels.moe.triton_decode import decode_experts
+
+    gen = torch.Generator(device=DEV).manual_seed(T + E)
+    D, I = 2304, 1024
+    x = torch.randn(T, D, generator=gen, device=DEV).bfloat16()
+    w13 = (torch.randn(E, 2 * I, D, generator=gen, device=DEV) * 0.02).bfloat16()
+    w2 = (torch.randn(E, D, I, generator=gen, device=DEV) * 0.02).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=gen, device=DEV)
+    out = decode_experts(x, w13, w2, weights, ids)
+    ref = naive_experts(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu())
+    assert rel_err(out.cpu(), ref) < 2e-2

@@ -1,0 +1,101 @@
+"""NoPE MLA over the paged latent cache against naive_mla (expand every latent, plain causal softmax).
+
+Sequences of ragged lengths get pages in a random order; pages no sequence owns (page 0 among them, which pads
+the block tables) hold huge finite garbage, so a read past a sequence's context shows in the output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.kernels.cache_ops import write_latents
+from deltaserve.kernels.mla import gather_latents, mla_decode, mla_prefill
+from deltaserve.kernels.mla.naive import naive_mla
+
+H, DN, DR, DV, R = 3, 8, 4, 6, 16
+BLOCK_SIZE, NUM_PAGES = 4, 40
+SCALE = (DN + DR) ** -0.5
+GARBAGE = 1e30
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+class PagedLatents:
+    """A paged cache [NUM_PAGES, BLOCK_SIZE, R+Dr] holding the latents of several sequences."""
+
+    def __init__(self, lengths: list[int], gen: torch.Generator):
+        self.cache = torch.full((NUM_PAGES, BLOCK_SIZE, R + DR), GARBAGE)
+        free = (torch.randperm(NUM_PAGES - 1, generator=gen) + 1).tolist()  # page 0 stays garbage
+        self.latents, self.tables = [], []
+        for n in lengths:
+            pages = [free.pop() for _ in range((n + BLOCK_SIZE - 1) // BLOCK_SIZE)]
+            latents = torch.randn(n, R + DR, generator=gen)
+            slots = torch.tensor([pages[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)])
+            write_latents(self.cache, slots, latents)
+            self.latents.append(latents)
+            self.tables.append(pages)
+
+    def block_tables(self) -> torch.Tensor:
+        """[B, max_blocks], padded with page 0 as the runner pads."""
+        width = max(len(t) for t in self.tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in self.tables])
+
+
+def test_gather_returns_exactly_what_was_written():
+    gen = torch.Generator().manual_seed(0)
+    paged = PagedLatents([1, 4, 5, 13], gen)
+    tables = paged.block_tables()
+    for b, latents in enumerate(paged.latents):
+        assert torch.equal(gather_latents(paged.cache, tables[b], len(latents)), latents)
+
+
+@pytest.mark.parametrize("lengths", [[1], [BLOCK_SIZE], [1, 3, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 2]])
+def test_absorbed_decode_matches_naive(lengths):
+    """Each sequence's newest token attends over its whole context, in the latent space (kv_b_proj folded into
+    the query and the output), against the expanded naive attention."""
+    gen = torch.Generator().manual_seed(len(lengths))
+    paged = PagedLatents(lengths, gen)
+    w_kv_b = torch.randn(H * (DN + DV), R, generator=gen) * 0.3
+    q_nope = torch.randn(len(lengths), H, DN, generator=gen)
+    q_rope = torch.randn(len(lengths), H, DR, generator=gen)
+    w = w_kv_b.view(H, DN + DV, R)
+    q_latent = torch.einsum("bhd,hdr->bhr", q_nope, w[:, :DN])
+    o_latent = mla_decode(q_latent, q_rope, paged.cache, paged.block_tables(), torch.tensor(lengths), SCALE)
+    out = torch.einsum("bhr,hdr->bhd", o_latent, w[:, DN:])
+    for b, n in enumerate(lengths):
+        expected = naive_mla(q_nope[b: b + 1], q_rope[b: b + 1], paged.latents[b], w_kv_b, SCALE, start_pos=n - 1)
+        torch.testing.assert_close(out[b], expected[0], **TOL, msg=lambda m: f"sequence of {n}: {m}")
+
+
+@pytest.mark.parametrize("start_pos,num_new", [(0, 1), (0, 7), (5, 3), (12, 1), (3, 10)])
+def test_prefill_matches_naive(start_pos, num_new):
+    """num_new queries at positions start_pos.. over the first start_pos + num_new latents (a prefill chunk
+    after start_pos cached tokens), keys and values expanded from the paged latents."""
+    gen = torch.Generator().manual_seed(start_pos * 31 + num_new)
+    length = start_pos + num_new
+    paged = PagedLatents([length + 3], gen)  # the sequence has later latents the chunk must not see
+    latents = gather_latents(paged.cache, paged.block_tables()[0], length)
+    w_kv_b = torch.randn(H * (DN + DV), R, generator=gen) * 0.3
+    kv = (latents[:, :R] @ w_kv_b.t()).view(length, H, DN + DV)
+    q_nope = torch.randn(num_new, H, DN, generator=gen)
+    q_rope = torch.randn(num_new, H, DR, generator=gen)
+    out = mla_prefill(q_nope, q_rope, kv[..., :DN], latents[:, R:], kv[..., DN:], SCALE, start_pos)
+    expected = naive_mla(q_nope, q_rope, latents, w_kv_b, SCALE, start_pos)
+    torch.testing.assert_close(out, expected, **TOL)
+
+
+def test_naive_matches_softmax_attention_written_out():
+    """The oracle: one query, keys [k_nope_h ; k_rot] per head, softmax(q.k * scale) over the causal prefix."""
+    gen = torch.Generator().manual_seed(9)
+    latents = torch.randn(5, R + DR, generator=gen)
+    w_kv_b = torch.randn(H * (DN + DV), R, generator=gen) * 0.3
+    q_nope, q_rope = torch.randn(1, H, DN, generator=gen), torch.randn(1, H, DR, generator=gen)
+    start = 3  # the query sits at position 3: it sees latents 0..3, not 4
+    kv = (latents[:, :R] @ w_kv_b.t()).view(5, H, DN + DV)
+    expected = []
+    for h in range(H):
+        keys = torch.cat([kv[: start + 1, h, :DN], latents[: start + 1, R:]], dim=-1)
+        probs = torch.softmax(keys @ torch.cat([q_nope[0, h], q_rope[0, h]]) * SCALE, dim=0)
+        expected.append(probs @ kv[: start + 1, h, DN:])
+    torch.testing.assert_close(naive_mla(q_nope, q_rope, latents, w_kv_b, SCALE, start)[0], torch.stack(expected),
+                               **TOL)

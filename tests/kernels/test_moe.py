@@ -1,0 +1,101 @@
+"""The MoE kernels: grouped_topk (Kimi's router) and fused_experts against their naive twins, plus the router's
+rules on hand-made scores (the bias chooses but does not weigh; a group scores the sum of its top two)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.kernels.moe import fused_experts, grouped_topk
+from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk
+
+ROUTERS = [  # (num_experts, top_k, num_groups, topk_group, renormalize, routed_scaling_factor)
+    (8, 2, 2, 1, True, 2.446),
+    (16, 4, 4, 2, False, 1.0),
+    (32, 8, 8, 4, True, 2.446),
+    (6, 1, 1, 1, True, 1.0),
+    (12, 3, 3, 2, True, 1.5),
+    (256, 8, 1, 1, True, 2.446),  # the 48B model's router
+    (256, 8, 8, 4, True, 2.446),  # DeepSeek-V3's grouping at the same size
+]
+
+
+def by_expert(weights: torch.Tensor, ids: torch.Tensor) -> list[dict[int, float]]:
+    """Per token, expert id -> weight (the kernels need not order the chosen experts)."""
+    return [dict(zip(i.tolist(), w.tolist())) for w, i in zip(weights, ids)]
+
+
+@pytest.mark.parametrize("E,k,groups,topk_group,renorm,scale", ROUTERS)
+def test_grouped_topk_matches_naive(E, k, groups, topk_group, renorm, scale):
+    gen = torch.Generator().manual_seed(E + k)
+    logits = torch.randn(40, E, generator=gen) * 2.0
+    bias = torch.randn(E, generator=gen) * 0.1
+    weights, ids = grouped_topk(logits, bias, k, groups, topk_group, renorm, scale)
+    want_weights, want_ids = naive_grouped_topk(logits, bias, k, groups, topk_group, renorm, scale)
+    assert ids.shape == (40, k) and weights.dtype == torch.float32
+    for t, (got, want) in enumerate(zip(by_expert(weights, ids), by_expert(want_weights, want_ids))):
+        assert got.keys() == want.keys(), f"token {t}: experts {sorted(got)} != {sorted(want)}"
+        for e in want:
+            assert got[e] == pytest.approx(want[e], rel=1e-6), f"token {t}, expert {e}"
+    if renorm:
+        torch.testing.assert_close(weights.sum(-1), torch.full((40,), scale))
+
+
+def test_bias_chooses_but_does_not_weigh():
+    logits = torch.logit(torch.tensor([[0.9, 0.5, 0.2, 0.1]]))  # sigmoid scores 0.9, 0.5, 0.2, 0.1
+    bias = torch.tensor([0.0, 0.5, 0.0, 0.0])  # lifts expert 1 above expert 0 for the choice only
+    weights, ids = grouped_topk(logits, bias, 1, 1, 1, False, 2.0)
+    assert ids.tolist() == [[1]]
+    assert weights.item() == pytest.approx(0.5 * 2.0)  # its unbiased score, scaled
+    weights, ids = grouped_topk(logits, bias, 2, 1, 1, True, 2.0)
+    assert by_expert(weights, ids) == [pytest.approx({0: 0.9 / 1.4 * 2.0, 1: 0.5 / 1.4 * 2.0})]
+
+
+def test_a_group_scores_the_sum_of_its_top_two():
+    """Group A holds the single best expert (0.95) but its top two sum to 1.05; group B's sum to 1.2, so with
+    one group kept the best expert is not chosen."""
+    scores = torch.tensor([[0.95, 0.10, 0.05, 0.05, 0.60, 0.60, 0.05, 0.05]])
+    weights, ids = grouped_topk(torch.logit(scores), torch.zeros(8), 2, 2, 1, True, 1.0)
+    assert sorted(ids[0].tolist()) == [4, 5]
+    torch.testing.assert_close(weights, torch.tensor([[0.5, 0.5]]))
+
+
+@pytest.mark.parametrize("E,k,T", [
+    (8, 2, 1),  # one decode token
+    (8, 2, 32),  # 64 (token, expert) pairs: the small-batch grouping
+    (16, 4, 40),  # 160 pairs: the large-batch grouping
+    (32, 8, 5),
+    (6, 1, 50),
+])
+def test_fused_experts_match_naive(E, k, T):
+    gen = torch.Generator().manual_seed(E * 100 + T)
+    D, I = 24, 10
+    x = torch.randn(T, D, generator=gen)
+    w13 = torch.randn(E, 2 * I, D, generator=gen) * 0.2
+    w2 = torch.randn(E, D, I, generator=gen) * 0.2
+    weights, ids = grouped_topk(torch.randn(T, E, generator=gen), torch.zeros(E), k, 1, 1, True, 2.446)
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids), naive_experts(x, w13, w2, weights, ids),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_fused_experts_with_every_token_on_the_same_experts():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(70, 16, generator=gen)
+    w13, w2 = torch.randn(4, 12, 16, generator=gen) * 0.2, torch.randn(4, 16, 6, generator=gen) * 0.2
+    ids = torch.tensor([[3, 1]] * 70)
+    weights = torch.rand(70, 2, generator=gen)
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids), naive_experts(x, w13, w2, weights, ids),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_naive_experts_is_the_weighted_sum_of_swiglus():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 8, generator=gen)
+    w13, w2 = torch.randn(3, 10, 8, generator=gen), torch.randn(3, 8, 5, generator=gen)
+    ids, weights = torch.tensor([[2, 0]]), torch.tensor([[0.7, 0.3]])
+
+    def swiglu(e):
+        gate, up = w13[e, :5] @ x[0], w13[e, 5:] @ x[0]
+        return w2[e] @ (torch.nn.functional.silu(gate) * up)
+
+    torch.testing.assert_close(naive_experts(x, w13, w2, weights, ids)[0], 0.7 * swiglu(2) + 0.3 * swiglu(0))
