@@ -7,10 +7,10 @@ published checkpoint's are, so that the comparison measures each regime's arithm
 weights. Per model: a float32 golden from transformers (what `parity capture` records); then deltaserve in
 float32 and in bfloat16, at every generated position of the golden's sequences, on both of the engine's paths
 (one prefill pass over prompt + continuation; prefill + one decode step a token), against the reference's
-float32 logits. The per-position error is the largest |logit error| over the vocabulary; `margin` is the decode
-path's error of the golden's top-2 margin. Prints the distributions per model and pooled, each regime's tie
-margin (3 x its pooled p99), `parity check`'s figures at that margin, and one JSON line with machine, date and
-commit."""
+float32 logits; for comparison, transformers itself in bfloat16. The per-position error is the largest
+|logit error| over the vocabulary; `margin` is the decode path's error of the golden's top-2 margin. Prints the
+distributions per model and pooled, each regime's tie margin (3 x its pooled p99), `parity check`'s figures at
+that margin, and one JSON line with machine, date and commit."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ import torch
 KEEP_FLOAT32 = ("A_log", "dt_bias", "e_score_correction_bias", "gate.weight")  # f32 in both regimes
 MARGIN_FACTOR = 3
 REGIMES = ("float32", "bfloat16")
+REFERENCE_BF16 = "transformers bfloat16"  # for comparison: the reference itself in bfloat16, prefill only
 
 
 def random_models(root: Path, seeds=(0, 1, 2)) -> list[Path]:
@@ -65,6 +66,10 @@ def measure(model_dir: Path, args) -> dict:
         run[regime] = DeltaserveBackend(str(model_dir), regime, args.device, args.prompt_len + args.max_tokens,
                                         args.num_prompts)
         run |= {(regime, path): errs for path, errs in _errors(run[regime], golden, refs).items()}
+    reference_bf16 = TransformersBackend(str(model_dir), "bfloat16", args.device)  # the reference's own rounding
+    run[(REFERENCE_BF16, "prefill")] = torch.cat([
+        (reference_bf16.teacher_forced(p.prompt_token_ids, p.output_token_ids).cpu() - ref).abs().amax(-1)
+        for p, ref in zip(golden.prompts, refs)]).double()
     return run
 
 
@@ -104,9 +109,9 @@ def check_at(run: dict, regime: str, tie_margin: float) -> dict:
 
 def error_rows(runs: list[dict]) -> list[dict]:
     rows = []
-    for regime in REGIMES:
+    for regime, paths in [(r, ("prefill", "decode", "margin")) for r in REGIMES] + [(REFERENCE_BF16, ("prefill",))]:
         for name, pick in [(r["model"], [r]) for r in runs] + [("all", runs)]:
-            for path in ("prefill", "decode", "margin"):
+            for path in paths:
                 rows.append({"regime": regime, "model": name, "error": path,
                              **quantiles(torch.cat([r[(regime, path)] for r in pick]))})
     return rows

@@ -248,6 +248,9 @@ class EngineConfig:
     cache_bytes: int | None = None  # CPU budget for MLA pages + KDA slots; None: sized for max_num_seqs full-length
     gpu_memory_utilization: float = 0.9
     num_cache_blocks: int | None = None  # explicit page count overrides the budget (tests use it to force preemption)
+    # prefix caching's budget of KDA state snapshots (each one state slot's bytes, taken from the cache budget);
+    # None: 2 * max_num_seqs, a prompt-end and a finish snapshot per running request
+    num_snapshot_slots: int | None = None
     threads: int | None = None
     load_format: str = "auto"
     seed: int = 0
@@ -276,3 +279,6 @@ class EngineConfig:
             bad("threads", self.threads, "must be a positive integer")
         if self.num_cache_blocks is not None and self.num_cache_blocks < 1:
             bad("num_cache_blocks", self.num_cache_blocks, "must be a positive integer")
+        if self.num_snapshot_slots is not None and (not isinstance(self.num_snapshot_slots, int)
+                                                    or self.num_snapshot_slots < 1):
+            bad("num_snapshot_slots", self.num_snapshot_slots, "must be a positive integer (or None for the default)")

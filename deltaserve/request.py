@@ -35,6 +35,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)  # MLA pages, in order: the block table
     state_slot: int | None = None  # KDA conv + recurrent state slot while running
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at its first admission
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks of tokens
+    num_indexed_blocks: int = 0  # leading block_ids already entered in the prefix cache's index
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property

@@ -4,29 +4,103 @@ It writes what it hands out into the request itself (`block_ids`, the block tabl
 `state_slot`), so the scheduler and the runner read one source of truth. A request needs
 ceil((num_computed_tokens + num_new_tokens) / block_size) pages to hold its tokens after a step; its one state
 slot is taken on the first allocation and kept until free().
+
+With prefix caching (num_snapshot_slots > 0) pages are shared by reference count through a PrefixCache, and
+copies of the KDA state are kept in a SnapshotCache at two positions of each request:
+- the end of its prompt's last full block, published as soon as it is saved, so that the next turn of a chat
+  (whose prompt extends this one) and any request repeating this prompt find it;
+- the last full block boundary its computed tokens have reached: a rolling snapshot the request holds privately
+  (one slot, overwritten at each new boundary while it decodes), published when it finishes, is preempted or
+  aborted, so that a prompt extending prompt + output finds it.
+A chunk that would pass one of those positions is cut to end there (cut_at_snapshot) and the runner copies the
+state into the snapshot slot after that step's forward pass (plan_snapshot_save). Pages and snapshots enter the
+indexes only after the step that computed them (cache_computed): two requests admitted in the same step never
+share a page still being written; the second computes its own copy and the index keeps the first.
+A request's cached prefix (find_cached_prefix) is the longest run of whole blocks with both its pages and the
+snapshot at its end, leaving at least one token to compute so that the step produces logits to sample from.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from deltaserve.cache.block_pool import BlockPool
+from deltaserve.cache.prefix_cache import PrefixCache, extend_block_hashes
 from deltaserve.cache.sizing import CachePlan
+from deltaserve.cache.snapshot_cache import SnapshotCache
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.request import Request
+
+
+@dataclass
+class CachedPrefix:
+    """A request's cached prefix: the pages of its first len(block_ids) blocks and the KDA snapshot at their end."""
+
+    block_ids: list[int] = field(default_factory=list)
+    snapshot_slot: int | None = None
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters since start (admissions that looked the cache up) and the current use of both caches."""
+
+    num_queries: int  # admissions that looked up a cached prefix (a recompute after preemption counts again)
+    num_hits: int  # of those, admissions that found one
+    num_query_tokens: int  # tokens of those requests
+    num_hit_tokens: int  # tokens whose prefill was skipped
+    num_blocks: int
+    num_cached_blocks: int  # pages in the index, held by requests or not
+    num_unreferenced_blocks: int  # cached pages no request holds (evictable)
+    num_block_evictions: int
+    num_snapshot_slots: int
+    num_snapshots: int  # committed snapshots
+    num_snapshot_evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of looked-up tokens served from the cache."""
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+@dataclass
+class _Lookups:
+    num_queries: int = 0
+    num_hits: int = 0
+    num_query_tokens: int = 0
+    num_hit_tokens: int = 0
+
+
+@dataclass
+class _SnapshotWrite:
+    slot: int
+    position: int  # tokens before the saved state
+    shared: bool  # the prompt-end snapshot (published after the step) vs the request's rolling one
 
 
 class CacheManager:
     """The MLA page pool and the KDA slot pool, allocated together per request."""
 
-    def __init__(self, num_blocks: int, num_slots: int, block_size: int):
+    def __init__(self, num_blocks: int, num_slots: int, block_size: int, num_snapshot_slots: int = 0):
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"CacheManager block_size = {block_size!r}: must be a positive integer (tokens a page)")
         self.block_size = block_size
         self.block_pool = BlockPool(num_blocks)
         self.state_pool = StatePool(num_slots)
+        caching = num_snapshot_slots > 0
+        self.prefix_cache = PrefixCache(self.block_pool) if caching else None
+        self.snapshots = SnapshotCache(num_snapshot_slots) if caching else None
+        self._writes: dict[str, _SnapshotWrite] = {}  # snapshot saves the runner makes in this step, by request
+        self._rolling: dict[str, _SnapshotWrite] = {}  # running requests' private snapshots at their last boundary
+        self._pinned: list[int] = []  # snapshot slots restored from in this step
+        self._lookups = _Lookups()
 
     @classmethod
     def from_plan(cls, plan: CachePlan) -> "CacheManager":
-        return cls(plan.num_blocks, plan.num_slots, plan.block_size)
+        return cls(plan.num_blocks, plan.num_slots, plan.block_size, plan.num_snapshot_slots)
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.prefix_cache is not None
 
     @property
     def num_blocks(self) -> int:
@@ -34,7 +108,8 @@ class CacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
+        """Pages a request can get: free ones and, with prefix caching, cached pages no request holds."""
+        return self.prefix_cache.num_free_blocks if self.prefix_cache else self.block_pool.num_free_blocks
 
     @property
     def num_free_slots(self) -> int:
@@ -42,8 +117,8 @@ class CacheManager:
 
     @property
     def usage(self) -> float:
-        """Fraction of MLA pages in use, in [0, 1]."""
-        return 1.0 - self.block_pool.num_free_blocks / self.block_pool.num_blocks
+        """Fraction of MLA pages held by requests, in [0, 1] (cached pages no request holds count as free)."""
+        return 1.0 - self.num_free_blocks / self.block_pool.num_blocks
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Pages that hold num_tokens tokens."""
@@ -54,30 +129,171 @@ class CacheManager:
         total = self.blocks_for_tokens(req.num_computed_tokens + num_new_tokens)
         return max(0, total - len(req.block_ids))
 
-    def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
+    def can_allocate(self, req: Request, num_new_tokens: int, hit: CachedPrefix | None = None) -> bool:
+        """Whether allocate_slots(req, num_new_tokens, hit) would succeed; num_new_tokens counts from the hit."""
         needs_slot = req.state_slot is None
         if needs_slot and self.state_pool.num_free_slots == 0:
             return False
-        return self.blocks_needed(req, num_new_tokens) <= self.block_pool.num_free_blocks
+        if hit is None or not hit.block_ids:
+            return self.blocks_needed(req, num_new_tokens) <= self.num_free_blocks
+        num_hit = len(hit.block_ids)
+        needed = self.blocks_for_tokens(num_hit * self.block_size + num_new_tokens) - num_hit
+        return needed <= self.num_free_blocks - self.prefix_cache.num_reclaimed_by(hit.block_ids)
 
-    def allocate_slots(self, req: Request, num_new_tokens: int) -> list[int] | None:
+    def allocate_slots(self, req: Request, num_new_tokens: int, hit: CachedPrefix | None = None) -> list[int] | None:
         """Give req the pages (and, if it has none, the state slot) for num_new_tokens more tokens.
 
-        Returns the new page ids (appended to req.block_ids), or None, changing nothing, when the pools
-        cannot cover it.
+        hit (a waiting request's find_cached_prefix) first gives req its cached pages, one more reference each,
+        and sets num_computed_tokens to their tokens; num_new_tokens then count from there. Returns the new page
+        ids (appended to req.block_ids), or None, changing nothing, when the pools cannot cover it.
         """
-        if not self.can_allocate(req, num_new_tokens):
+        if not self.can_allocate(req, num_new_tokens, hit):
             return None
+        if hit is not None:
+            self._take_hit(req, hit)
         if req.state_slot is None:
             req.state_slot = self.state_pool.allocate()
-        new_block_ids = self.block_pool.allocate(self.blocks_needed(req, num_new_tokens))
+        num_needed = self.blocks_needed(req, num_new_tokens)
+        new_block_ids = self.prefix_cache.allocate(num_needed) if self.prefix_cache else self.block_pool.allocate(
+            num_needed)
         req.block_ids.extend(new_block_ids)
         return new_block_ids
 
     def free(self, req: Request) -> None:
-        """Return all of req's pages and its slot; req then holds nothing (safe to call on a request with none)."""
-        self.block_pool.free(req.block_ids)
+        """Return all of req's pages and its slot; req then holds nothing (safe to call on a request with none).
+        With prefix caching its full, indexed pages stay cached unreferenced, and its rolling snapshot is published."""
+        if self.prefix_cache is None:
+            self.block_pool.free(req.block_ids)
+        else:
+            self._publish_rolling(req)
+            self.prefix_cache.release(req.block_ids)
+            req.num_indexed_blocks = 0
         req.block_ids = []
         if req.state_slot is not None:
             self.state_pool.free(req.state_slot)
             req.state_slot = None
+
+    def find_cached_prefix(self, req: Request) -> CachedPrefix | None:
+        """req's longest cached prefix in whole blocks with both its pages and the KDA snapshot at its end, short of
+        req's last token; None without prefix caching, or when req asks for prompt logprobs (a hit would skip the
+        positions they score)."""
+        if self.prefix_cache is None or req.sampling_params.prompt_logprobs is not None:
+            return None
+        block_hashes = self._block_hashes(req)[: (req.num_tokens - 1) // self.block_size]
+        block_ids = self.prefix_cache.lookup(block_hashes)
+        for num_blocks in range(len(block_ids), 0, -1):
+            slot = self.snapshots.get(block_hashes[num_blocks - 1])
+            if slot is not None:
+                return CachedPrefix(block_ids[:num_blocks], slot)
+        return CachedPrefix()
+
+    def cut_at_snapshot(self, req: Request, start: int, num_tokens: int) -> int:
+        """num_tokens, shortened so that a chunk from token `start` ends at the first snapshot position it passes."""
+        for position in self._snapshot_positions(req):
+            if start < position < start + num_tokens and self._wants_snapshot(req, position):
+                return position - start
+        return num_tokens
+
+    def plan_snapshot_save(self, req: Request, num_new_tokens: int) -> tuple[int, int] | None:
+        """When req's scheduled chunk ends at one of its snapshot positions: a snapshot slot for it, and the copy
+        (state slot, snapshot slot) that the runner makes after this step's forward pass; else None."""
+        end = req.num_computed_tokens + num_new_tokens
+        if end not in self._snapshot_positions(req) or not self._wants_snapshot(req, end):
+            return None
+        shared = end == self._prompt_end(req)
+        rolling = None if shared else self._rolling.get(req.req_id)
+        slot = rolling.slot if rolling else self.snapshots.allocate()
+        self._writes[req.req_id] = _SnapshotWrite(slot, end, shared)
+        return req.state_slot, slot
+
+    def cache_computed(self, req: Request) -> None:
+        """After a step: enter req's newly full pages in the page index and publish the snapshot it saved."""
+        if self.prefix_cache is None:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        if num_full > req.num_indexed_blocks:
+            block_hashes = self._block_hashes(req)
+            for i in range(req.num_indexed_blocks, num_full):
+                self.prefix_cache.insert(block_hashes[i], req.block_ids[i])
+            req.num_indexed_blocks = num_full
+        write = self._writes.pop(req.req_id, None)
+        if write is None:
+            return
+        if write.shared:
+            self.snapshots.commit(write.slot, self._block_hashes(req)[write.position // self.block_size - 1])
+        else:
+            self._rolling[req.req_id] = write
+
+    def end_step(self) -> None:
+        """After a step's outputs are applied: unpin the snapshots restored from, drop saves of departed requests."""
+        if self.snapshots is None:
+            return
+        for slot in self._pinned:
+            self.snapshots.unpin(slot)
+        self._pinned.clear()
+        for req_id in list(self._writes):
+            self._drop_write(req_id)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Hit counters and pool use of the prefix cache; None when it is off."""
+        if self.prefix_cache is None:
+            return None
+        pages, snapshots = self.prefix_cache, self.snapshots
+        lookups = self._lookups
+        return PrefixCacheStats(lookups.num_queries, lookups.num_hits, lookups.num_query_tokens,
+                                lookups.num_hit_tokens, self.num_blocks, pages.num_cached_blocks,
+                                pages.num_unreferenced_blocks, pages.num_evictions, snapshots.num_slots,
+                                snapshots.num_committed, snapshots.num_evictions)
+
+    def _take_hit(self, req: Request, hit: CachedPrefix) -> None:
+        """Count the lookup, give req the hit's pages and pin the snapshot the runner restores from."""
+        num_hit_tokens = len(hit.block_ids) * self.block_size
+        self._lookups.num_queries += 1
+        self._lookups.num_query_tokens += req.num_tokens
+        if not hit.block_ids:
+            return
+        self._lookups.num_hits += 1
+        self._lookups.num_hit_tokens += num_hit_tokens
+        self.prefix_cache.acquire(hit.block_ids)
+        req.block_ids = list(hit.block_ids)
+        req.num_computed_tokens = num_hit_tokens
+        req.num_indexed_blocks = len(hit.block_ids)
+        self.snapshots.pin(hit.snapshot_slot)
+        self._pinned.append(hit.snapshot_slot)
+
+    def _block_hashes(self, req: Request) -> list[bytes]:
+        if len(req.block_hashes) < req.num_tokens // self.block_size:
+            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size)
+        return req.block_hashes
+
+    def _prompt_end(self, req: Request) -> int:
+        return req.num_prompt_tokens // self.block_size * self.block_size
+
+    def _snapshot_positions(self, req: Request) -> tuple[int, ...]:
+        """Where req keeps KDA snapshots: its prompt's last full block end, and its tokens' last full block end."""
+        if self.prefix_cache is None:
+            return ()
+        prompt_end, last = self._prompt_end(req), req.num_tokens // self.block_size * self.block_size
+        return tuple(p for p in sorted({prompt_end, last}) if p > 0)
+
+    def _wants_snapshot(self, req: Request, position: int) -> bool:
+        """Whether a save at position is needed (none there yet, for the shared one) and has a slot to go to."""
+        if position == self._prompt_end(req):
+            published = self.snapshots.get(self._block_hashes(req)[position // self.block_size - 1])
+            return published is None and self.snapshots.num_available > 0
+        return req.req_id in self._rolling or self.snapshots.num_available > 0
+
+    def _publish_rolling(self, req: Request) -> None:
+        self._drop_write(req.req_id)  # a save the runner has not made yet: its slot holds nothing usable
+        rolling = self._rolling.pop(req.req_id, None)
+        if rolling is not None:
+            self.snapshots.commit(rolling.slot, self._block_hashes(req)[rolling.position // self.block_size - 1])
+
+    def _drop_write(self, req_id: str) -> None:
+        write = self._writes.pop(req_id, None)
+        if write is None:
+            return
+        self.snapshots.discard(write.slot)
+        rolling = self._rolling.get(req_id)
+        if rolling is not None and rolling.slot == write.slot:
+            del self._rolling[req_id]  # it was being overwritten

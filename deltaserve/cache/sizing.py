@@ -64,6 +64,7 @@ class CachePlan:
     block_size: int
     bytes_per_block: int  # one page across all MLA layers
     bytes_per_slot: int  # one request's state across all KDA layers
+    num_snapshot_slots: int = 0  # prefix caching's KDA state snapshots (bytes_per_slot each); 0: caching off
 
 
 def layer_cache_specs(model: ModelConfig, block_size: int, dtype: str) -> list[MLAPageSpec | KDAStateSpec]:
@@ -81,33 +82,39 @@ def layer_cache_specs(model: ModelConfig, block_size: int, dtype: str) -> list[M
 
 def plan_cache(model: ModelConfig, engine: EngineConfig, max_model_len: int,
                budget_bytes: int | None = None) -> CachePlan:
-    """Size the pools: num_slots = max_num_seqs, pages from num_cache_blocks or from the byte budget.
+    """Size the pools: num_slots = max_num_seqs, snapshot slots (prefix caching only) from num_snapshot_slots,
+    pages from num_cache_blocks or from what the byte budget leaves after the slots and snapshots.
 
     The budget is `budget_bytes` (the runner's measurement of free device memory), else engine.cache_bytes,
-    else on CPU the bytes of max_num_seqs sequences of max_model_len tokens, capped at 1 GiB.
+    else on CPU the bytes of max_num_seqs sequences of max_model_len tokens (plus the snapshots), capped at 1 GiB.
     """
     specs = layer_cache_specs(model, engine.block_size, engine.dtype)
     bytes_per_block = sum(s.page_bytes for s in specs if isinstance(s, MLAPageSpec))
     bytes_per_slot = sum(s.slot_bytes for s in specs if isinstance(s, KDAStateSpec))
     num_slots = engine.max_num_seqs
+    num_snapshots = (engine.num_snapshot_slots or 2 * num_slots) if engine.enable_prefix_caching else 0
     blocks_per_seq = math.ceil(max_model_len / engine.block_size)
     if engine.num_cache_blocks is not None:
         num_blocks = engine.num_cache_blocks
     elif bytes_per_block == 0:  # no MLA layer: pages cost nothing, give every slot a full-length table
         num_blocks = num_slots * blocks_per_seq
     else:
-        budget = _budget(engine, budget_bytes, num_slots * (bytes_per_slot + blocks_per_seq * bytes_per_block))
-        num_blocks = _blocks_in_budget(budget, num_slots, bytes_per_slot, bytes_per_block)
-    return CachePlan(num_blocks, num_slots, engine.block_size, bytes_per_block, bytes_per_slot)
+        full_length = num_slots * (bytes_per_slot + blocks_per_seq * bytes_per_block) + num_snapshots * bytes_per_slot
+        budget = _budget(engine, budget_bytes, full_length)
+        num_blocks = _blocks_in_budget(budget, num_slots, num_snapshots, bytes_per_slot, bytes_per_block)
+    return CachePlan(num_blocks, num_slots, engine.block_size, bytes_per_block, bytes_per_slot, num_snapshots)
 
 
 def describe_plan(plan: CachePlan) -> str:
     """One line for the start-up log."""
     pages = plan.num_blocks * plan.bytes_per_block
     slots = plan.num_slots * plan.bytes_per_slot
+    snapshots = plan.num_snapshot_slots * plan.bytes_per_slot
+    snapshot_text = (f" + {plan.num_snapshot_slots} KDA snapshots for prefix caching ({format_bytes(snapshots)})"
+                     if plan.num_snapshot_slots else "")
     return (f"cache: {plan.num_blocks} MLA pages x {plan.block_size} tokens = {plan.num_blocks * plan.block_size} "
-            f"tokens ({format_bytes(pages)}) + {plan.num_slots} KDA state slots ({format_bytes(slots)}); "
-            f"{format_bytes(pages + slots)} in all")
+            f"tokens ({format_bytes(pages)}) + {plan.num_slots} KDA state slots ({format_bytes(slots)})"
+            f"{snapshot_text}; {format_bytes(pages + slots + snapshots)} in all")
 
 
 def format_bytes(num_bytes: int) -> str:
@@ -134,12 +141,14 @@ def _budget(engine: EngineConfig, budget_bytes: int | None, full_length_bytes: i
     return min(full_length_bytes, DEFAULT_CPU_CACHE_BYTES)
 
 
-def _blocks_in_budget(budget: int, num_slots: int, bytes_per_slot: int, bytes_per_block: int) -> int:
-    slots_bytes = num_slots * bytes_per_slot
+def _blocks_in_budget(budget: int, num_slots: int, num_snapshots: int, bytes_per_slot: int,
+                      bytes_per_block: int) -> int:
+    slots_bytes = (num_slots + num_snapshots) * bytes_per_slot
     if budget < slots_bytes + bytes_per_block:
+        snapshots = f" and {num_snapshots} prefix-caching snapshots" if num_snapshots else ""
         raise ConfigError(
-            f"cache budget {budget} B ({format_bytes(budget)}) cannot hold {num_slots} KDA state slots "
+            f"cache budget {budget} B ({format_bytes(budget)}) cannot hold {num_slots} KDA state slots{snapshots} "
             f"({format_bytes(bytes_per_slot)} each, {format_bytes(slots_bytes)} in all) plus one MLA page "
             f"({format_bytes(bytes_per_block)}); raise the engine option cache_bytes (or gpu_memory_utilization "
-            "on a GPU), or lower max_num_seqs (--max-num-seqs)")
+            "on a GPU), or lower max_num_seqs (--max-num-seqs) or num_snapshot_slots")
     return (budget - slots_bytes) // bytes_per_block

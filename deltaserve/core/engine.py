@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deltaserve.cache.manager import CacheManager
+from deltaserve.cache.manager import CacheManager, PrefixCacheStats
 from deltaserve.cache.sizing import describe_plan, plan_cache
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.core.outputs import CompletionOutput, Logprob, Logprobs, RequestOutput
@@ -82,6 +82,11 @@ class Engine:
     def abort(self, req_id: str) -> None:
         self.scheduler.abort_request(req_id)
         self._tracked.pop(req_id, None)
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """Prefix caching's counters (queries, hits, tokens) and pool use, read fresh; None when it is off."""
+        return self.scheduler.cache.prefix_cache_stats()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -174,7 +179,7 @@ class Engine:
                                       list(tracked.logprobs) if tracked.logprobs is not None else None,
                                       tracked.cumulative_logprob)
         return RequestOutput(req.req_id, tracked.prompt, req.prompt_token_ids, [completion], finished,
-                             tracked.prompt_logprobs, dict(tracked.metrics))
+                             tracked.prompt_logprobs, dict(tracked.metrics), req.num_cached_tokens)
 
 
 ACTIVATION_RESERVE_BYTES = 4 << 30  # left free on a GPU for a step's activations and the CUDA graphs

@@ -18,6 +18,7 @@ class NewRequestData:
     block_ids: list[int]
     state_slot: int
     num_computed_tokens: int = 0  # > 0 only when a cached prefix was restored
+    restore_snapshot_slot: int | None = None  # with a cached prefix: the KDA snapshot to copy into state_slot
 
 
 @dataclass
@@ -35,6 +36,8 @@ class SchedulerOutput:
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens to compute this step
     finished_req_ids: set[str] = field(default_factory=set)  # finished, aborted or preempted since the last step
+    # (state slot, snapshot slot): copy the KDA state into the snapshot slot after this step's forward pass
+    snapshot_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -89,3 +92,4 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None at position 0, as vLLM
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token and finish times (monotonic)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (prefill skipped)

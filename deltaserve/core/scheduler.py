@@ -17,6 +17,12 @@ is never a victim of another, and alone it fits, because add_request rejects any
 possible sequence needs more pages than the cache holds; a preempted request is first in line once pages
 free up.
 
+Prefix caching (CacheManager's docstring has the rules). A waiting request is admitted with its longest cached
+prefix: its pages (shared, ref counted) and num_computed_tokens = the prefix's tokens; NewRequestData names the
+KDA snapshot the runner restores into its slot. A chunk that would pass one of a request's snapshot positions is
+cut to end there, and SchedulerOutput.snapshot_saves asks the runner to copy the state after that step. A
+preempted request's full pages stay cached, so its recompute usually starts from a cached prefix.
+
 Length limits (as vLLM): a prompt of max_model_len tokens or more is rejected; generation is capped by
 finishing with 'length' when the request reaches max_model_len tokens (or max_tokens outputs).
 """
@@ -107,11 +113,13 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += num_tokens
+            self.cache.cache_computed(req)  # before a finish can release its pages
             sampled = runner_output.sampled_token_ids.get(req_id) or []
             if not sampled:
                 self._check_still_prefilling(req)
                 continue
             updates.append((req, self._append_tokens(req, sampled)))
+        self.cache.end_step()
         return updates
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
@@ -120,13 +128,13 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
-            num_tokens = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_tokens = self._num_new_tokens(req, req.num_computed_tokens, budget)
             new_block_ids, preempted_any = self._allocate_or_preempt(req, num_tokens)
             preempted = preempted or preempted_any
             if new_block_ids is None:
                 break  # req was the tail and preempted itself: no running request is left after it
             out.cached_reqs.append(CachedRequestData(req.req_id, new_block_ids, req.num_computed_tokens))
-            out.num_scheduled_tokens[req.req_id] = num_tokens
+            self._schedule_tokens(out, req, num_tokens)
             budget -= num_tokens
             index += 1
         return budget, preempted
@@ -149,18 +157,33 @@ class Scheduler:
         """Admit waiting requests first come, first served while budget, slots and pages allow."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            num_tokens = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.cache.allocate_slots(req, num_tokens) is None:
+            hit = self.cache.find_cached_prefix(req)
+            start = len(hit.block_ids) * self.cache.block_size if hit else 0
+            num_tokens = self._num_new_tokens(req, start, budget)
+            if self.cache.allocate_slots(req, num_tokens, hit) is None:
                 break  # the head waits for pages; admitting later ones past it could starve it
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = req.num_computed_tokens
             out.new_reqs.append(NewRequestData(
                 req.req_id, req.all_token_ids, req.num_prompt_tokens, req.sampling_params,
                 list(req.block_ids), req.state_slot, req.num_computed_tokens,
+                hit.snapshot_slot if hit else None,
             ))
-            out.num_scheduled_tokens[req.req_id] = num_tokens
+            self._schedule_tokens(out, req, num_tokens)
             budget -= num_tokens
+
+    def _num_new_tokens(self, req: Request, start: int, budget: int) -> int:
+        """Tokens to compute from `start`: all left, within the budget, cut to end at a snapshot position."""
+        return self.cache.cut_at_snapshot(req, start, min(req.num_tokens - start, budget))
+
+    def _schedule_tokens(self, out: SchedulerOutput, req: Request, num_tokens: int) -> None:
+        out.num_scheduled_tokens[req.req_id] = num_tokens
+        save = self.cache.plan_snapshot_save(req, num_tokens)
+        if save is not None:
+            out.snapshot_saves.append(save)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

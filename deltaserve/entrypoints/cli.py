@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 
+from deltaserve.config import EngineConfig
 from deltaserve.entrypoints.openai.command import add_serve_options, cmd_serve
 from deltaserve.parity.commands import add_parity_parser, cmd_parity
 from deltaserve.sampling_params import SamplingParams
@@ -23,6 +24,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=EngineConfig.enable_prefix_caching,
+                   help="reuse cached prefixes (MLA pages and exact KDA state snapshots) across requests")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
@@ -75,7 +79,8 @@ def _make_llm(args):
 
     return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               block_size=args.block_size, threads=args.threads, load_format=args.load_format)
+               block_size=args.block_size, threads=args.threads, load_format=args.load_format,
+               enable_prefix_caching=args.enable_prefix_caching)
 
 
 def cmd_generate(args) -> None:
@@ -112,7 +117,8 @@ def cmd_bench(args) -> None:
     engine = EngineConfig(dtype=args.dtype or ("float32" if device == "cpu" else "bfloat16"), device=device,
                           max_model_len=args.max_model_len or args.prompt_len + args.output_len,
                           max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
-                          block_size=args.block_size, threads=args.threads, load_format=args.load_format)
+                          block_size=args.block_size, threads=args.threads, load_format=args.load_format,
+                          enable_prefix_caching=args.enable_prefix_caching)
     result = bench(args.config or args.model or str(BUNDLED_MODEL), engine, args.batch_sizes, args.prompt_len,
                    args.output_len)
     print_report(result)

@@ -66,7 +66,7 @@ class TransformersBackend:
         try:
             from transformers import KimiLinearForCausalLM
         except ImportError:
-            raise ValueError("--reference transformers needs transformers >= 5.23 (pip install "
+            raise ValueError("--reference transformers needs transformers >= 5.24 (pip install "
                              "'deltaserve[parity]'), or pass --reference deltaserve") from None
         from deltaserve.loader.model_loader import DTYPES
 
@@ -97,7 +97,7 @@ class TransformersBackend:
             ids = torch.cat([ids, next_ids], dim=1)
             out = (self.model(next_ids, cache=out.cache, use_cache=True, logits_to_keep=1)
                    if self.cached else self.model(ids, use_cache=False, logits_to_keep=1))
-        return torch.stack(steps, dim=1) if steps else torch.empty(ids.shape[0], 0, self.model.config.vocab_size)
+        return torch.stack(steps, dim=1)
 
     @torch.inference_mode()
     def teacher_forced(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:

@@ -108,7 +108,8 @@ def _parse_prompt(raw, path: Path, where: str) -> GoldenPrompt:
 
 def _need(cond, path: Path, field: str, expectation: str) -> None:
     if not cond:
-        raise GoldenError(f"golden file {path}: {field} {expectation}; capture it again with `deltaserve parity capture`")
+        raise GoldenError(f"golden file {path}: {field} {expectation}; "
+                          "capture it again with `deltaserve parity capture`")
 
 
 def _is_int(v) -> bool:

@@ -9,13 +9,13 @@ def top2(logits: torch.Tensor) -> list[tuple[int, int, float]]:
     """logits [M, V] -> per row (best id, runner-up id, logit gap between them >= 0)."""
     values, ids = logits.float().topk(2, dim=-1)
     margins = (values[:, 0] - values[:, 1]).tolist()
-    return [(a, b, _round(m, 6)) for (a, b), m in zip(ids.tolist(), margins)]
+    return [(a, b, _round(m)) for (a, b), m in zip(ids.tolist(), margins)]
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
     """logits [M, V] -> per row the top min(k, V) token ids and their log-probabilities (descending)."""
     values, ids = logits.float().log_softmax(dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
-    return ids.tolist(), [[_round(v, 7) for v in row] for row in values.tolist()]
+    return ids.tolist(), [[_round(v) for v in row] for row in values.tolist()]
 
 
 def coarse_kl(ref_ids: list[list[int]], ref_logprobs: list[list[float]], logits: torch.Tensor) -> list[float]:
@@ -43,5 +43,6 @@ def logit_gap(entry_ids: list[int], entry_logprobs: list[float], best: int, othe
     return entry_logprobs[entry_ids.index(best)] - entry_logprobs[entry_ids.index(other)]
 
 
-def _round(x: float, digits: int) -> float:
-    return float(f"{x:.{digits}g}")
+def _round(x: float) -> float:
+    """9 significant digits: any float32 reads back exactly, without float64 noise digits."""
+    return float(f"{x:.9g}")

@@ -26,7 +26,8 @@ def random_prompts(num_prompts: int, prompt_len: int, vocab_size: int, seed: int
 
 
 def read_prompts_file(path: str | Path, tokenizer, vocab_size: int) -> list[list[int]]:
-    """One prompt a line: a JSON list of token ids, or text (encoded with the model's tokenizer); blank lines skipped."""
+    """One prompt a line: a JSON list of token ids, or text (encoded with the model's tokenizer); blank lines
+    are skipped."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"prompts file {path} does not exist: pass a file with one prompt per line")

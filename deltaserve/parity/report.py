@@ -11,7 +11,8 @@ def report_lines(golden: Golden, result: CheckResult, ours: str) -> list[str]:
              f"{golden.num_tokens} tokens; checking {ours}"]
     for i, p in enumerate(result.prompts):
         kl = f", KL mean {_mean(p.kl):.2e} max {max(p.kl):.2e}" if p.kl else ""
-        lines.append(f"prompt {i}: match {p.match}/{p.num_tokens}; teacher-forced top-1 {p.tf_agree}/{p.num_tokens}{kl}")
+        lines.append(f"prompt {i}: match {p.match}/{p.num_tokens}; "
+                     f"teacher-forced top-1 {p.tf_agree}/{p.num_tokens}{kl}")
         lines += [f"  {_describe(d)}" for d in p.divergences]
     lines += _totals(golden, result)
     lines.append(f"match {sum(p.match for p in result.prompts)}/{golden.num_tokens}")

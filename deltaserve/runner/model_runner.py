@@ -1,8 +1,9 @@
 """ModelRunner: the only holder of device tensors. Turns a SchedulerOutput into one forward pass and samples.
 
-Per step: drop the requests the scheduler let go, take in new ones (their KDA state slot zeroed), build a
-ForwardBatch (decodes first, then prefill chunks), run the model once over all new tokens, compute logits only
-where a token is sampled (or prompt logprobs were asked for), sample, and remember the sampled tokens.
+Per step: drop the requests the scheduler let go, take in new ones (their KDA state slot zeroed, or restored from
+a prefix-cache snapshot), build a ForwardBatch (decodes first, then prefill chunks), run the model once over all
+new tokens, compute logits only where a token is sampled (or prompt logprobs were asked for), sample, remember the
+sampled tokens, and copy the KDA states the scheduler asked to keep into their snapshot slots.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class ModelRunner:
                  seed: int = 0, cuda_graphs: bool = True, graph_max_context: int = 4096):
         self.model, self.cfg, self.plan, self.device = model, model_config, plan, torch.device(device)
         self.caches = self._allocate_caches(dtype)
+        self.snapshots = self._allocate_snapshots()
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.graphs = None
@@ -95,23 +97,49 @@ class ModelRunner:
         input_ids, batch = self._prepare(order, sched.num_scheduled_tokens)
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(input_ids, batch)
-            return self._sample(order, batch, lambda rows: logits[rows])
-        hidden = self.model(input_ids, batch, self.caches)
-        return self._sample(order, batch, lambda rows: self.model.compute_logits(hidden[rows]))
+            out = self._sample(order, batch, lambda rows: logits[rows])
+        else:
+            hidden = self.model(input_ids, batch, self.caches)
+            out = self._sample(order, batch, lambda rows: self.model.compute_logits(hidden[rows]))
+        self._copy_states(sched.snapshot_saves, to_snapshots=True)  # the states after this step's tokens
+        return out
 
     def _update_requests(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
             self.requests.pop(req_id, None)
+        restores = []
         for new in sched.new_reqs:
             self.requests[new.req_id] = RequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids),
                 new.state_slot, new.num_computed_tokens)
-            if new.num_computed_tokens == 0:
+            if new.restore_snapshot_slot is not None:
+                restores.append((new.restore_snapshot_slot, new.state_slot))
+            elif new.num_computed_tokens == 0:
                 self._reset_state(new.state_slot)
+        self._copy_states(restores, to_snapshots=False)
         for cached in sched.cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def _allocate_snapshots(self) -> list[dict[str, torch.Tensor]]:
+        """Per layer, prefix caching's KDA state snapshots: like the layer's state slots, plan.num_snapshot_slots of
+        them ({} for an MLA layer, and for every layer when caching is off)."""
+        return [{name: torch.zeros(self.plan.num_snapshot_slots, *layer[name].shape[1:], dtype=layer[name].dtype,
+                                   device=self.device) for name in ("conv", "recurrent") if name in layer}
+                if self.plan.num_snapshot_slots else {} for layer in self.caches]
+
+    def _copy_states(self, pairs: list[tuple[int, int]], to_snapshots: bool) -> None:
+        """Copy whole KDA states (conv tails and recurrent state of every layer): pairs of (state slot, snapshot
+        slot) into the snapshots, or pairs of (snapshot slot, state slot) into the state slots."""
+        if not pairs:
+            return
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.int64, device=self.device)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.int64, device=self.device)
+        for layer, snapshots in zip(self.caches, self.snapshots):
+            for name, snapshot in snapshots.items():
+                source, target = (layer[name], snapshot) if to_snapshots else (snapshot, layer[name])
+                target[dst] = source[src]
 
     def _reset_state(self, slot: int) -> None:
         for layer in self.caches:

@@ -39,7 +39,7 @@ def test_triton_kda_decode_matches_torch_twin(B, dtype):
     state[untouched] = 1e30
     twin_state = state.clone()
     o = kda_decode(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b_raw, dt_bias, a_log, state, slots, K ** -0.5)
-    beta = torch.sigmoid(b_raw).float()
+    beta = torch.sigmoid(b_raw.float())  # the fused kernel takes the sigmoid in float32
     o_twin = fused_recurrent_kda(l2norm(qkv[:, 0]), l2norm(qkv[:, 1]), qkv[:, 2].float(),
                                  kda_gate(g_raw, dt_bias, a_log), beta, K ** -0.5, twin_state, slots)
     assert rel_err(o, o_twin) < 1e-5

@@ -63,6 +63,8 @@ def assert_idle(llm: LLM) -> None:
     assert engine.scheduler.num_running == engine.scheduler.num_waiting == 0
     assert cache.num_free_blocks == cache.num_blocks, f"{cache.num_blocks - cache.num_free_blocks} pages not freed"
     assert cache.num_free_slots == cache.state_pool.num_slots, "a KDA state slot was not freed"
+    if cache.snapshots is not None:  # prefix caching: every snapshot slot free or cached, none held or pinned
+        assert cache.snapshots.num_available == cache.snapshots.num_slots, "a KDA snapshot slot is still held"
     assert not engine._tracked, f"the engine still tracks {list(engine._tracked)}"
 
 

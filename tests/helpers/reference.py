@@ -106,7 +106,9 @@ def _moonshot_name(name: str) -> str:
 
 def moonshot_config(saved: dict) -> dict:
     """A transformers-written config.json respelled the way Moonshot's published config.json spells it."""
-    raw = {k: v for k, v in saved.items() if k not in ("layer_types", "mlp_layer_types") and not k.startswith("linear_")}
+    transformers_only = ("layer_types", "mlp_layer_types", "linear_num_heads", "linear_head_dim",
+                         "linear_conv_kernel_dim")
+    raw = {k: v for k, v in saved.items() if k not in transformers_only}
     layers, mlps = saved["layer_types"], saved["mlp_layer_types"]
     raw["linear_attn_config"] = {
         "kda_layers": [i + 1 for i, t in enumerate(layers) if t == KDA_T],
@@ -136,7 +138,7 @@ def reference_logits(model: KimiLinearForCausalLM, token_ids: list[int]) -> torc
 
 @torch.no_grad()
 def reference_greedy(model: KimiLinearForCausalLM, prompt: list[int], num_tokens: int) -> list[int]:
-    """The reference's greedy continuation (its own prefill + cached decode), never stopping early.
+    """The reference's greedy continuation (its own prefill + cached decode); EOS is a token like any other.
 
     The reference's cache cannot serve a model without any full-attention layer, so for those every token is
     the argmax of a full forward pass over the sequence so far.
@@ -147,6 +149,8 @@ def reference_greedy(model: KimiLinearForCausalLM, prompt: list[int], num_tokens
             ids.append(int(reference_logits(model, ids)[-1].argmax()))
         return ids[len(prompt):]
     ids = torch.tensor([prompt])
+    # eos_token_id=None rather than min_new_tokens, which would mask EOS out of the argmax instead of ignoring it
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=num_tokens,
-                         min_new_tokens=num_tokens, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+                         eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert len(out) == num_tokens
+    return out

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels.kda import chunk_kda, fused_recurrent_kda
+from deltaserve.kernels.kda import chunk_kda, fused_recurrent_kda, kda_gate, l2norm
 from deltaserve.kernels.kda.naive import naive_recurrent_kda
 
 H, K, V = 2, 16, 12  # V != K so that a swapped dimension cannot pass
@@ -158,3 +158,24 @@ def test_naive_matches_the_recurrence_written_out():
         expected.append((q[t, 0] * K ** -0.5) @ state)
     torch.testing.assert_close(o[:, 0], torch.stack(expected), **TOL)
     torch.testing.assert_close(final[0], state, **TOL)
+
+
+def test_l2norm_is_flas_form_not_f_normalize():
+    """x / sqrt(sum(x^2) + 1e-6): for a vector of norm 1e-3 that is 1/sqrt(2) of F.normalize's unit vector."""
+    x = torch.full((1, 4), 5e-4)  # norm 1e-3
+    torch.testing.assert_close(l2norm(x), x / math.sqrt(1e-6 + 1e-6), rtol=1e-6, atol=0)
+    y = torch.randn(3, 2, K, generator=torch.Generator().manual_seed(4)) * 3
+    torch.testing.assert_close(l2norm(y), y / torch.sqrt((y * y).sum(-1, keepdim=True) + 1e-6), rtol=1e-6, atol=0)
+
+
+def test_gate_is_minus_exp_a_log_times_softplus():
+    """The reference's gate, softplus linear above 20, per head of K channels."""
+    gen = torch.Generator().manual_seed(5)
+    g_raw = torch.randn(6, H * K, generator=gen) * 10  # reaches both sides of the softplus threshold
+    g_raw[0, :4] = torch.tensor([19.9, 20.0, 20.1, 35.0])
+    dt_bias = torch.randn(H * K, generator=gen)
+    a_log = torch.empty(H).uniform_(1.0, 16.0, generator=gen).log()
+    x = g_raw + dt_bias
+    softplus = torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))
+    expected = -a_log.exp()[:, None] * softplus.view(6, H, K)
+    torch.testing.assert_close(kda_gate(g_raw, dt_bias, a_log), expected, rtol=1e-6, atol=1e-6)

@@ -160,4 +160,4 @@ def test_config_that_swaps_kda_and_mla_layers(folder):
     lin = dict(SMALL_RAW_CONFIG["linear_attn_config"], kda_layers=[2, 3], full_attn_layers=[1])
     rewrite_config(folder, linear_attn_config=lin)
     message = error_of(folder)
-    assert "missing tensor model.layers.0.self_attn." in message or "missing tensor model.layers.1.self_attn." in message
+    assert re.search(r"missing tensor model\.layers\.[01]\.self_attn\.", message)

@@ -37,7 +37,8 @@ def expected_counts(cfg: ModelConfig) -> tuple[int, int]:
     for kind, mlp in zip(cfg.layer_types, cfg.mlp_types):
         common = 2 * D + (kda if kind == "kda" else mla)
         if mlp == "dense":
-            total, active = total + common + 3 * D * cfg.intermediate_size, active + common + 3 * D * cfg.intermediate_size
+            total += common + 3 * D * cfg.intermediate_size
+            active += common + 3 * D * cfg.intermediate_size
         else:
             total += common + router_and_shared + cfg.num_experts * expert
             active += common + router_and_shared + cfg.num_experts_per_token * expert

@@ -7,6 +7,7 @@ lets every in-flight response (streams included) finish, then the lifespan stops
 
 from __future__ import annotations
 
+import signal
 import time
 from contextlib import asynccontextmanager
 
@@ -98,8 +99,14 @@ def _openapi(app: FastAPI) -> dict:
 
 def run_server(engine: Engine, config: ServerConfig, host: str, port: int, drain_timeout: float | None,
                log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM; then drain (at most drain_timeout seconds) and return."""
+    """Serve until SIGINT/SIGTERM; then drain (at most drain_timeout seconds) and return normally."""
     import uvicorn
 
-    uvicorn.run(build_app(engine, config), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=drain_timeout)
+    # uvicorn re-raises the signal after its graceful shutdown, into the handler that was there before it:
+    # a no-op for SIGTERM, so that a drained server exits 0 (SIGINT still ends as KeyboardInterrupt, 130)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        uvicorn.run(build_app(engine, config), host=host, port=port, log_level=log_level,
+                    timeout_graceful_shutdown=drain_timeout)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

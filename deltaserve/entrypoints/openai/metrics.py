@@ -31,7 +31,8 @@ class ServerMetrics(EngineObserver):
         self.num_blocks = gauge("cache_num_blocks", "MLA cache pages in all.")
         self.free_slots = gauge("cache_free_state_slots", "KDA state slots free.")
         self.num_slots = gauge("cache_num_state_slots", "KDA state slots in all.")
-        self.prompt_tokens = Counter("deltaserve_prompt_tokens", "Prompt tokens prefilled.", **labels).labels(model_name)
+        self.prompt_tokens = Counter("deltaserve_prompt_tokens", "Prompt tokens prefilled.",
+                                     **labels).labels(model_name)
         self.generation_tokens = Counter("deltaserve_generation_tokens", "Tokens generated.",
                                          **labels).labels(model_name)
         self.finished = Counter("deltaserve_requests_finished", "Engine requests finished, by reason.",

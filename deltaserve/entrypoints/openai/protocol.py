@@ -15,7 +15,8 @@ from deltaserve.sampling_params import MAX_LOGPROBS
 MAX_N = 128  # choices per request, OpenAI's limit
 MAX_STOP = 16  # stop strings per request
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
+INT32_MAX = 2**31 - 1  # bounds what reaches int64 tensors
+TokenIds = list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
 Stop = str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None
 
 
@@ -34,7 +35,7 @@ class SamplingFields(_Request):
     n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)

@@ -127,7 +127,8 @@ class ServingContext:
         except ValueError as e:
             raise bad_request(str(e).removeprefix("SamplingParams.")) from e
 
-    async def start(self, inputs: list[EngineInput], request_id: str, request: Request) -> tuple[RequestStream, asyncio.Task]:
+    async def start(self, inputs: list[EngineInput], request_id: str,
+                    request: Request) -> tuple[RequestStream, asyncio.Task]:
         """Queue inputs; returns their stream and a task that aborts it when the client disconnects."""
         try:
             stream = await self.async_engine.add(inputs, request_id)
@@ -187,6 +188,11 @@ async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def json_logprob(value: float) -> float:
+    """A logprob JSON can carry: -inf (a masked token) and NaN become -9999.0, as vLLM sends them."""
+    return value if value > -9999.0 else -9999.0
 
 
 def _stop_list(stop) -> list[str]:

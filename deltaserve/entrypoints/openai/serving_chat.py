@@ -16,7 +16,7 @@ from deltaserve.core.async_engine import EngineInput
 from deltaserve.core.outputs import RequestOutput
 from deltaserve.entrypoints.openai.errors import bad_request
 from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from deltaserve.entrypoints.openai.serving import ServingContext, respond_or_gone, usage
+from deltaserve.entrypoints.openai.serving import ServingContext, json_logprob, respond_or_gone, usage
 
 
 class ChatServing:
@@ -95,7 +95,8 @@ class ChatServing:
 
     def _token(self, token_id: int, entry: dict) -> dict:
         text = self.ctx.token_text(token_id, entry)
-        return {"token": text, "logprob": entry[token_id].logprob, "bytes": list(text.encode("utf-8", "replace"))}
+        return {"token": text, "logprob": json_logprob(entry[token_id].logprob),
+                "bytes": list(text.encode("utf-8", "replace"))}
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:

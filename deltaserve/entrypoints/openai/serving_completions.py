@@ -16,7 +16,7 @@ from deltaserve.core.async_engine import EngineInput
 from deltaserve.core.outputs import RequestOutput
 from deltaserve.entrypoints.openai.errors import bad_request
 from deltaserve.entrypoints.openai.protocol import CompletionRequest
-from deltaserve.entrypoints.openai.serving import ServingContext, respond_or_gone, usage
+from deltaserve.entrypoints.openai.serving import ServingContext, json_logprob, respond_or_gone, usage
 
 
 class CompletionServing:
@@ -132,8 +132,9 @@ def _logprobs(parts: list[tuple[list[tuple[int, dict | None]], int]], token_text
             tokens.append(text)
             text_offset.append(offset)
             offset += len(text)
-            token_logprobs.append(entry[token_id].logprob if entry else None)
-            top_logprobs.append({token_text(t, entry): lp.logprob for t, lp in entry.items()} if entry else None)
+            token_logprobs.append(json_logprob(entry[token_id].logprob) if entry else None)
+            top_logprobs.append({token_text(t, entry): json_logprob(lp.logprob) for t, lp in entry.items()}
+                                if entry else None)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
 

@@ -19,7 +19,7 @@ def fused_recurrent_kda(
     state: [S, H, K, V] float32; state_slots: [B] int64 (distinct). Returns o [B, H, V] float32.
     """
     S = state.index_select(0, state_slots) * g.exp()[..., None]  # [B, H, K, V]
-    predicted = torch.einsum("bhk,bhkv->bhv", k, S)
+    predicted = (k[:, :, None, :] @ S)[:, :, 0]  # [B, H, V]
     S = S + k[..., None] * ((v - predicted) * beta[..., None])[:, :, None, :]
     state.index_copy_(0, state_slots, S)
-    return torch.einsum("bhk,bhkv->bhv", q * scale, S)
+    return ((q * scale)[:, :, None, :] @ S)[:, :, 0]

@@ -47,7 +47,8 @@ def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots, scale:
     S_, H, K, V = state.shape
     BV = min(V, 32)
     o = torch.empty(B, H, V, dtype=torch.float32, device=q.device)
-    assert q.stride(1) == 1 and k.stride(0) == q.stride(0) == v.stride(0) and g_raw.stride(1) == 1
+    assert q.stride(2) == 1 and q.stride(1) == K and k.stride(0) == q.stride(0) == v.stride(0)  # rows of one qkv
+    assert g_raw.stride(1) == 1
     _kda_decode_kernel[(triton.cdiv(V, BV), H, B)](
         q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots, o,
         q.stride(0), g_raw.stride(0), b_raw.stride(0), scale, H=H, K=K, V=V, BV=BV, num_warps=4,

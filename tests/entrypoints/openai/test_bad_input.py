@@ -47,6 +47,8 @@ CASES = [
     ("n zero", CHAT, chat(n=0), 400, "'n'"),
     ("logprobs too many", COMPLETIONS, completion(logprobs=21), 400, "'logprobs'"),
     ("top_p out of range", CHAT, chat(top_p=1.5), 400, "'top_p'"),
+    ("top_k past int64", COMPLETIONS, completion(top_k=2**70), 400, "'top_k'"),
+    ("content None outside a tool call", CHAT, chat(messages=[{"role": "user", "content": None}]), 400, "content"),
     ("empty stop string", COMPLETIONS, completion(stop=[""]), 400, "'stop'"),
     ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
     ("unpaired surrogate", COMPLETIONS, b'{"prompt": "a\\ud800b", "max_tokens": 1}', 400, "surrogate"),

@@ -24,8 +24,8 @@ def test_greedy_chat_equals_llm_chat(client, offline_llm):
 
 def test_content_parts_and_developer_role_render_like_plain_text(client):
     plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0)
-    parts = [{"role": "developer", "content": [{"type": "text", "text": "You are "}, {"type": "text", "text": "terse."}]},
-             MESSAGES[1]]
+    system = [{"type": "text", "text": "You are "}, {"type": "text", "text": "terse."}]
+    parts = [{"role": "developer", "content": system}, MESSAGES[1]]
     same = client.chat.completions.create(model="tiny", messages=parts, max_tokens=6, temperature=0)
     assert same.choices[0].message.content == plain.choices[0].message.content
     assert same.usage.prompt_tokens == plain.usage.prompt_tokens

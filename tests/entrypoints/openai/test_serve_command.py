@@ -15,6 +15,8 @@ import time
 import httpx
 import pytest
 
+from deltaserve.entrypoints.cli import main
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -34,7 +36,8 @@ def test_sigterm_drains_the_stream_in_flight_then_exits(tiny_model, tmp_path):
     try:
         _wait_healthy(proc, base)
         headers = {"authorization": "Bearer env-key"}
-        body = {"model": "tiny", "prompt": "Once", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        body = {"model": "tiny", "prompt": "Once", "max_tokens": 300, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
         events, first_chunk = [], threading.Event()
 
         def read_stream():
@@ -48,6 +51,7 @@ def test_sigterm_drains_the_stream_in_flight_then_exits(tiny_model, tmp_path):
         reader.start()
         assert first_chunk.wait(60)
         proc.send_signal(signal.SIGTERM)
+        num_events_at_signal = len(events)
         reader.join(120)
         assert proc.wait(60) == 0
     finally:
@@ -55,16 +59,19 @@ def test_sigterm_drains_the_stream_in_flight_then_exits(tiny_model, tmp_path):
             proc.kill()
         log.close()
     assert events[-1] == "data: [DONE]", (tmp_path / "serve.log").read_text()[-2000:]
+    assert num_events_at_signal < len(events) - 10  # the stream was in flight when the signal came
     chunks = [json.loads(e[6:]) for e in events[:-1]]
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 300
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{base}/health", timeout=5)
 
 
-def test_serve_rejects_a_bad_option_before_loading(tiny_model):
-    run = subprocess.run([sys.executable, "-m", "deltaserve.entrypoints.cli", "serve", "--model", str(tiny_model),
-                          "--max-queue", "-1"], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "--max-queue -1" in run.stderr
+@pytest.mark.parametrize("option, words", [(["--max-queue", "-1"], "--max-queue -1"), (["--port", "70000"], "--port"),
+                                           (["--api-key", " "], "--api-key is empty")])
+def test_serve_rejects_a_bad_option_before_loading(capsys, option, words):
+    assert main(["serve", "--model", "/nonexistent", *option]) == 2
+    assert words in capsys.readouterr().err
 
 
 def _wait_healthy(proc: subprocess.Popen, base: str, timeout: float = 120) -> None:

@@ -28,6 +28,17 @@ def test_dropped_stream_is_aborted_and_frees_its_cache(client, http):
     assert generated < 480  # stopped, not run to the end
 
 
+def test_client_leaving_a_non_streaming_request_aborts_it(server, http):
+    before = read_metrics(http)
+    body = {"model": "tiny", "prompt": "Tell me a long story", "max_tokens": 480, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json=body, timeout=0.2)
+    after = wait_idle(http, timeout=10)
+    assert after['deltaserve_requests_finished_total{finished_reason="abort"}'] == \
+        before.get('deltaserve_requests_finished_total{finished_reason="abort"}', 0) + 1
+    assert after["deltaserve_generation_tokens_total"] - before["deltaserve_generation_tokens_total"] < 480
+
+
 def test_full_queue_answers_429_then_recovers(small_server):
     """small_server runs 2 requests and queues 1: a fourth at once is refused with 429 and Retry-After."""
     body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 60, "ignore_eos": True, "stream": True}
@@ -80,4 +91,4 @@ def test_64_concurrent_streams_with_a_quarter_dropped(server, http, offline_llm)
     for (prompt, max_tokens, _), (text, finish) in completed:
         assert text == expected[(tuple(prompt), max_tokens)] and finish == "length"
     metrics = wait_idle(http)
-    assert not any(k.startswith("deltaserve_requests_rejected_total") and v > 0 and '"5' in k for k, v in metrics.items())
+    assert not [k for k in metrics if k.startswith('deltaserve_requests_rejected_total{status="5')]
