@@ -242,7 +242,9 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    enable_prefix_caching: bool = False
+    # on by default (BENCHMARKS.md, Prefix caching): a 10-turn chat's TTFT 13x lower; the cost, one extra step
+    # before the first token of a prompt that does not end on a block boundary
+    enable_prefix_caching: bool = True
     dtype: str = "float32"
     device: str = "cpu"
     cache_bytes: int | None = None  # CPU budget for MLA pages + KDA slots; None: sized for max_num_seqs full-length

@@ -266,7 +266,7 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="model folder to write (replaced)")
     p.add_argument("--corpus-file", default=None, help="saved output of `bible -l 100000 gen1:1-rev22:21`")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=2e-3)

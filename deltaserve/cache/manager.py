@@ -22,10 +22,10 @@ snapshot at its end, leaving at least one token to compute so that the step prod
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from deltaserve.cache.block_pool import BlockPool
-from deltaserve.cache.prefix_cache import PrefixCache, extend_block_hashes
+from deltaserve.cache.prefix_cache import PrefixCache, PrefixCacheStats, extend_block_hashes
 from deltaserve.cache.sizing import CachePlan
 from deltaserve.cache.snapshot_cache import SnapshotCache
 from deltaserve.cache.state_pool import StatePool
@@ -38,28 +38,6 @@ class CachedPrefix:
 
     block_ids: list[int] = field(default_factory=list)
     snapshot_slot: int | None = None
-
-
-@dataclass
-class PrefixCacheStats:
-    """Counters since start (admissions that looked the cache up) and the current use of both caches."""
-
-    num_queries: int  # admissions that looked up a cached prefix (a recompute after preemption counts again)
-    num_hits: int  # of those, admissions that found one
-    num_query_tokens: int  # tokens of those requests
-    num_hit_tokens: int  # tokens whose prefill was skipped
-    num_blocks: int
-    num_cached_blocks: int  # pages in the index, held by requests or not
-    num_unreferenced_blocks: int  # cached pages no request holds (evictable)
-    num_block_evictions: int
-    num_snapshot_slots: int
-    num_snapshots: int  # committed snapshots
-    num_snapshot_evictions: int
-
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of looked-up tokens served from the cache."""
-        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
 
 @dataclass
@@ -239,11 +217,11 @@ class CacheManager:
         if self.prefix_cache is None:
             return None
         pages, snapshots = self.prefix_cache, self.snapshots
-        lookups = self._lookups
-        return PrefixCacheStats(lookups.num_queries, lookups.num_hits, lookups.num_query_tokens,
-                                lookups.num_hit_tokens, self.num_blocks, pages.num_cached_blocks,
-                                pages.num_unreferenced_blocks, pages.num_evictions, snapshots.num_slots,
-                                snapshots.num_committed, snapshots.num_evictions)
+        return PrefixCacheStats(**asdict(self._lookups), num_blocks=self.num_blocks,
+                                num_cached_blocks=pages.num_cached_blocks,
+                                num_unreferenced_blocks=pages.num_unreferenced_blocks,
+                                num_block_evictions=pages.num_evictions, num_snapshot_slots=snapshots.num_slots,
+                                num_snapshots=snapshots.num_committed, num_snapshot_evictions=snapshots.num_evictions)
 
     def _take_hit(self, req: Request, hit: CachedPrefix) -> None:
         """Count the lookup, give req the hit's pages and pin the snapshot the runner restores from."""

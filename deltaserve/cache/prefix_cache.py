@@ -18,10 +18,33 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from deltaserve.cache.block_pool import BlockPool
 
 ROOT_HASH = b""  # the parent of a sequence's first block
+
+
+@dataclass
+class PrefixCacheStats:
+    """What the prefix cache did since start (its lookups at admission) and how full its two pools are now."""
+
+    num_queries: int  # admissions that looked up a cached prefix (a recompute after preemption counts again)
+    num_hits: int  # of those, admissions that found one
+    num_query_tokens: int  # tokens of those requests
+    num_hit_tokens: int  # tokens whose prefill was skipped
+    num_blocks: int  # MLA pages in all
+    num_cached_blocks: int  # pages in the index, held by requests or not
+    num_unreferenced_blocks: int  # cached pages no request holds (evictable, counted as free)
+    num_block_evictions: int
+    num_snapshot_slots: int  # KDA state snapshots in all
+    num_snapshots: int  # snapshots in the index
+    num_snapshot_evictions: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of looked-up tokens served from the cache."""
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
 
 
 def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:

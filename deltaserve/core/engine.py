@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deltaserve.cache.manager import CacheManager, PrefixCacheStats
+from deltaserve.cache.manager import CacheManager
+from deltaserve.cache.prefix_cache import PrefixCacheStats
 from deltaserve.cache.sizing import describe_plan, plan_cache
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.core.outputs import CompletionOutput, Logprob, Logprobs, RequestOutput

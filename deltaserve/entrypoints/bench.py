@@ -58,24 +58,41 @@ def copy_bandwidth(device: str) -> float:
 
 
 def run_batch(engine: Engine, batch: int, prompt_len: int, output_len: int, seed: int) -> dict:
-    """Submit `batch` random prompts at once and run them to the end; per-request timings averaged."""
+    """Submit `batch` random prompts at once and run them to the end.
+
+    Prefill phase: until every request has its first token (steps may mix decodes in). Decode phase: from then
+    on every step is decode only, so its tokens over its time are the decode throughput and its steps the TPOT.
+    """
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     for _ in range(batch):
         ids = torch.randint(0, engine.model_config.vocab_size, (prompt_len,), generator=gen).tolist()
         engine.add_request(ids, params)
     start = time.perf_counter()
+    started: set[str] = set()
     finished = []
+    while len(started) < batch:
+        outputs = engine.step()
+        started.update(o.request_id for o in outputs)
+        finished += [o for o in outputs if o.finished]
+    prefill_done, tokens_at_prefill_done = time.perf_counter(), _tokens_so_far(engine, finished)
+    steps = 0
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
-    elapsed = time.perf_counter() - start
+        steps += 1
+    end = time.perf_counter()
+    tokens = batch * output_len - tokens_at_prefill_done
     ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in finished]
-    decode = [(o.metrics["finish_time"] - o.metrics["first_token_time"]) / max(output_len - 1, 1) for o in finished]
-    last_first = max(o.metrics["first_token_time"] for o in finished)
-    decode_span = max(o.metrics["finish_time"] for o in finished) - last_first
-    return {"batch": batch, "ttft_ms": 1000 * sum(ttft) / batch, "tpot_ms": 1000 * sum(decode) / batch,
-            "prefill_tok_s": batch * prompt_len / max(ttft), "output_tok_s": batch * (output_len - 1) / decode_span,
-            "total_s": elapsed}
+    return {"batch": batch, "ttft_ms": 1000 * sum(ttft) / batch,
+            "tpot_ms": 1000 * (end - prefill_done) / max(steps, 1),
+            "prefill_tok_s": batch * prompt_len / (prefill_done - start),
+            "output_tok_s": tokens / (end - prefill_done) if steps else float("nan"), "total_s": end - start}
+
+
+def _tokens_so_far(engine: Engine, finished: list) -> int:
+    """Output tokens generated so far by the requests in the engine and those already finished."""
+    running = sum(len(r.output_token_ids) for r in engine.scheduler.requests.values())
+    return running + sum(len(o.outputs[0].token_ids) for o in finished)
 
 
 def bench(model: str, engine_config: EngineConfig, batch_sizes: list[int], prompt_len: int, output_len: int) -> dict:
@@ -83,7 +100,7 @@ def bench(model: str, engine_config: EngineConfig, batch_sizes: list[int], promp
     cfg, device = engine.model_config, engine_config.device
     dtype_bytes = 4 if engine_config.dtype == "float32" else 2
     bandwidth = copy_bandwidth(device)
-    run_batch(engine, 1, min(prompt_len, 16), 4, seed=99)  # warm-up
+    run_batch(engine, 1, prompt_len, 4, seed=99)  # warm-up at the real shape: compiles and autotunes
     if device != "cpu":
         torch.cuda.reset_peak_memory_stats(device)
     rows = []

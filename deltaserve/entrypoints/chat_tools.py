@@ -24,6 +24,14 @@ from deltaserve.tokenizer.tool_calls import MARKERS, ParsedOutput, ToolCall, Too
 TOOL_CHOICES = ("auto", "none")
 
 
+class ToolRequestError(ChatTemplateError):
+    """Bad tools or tool_choice; param names the request field to fix (the server reports it)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class ChatPrompt:
     text: str  # the rendered chat; encode with add_special_tokens=True
@@ -99,16 +107,17 @@ def _check_tools(tools) -> list[dict]:
     if tools is None:
         return []
     if not isinstance(tools, (list, tuple)):
-        raise ChatTemplateError(f"tools = {tools!r:.80}, expected None or a list of "
-                                f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}} dicts")
+        raise ToolRequestError(f"tools = {tools!r:.80}, expected None or a list of "
+                               f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}} dicts", "tools")
     for i, tool in enumerate(tools):
         if not isinstance(tool, Mapping) or tool.get("type") != "function":
-            raise ChatTemplateError(f"tools[{i}] = {tool!r:.80}, expected a dict with \"type\": \"function\"")
+            raise ToolRequestError(f"tools[{i}] = {tool!r:.80}, expected a dict with \"type\": \"function\"",
+                                   f"tools[{i}]")
         function = tool.get("function")
         name = function.get("name") if isinstance(function, Mapping) else None
         if not isinstance(name, str) or not name:
-            raise ChatTemplateError(f"tools[{i}].function = {function!r:.80}, expected a dict with a non-empty "
-                                    f"\"name\" (and \"description\", \"parameters\")")
+            raise ToolRequestError(f"tools[{i}].function = {function!r:.80}, expected a dict with a non-empty "
+                                   f"\"name\" (and \"description\", \"parameters\")", f"tools[{i}].function")
     return list(tools)
 
 
@@ -117,10 +126,11 @@ def _check_tool_choice(tool_choice, tools: list[dict]) -> bool:
     if tool_choice is None:
         return bool(tools)
     if tool_choice not in TOOL_CHOICES:
-        raise ChatTemplateError(f"tool_choice = {tool_choice!r:.80} is not supported; use \"auto\" (the model "
-                                f"decides) or \"none\" (no tool calls)")
+        raise ToolRequestError(f"tool_choice = {tool_choice!r:.80} is not supported; use \"auto\" (the model "
+                               f"decides) or \"none\" (no tool calls)", "tool_choice")
     if not tools:
-        raise ChatTemplateError(f"tool_choice = {tool_choice!r} needs tools; send tools, or leave tool_choice out")
+        raise ToolRequestError(f"tool_choice = {tool_choice!r} needs tools; send tools, or leave tool_choice out",
+                               "tool_choice")
     return tool_choice == "auto"
 
 
@@ -129,8 +139,8 @@ def _check_markers_survive_detokenization(tokenizer: Tokenizer) -> None:
     for marker in MARKERS:
         token_id = tokenizer.token_to_id(marker)
         if token_id is not None and token_id in tokenizer.all_special_ids:
-            raise ChatTemplateError(
+            raise ToolRequestError(
                 f"{marker} (id {token_id}) is marked \"special\": true in the model's tokenizer_config.json, so it "
                 f"is cut from the output text and tool calls could not be read; set \"special\": false for it "
-                f"in added_tokens_decoder, as Moonshot's published file does"
+                f"in added_tokens_decoder, as Moonshot's published file does", "tools"
             )

@@ -9,6 +9,7 @@ import sys
 import time
 
 from deltaserve.config import EngineConfig
+from deltaserve.entrypoints.chat import add_chat_options, cmd_chat
 from deltaserve.entrypoints.openai.command import add_serve_options, cmd_serve
 from deltaserve.parity.commands import add_parity_parser, cmd_parity
 from deltaserve.sampling_params import SamplingParams
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     _engine_options(serve)
     add_serve_options(serve)
+    chat = sub.add_parser("chat", help="an interactive chat, streamed token by token (/reset, /exit)")
+    _engine_options(chat)
+    add_chat_options(chat)
     tiny = sub.add_parser("make-tiny", help="write a small random Kimi-Linear checkpoint")
     tiny.add_argument("out")
     tiny.add_argument("--seed", type=int, default=0)
@@ -74,10 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _make_llm(args):
+def _make_llm(args, progress=None):
     from deltaserve.entrypoints.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+    return LLM(args.model, dtype=args.dtype, device=args.device, progress=progress, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, threads=args.threads, load_format=args.load_format,
                enable_prefix_caching=args.enable_prefix_caching)
@@ -134,7 +138,7 @@ def cmd_make_tiny(args) -> None:
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "make-tiny": cmd_make_tiny, "parity": cmd_parity,
-            "serve": lambda args: cmd_serve(args, _make_llm)}
+            "serve": lambda args: cmd_serve(args, _make_llm), "chat": lambda args: cmd_chat(args, _make_llm)}
 
 
 def main(argv: list[str] | None = None) -> int:

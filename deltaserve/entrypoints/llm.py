@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from tqdm import tqdm
@@ -25,12 +25,18 @@ def default_device() -> str:
 
 class LLM:
     def __init__(self, model: str | Path | None = None, *, dtype: str | None = None, device: str | None = None,
-                 **engine_options):
+                 progress: Callable[[int, int], None] | None = None, **engine_options):
         """model: a Kimi-Linear folder (default: the bundled demo model); dtype defaults to float32 on the CPU
-        and bfloat16 on a GPU; engine_options are EngineConfig's fields (max_model_len, max_num_seqs, ...)."""
+        and bfloat16 on a GPU; progress(step, total) is called as the weights load; engine_options are
+        EngineConfig's fields (max_model_len, max_num_seqs, ...)."""
         device = device or default_device()
         dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
-        self.engine = Engine(str(model or BUNDLED_MODEL), EngineConfig(dtype=dtype, device=device, **engine_options))
+        if model is None and engine_options.get("threads") is None:
+            # the demo model's ops are too small to gain from a second thread, and on a busy machine every op
+            # waits for that thread to be scheduled: a hundred times slower
+            engine_options["threads"] = 1
+        self.engine = Engine(str(model or BUNDLED_MODEL), EngineConfig(dtype=dtype, device=device, **engine_options),
+                             progress)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]

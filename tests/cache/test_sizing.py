@@ -46,16 +46,28 @@ def test_conv_state_follows_the_run_dtype_recurrent_state_stays_f32(model_48b):
     assert f32.bytes_per_block == 2 * bf16.bytes_per_block
 
 
-def test_budget_minus_slots_divided_into_pages(model_48b):
-    engine = EngineConfig(dtype="bfloat16", max_num_seqs=4, block_size=16)
+@pytest.mark.parametrize("caching, num_snapshots", [(False, 0), (True, 8)])
+def test_budget_minus_slots_and_snapshots_divided_into_pages(model_48b, caching, num_snapshots):
+    """Prefix caching's snapshots (default 2 x max_num_seqs, a state slot's bytes each) come out of the budget."""
+    engine = EngineConfig(dtype="bfloat16", max_num_seqs=4, block_size=16, enable_prefix_caching=caching)
     probe = plan_cache(model_48b, engine, 4096, budget_bytes=10 << 30)
-    budget = 4 * probe.bytes_per_slot + 1000 * probe.bytes_per_block + probe.bytes_per_block - 1
+    budget = (4 + num_snapshots) * probe.bytes_per_slot + 1000 * probe.bytes_per_block + probe.bytes_per_block - 1
     plan = plan_cache(model_48b, engine, 4096, budget_bytes=budget)
-    assert (plan.num_blocks, plan.num_slots, plan.block_size) == (1000, 4, 16)
+    assert (plan.num_blocks, plan.num_slots, plan.block_size, plan.num_snapshot_slots) == (1000, 4, 16, num_snapshots)
+
+
+def test_num_snapshot_slots_sets_the_snapshot_budget(model_48b):
+    engine = EngineConfig(dtype="bfloat16", max_num_seqs=4, num_snapshot_slots=3, cache_bytes=1 << 30)
+    plan = plan_cache(model_48b, engine, 4096)
+    assert plan.num_snapshot_slots == 3
+    assert plan.num_blocks == ((1 << 30) - 7 * plan.bytes_per_slot) // plan.bytes_per_block
+    assert "3 KDA snapshots for prefix caching" in describe_plan(plan)
+    with pytest.raises(ConfigError, match="num_snapshot_slots"):
+        EngineConfig(num_snapshot_slots=0)
 
 
 def test_engine_cache_bytes_is_the_budget_and_num_cache_blocks_overrides_it(model_48b):
-    engine = EngineConfig(dtype="bfloat16", max_num_seqs=1, cache_bytes=100 << 20)
+    engine = EngineConfig(dtype="bfloat16", max_num_seqs=1, cache_bytes=100 << 20, enable_prefix_caching=False)
     plan = plan_cache(model_48b, engine, 4096)
     assert plan.num_blocks == ((100 << 20) - plan.bytes_per_slot) // plan.bytes_per_block
     forced = EngineConfig(dtype="bfloat16", max_num_seqs=1, cache_bytes=100 << 20, num_cache_blocks=3)
@@ -75,7 +87,7 @@ def test_cpu_default_fits_max_num_seqs_full_sequences(model_48b):
 
 def test_cpu_default_is_capped(model_48b):
     plan = plan_cache(model_48b, EngineConfig(dtype="bfloat16", max_num_seqs=2), max_model_len=1 << 20)
-    total = plan.num_blocks * plan.bytes_per_block + plan.num_slots * plan.bytes_per_slot
+    total = plan.num_blocks * plan.bytes_per_block + (plan.num_slots + plan.num_snapshot_slots) * plan.bytes_per_slot
     assert DEFAULT_CPU_CACHE_BYTES - plan.bytes_per_block < total <= DEFAULT_CPU_CACHE_BYTES
 
 

@@ -87,7 +87,7 @@ def chat_setup(tokenizer, num_conversations: int, num_turns: int = 10):
 def test_ten_turn_chats_sharing_a_system_prompt_give_the_tokens_of_no_caching(make_llm, max_num_batched_tokens):
     """Two conversations (greedy; seeded sampling with logprobs) share the system prompt; a token budget of 7 also
     cuts every prefill into chunks."""
-    off = make_llm(max_model_len=1024)
+    off = make_llm(max_model_len=1024, enable_prefix_caching=False)
     openings, users, end = chat_setup(off.tokenizer, 2)
     params = [greedy(12),
               SamplingParams(max_tokens=10, ignore_eos=True, **SAMPLING_KINDS[6])]
@@ -148,7 +148,7 @@ def test_requests_admitted_together_share_nothing_until_their_pages_are_computed
 def test_preempted_requests_come_back_through_their_cached_prefix(make_llm):
     """Three chats on a cache of 16 pages: turns preempt each other; a preempted request's full pages stay cached,
     so its recompute restarts from its last saved state, and all tokens match a large cache without caching."""
-    off = make_llm(max_model_len=1024)
+    off = make_llm(max_model_len=1024, enable_prefix_caching=False)
     openings, users, end = chat_setup(off.tokenizer, 3, num_turns=4)
     params = [SamplingParams(max_tokens=16, ignore_eos=True, **SAMPLING_KINDS[i]) for i in range(3)]
     expected = run_chats(off, openings, users, end, params)
@@ -164,7 +164,7 @@ def test_preempted_requests_come_back_through_their_cached_prefix(make_llm):
 
 
 def test_a_snapshot_pool_of_two_evicts_and_stays_exact(make_llm):
-    off = make_llm(max_model_len=1024)
+    off = make_llm(max_model_len=1024, enable_prefix_caching=False)
     openings, users, end = chat_setup(off.tokenizer, 3, num_turns=4)
     params = [greedy(8)] * 3
     expected = run_chats(off, openings, users, end, params)
@@ -193,7 +193,7 @@ def test_aborted_requests_leave_a_consistent_cache(make_llm):
     assert list(stream) == []
     follow_ups = [long + out.outputs[0].token_ids + [3, 4, 5], long + [3, 4, 5], short + [3, 4, 5]]
     got = on.generate(as_inputs(follow_ups), params, use_tqdm=False)
-    expected = make_llm().generate(as_inputs(follow_ups), params, use_tqdm=False)
+    expected = make_llm(enable_prefix_caching=False).generate(as_inputs(follow_ups), params, use_tqdm=False)
     assert token_ids(got) == token_ids(expected)
     assert [o.num_cached_tokens for o in got] == [96, 80, 0]
 

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deltaserve.core.async_engine import AsyncEngine, EngineInput, EngineStoppedError, QueueFullError, RequestStream
 from deltaserve.core.outputs import RequestOutput
+from deltaserve.entrypoints.chat_tools import ChatPrompt, ToolRequestError, render_chat_prompt
 from deltaserve.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from deltaserve.entrypoints.openai.protocol import SamplingFields
 from deltaserve.sampling_params import SamplingParams
@@ -78,10 +79,13 @@ class ServingContext:
                               f"maximum context length is {self.max_model_len} tokens; shorten it", param)
         return tokenizer.encode(text, add_special_tokens=True)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None, tool_choice) -> ChatPrompt:
+        """The prompt text, and whether to read tool calls out of the output (tools with tool_choice "auto")."""
         tokenizer = self.need_tokenizer("chat")
         try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
+            return render_chat_prompt(tokenizer, messages, tools, tool_choice)
+        except ToolRequestError as e:
+            raise bad_request(str(e), e.param) from e
         except ChatTemplateError as e:
             raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from e
 

@@ -1,8 +1,10 @@
 """POST /v1/chat/completions: messages through the model's chat template, n choices, whole or streamed.
 
-The assistant message of a choice is built by `_message` (and its stream deltas by `_delta`); tool calling,
-when it comes, parses the choice's text there. Until then a request with tools is accepted only with
-tool_choice 'none' (the tools are still shown to the model through the template).
+Each choice's text is read by a ChatOutputParser. With tools and tool_choice "auto" (the default when tools are
+given) the model's Kimi tool-call section becomes OpenAI `tool_calls`, streamed as OpenAI streams them (a call's
+first delta carries id, type and name, later ones argument text), with finish_reason "tool_calls"; text before
+the section stays content. tool_choice "none" declares the tools to the model but leaves its output as content;
+"required" and a named function are refused, as nothing here can force the model to call.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from fastapi import Request
 
 from deltaserve.core.async_engine import EngineInput
 from deltaserve.core.outputs import RequestOutput
+from deltaserve.entrypoints.chat_tools import ChatOutputParser
 from deltaserve.entrypoints.openai.errors import bad_request
 from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from deltaserve.entrypoints.openai.serving import ServingContext, json_logprob, respond_or_gone, usage
@@ -31,54 +34,60 @@ class ChatServing:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         ctx.check_max_tokens(max_tokens, param)
         ctx.check_fanout(body.n)
-        text = ctx.render_chat([_template_message(m) for m in body.messages], body.tools)
-        ids = ctx.encode(text, "messages")
+        prompt = ctx.render_chat([_template_message(m) for m in body.messages], body.tools, body.tool_choice)
+        ids = ctx.encode(prompt.text, "messages")
         max_tokens = ctx.default_max_tokens(len(ids)) if max_tokens is None else max_tokens
         ctx.check_length(len(ids), max_tokens, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        inputs = [EngineInput(ids, params, text) for params in ctx.sampling_params(body, max_tokens, logprobs)]
+        inputs = [EngineInput(ids, params, prompt.text) for params in ctx.sampling_params(body, max_tokens, logprobs)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream, watcher = await ctx.start(inputs, request_id, request)
         meta = dict(id=request_id, created=int(time.time()), model=ctx.config.served_model_name)
         if body.stream:
-            return ctx.sse(self._chunks(body, stream, meta), stream, watcher)
-        return await respond_or_gone(self._whole(body, stream, watcher, meta))
+            return ctx.sse(self._chunks(body, stream, meta, prompt.parse_tool_calls), stream, watcher)
+        return await respond_or_gone(self._whole(body, stream, watcher, meta, prompt.parse_tool_calls))
 
-    async def _whole(self, body: ChatCompletionRequest, stream, watcher, meta: dict) -> dict:
+    async def _whole(self, body: ChatCompletionRequest, stream, watcher, meta: dict, parse_tool_calls: bool) -> dict:
         outputs = await self.ctx.collect(stream, watcher)
         choices = []
         for index, output in enumerate(outputs):
             completion = output.outputs[0]
+            parser = ChatOutputParser(parse_tool_calls)
+            parser.push(completion.text)
+            parser.finish()
             logprobs = self._logprobs(output, 0, body.top_logprobs or 0) if body.logprobs else None
-            choices.append({"index": index, "message": _message(completion.text), "logprobs": logprobs,
-                            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
+            choices.append({"index": index, "message": parser.message(), "logprobs": logprobs,
+                            "finish_reason": parser.finish_reason(completion.finish_reason),
+                            "stop_reason": completion.stop_reason})
         completion_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
         return {**meta, "object": "chat.completion", "choices": choices,
                 "usage": usage(len(outputs[0].prompt_token_ids), completion_tokens)}
 
-    async def _chunks(self, body: ChatCompletionRequest, stream, meta: dict):
-        """A role chunk per choice, content deltas (the last with finish_reason), then the usage chunk if asked."""
+    async def _chunks(self, body: ChatCompletionRequest, stream, meta: dict, parse_tool_calls: bool):
+        """A role chunk per choice, a chunk per content or tool-call delta (the last with finish_reason), then the
+        usage chunk if asked."""
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         extra = {"usage": None} if include_usage else {}
         chunk = {**meta, "object": "chat.completion.chunk"}
         for index in range(body.n):
             yield {**chunk, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}], **extra}
+        parsers = [ChatOutputParser(parse_tool_calls) for _ in range(body.n)]
         sent_chars, sent_tokens = [0] * body.n, [0] * body.n
         final: dict[int, RequestOutput] = {}
         async for index, output in stream:
             completion = output.outputs[0]
-            text = completion.text[sent_chars[index]:]
-            if not (text or output.finished):
-                continue  # the detokenizer holds back a partial character: these tokens go with the next chunk
-            logprobs = self._logprobs(output, sent_tokens[index], body.top_logprobs or 0) if body.logprobs else None
-            sent_chars[index], sent_tokens[index] = len(completion.text), len(completion.token_ids)
-            choice = {"index": index, "delta": _delta(text) if text else {}, "logprobs": logprobs,
-                      "finish_reason": completion.finish_reason}
+            deltas = parsers[index].push(completion.text[sent_chars[index]:])
+            sent_chars[index] = len(completion.text)
             if output.finished:
+                deltas += parsers[index].finish()
                 final[index] = output
-                choice["stop_reason"] = completion.stop_reason
-            yield {**chunk, "choices": [choice], **extra}
+            elif not deltas:
+                continue  # held back (half a character, or what may begin a tool-call marker): these tokens go later
+            logprobs = self._logprobs(output, sent_tokens[index], body.top_logprobs or 0) if body.logprobs else None
+            sent_tokens[index] = len(completion.token_ids)
+            for choice in _stream_choices(index, deltas, logprobs, parsers[index], output):
+                yield {**chunk, "choices": [choice], **extra}
         if include_usage and final:
             completion_tokens = sum(len(o.outputs[0].token_ids) for o in final.values())
             prompt_tokens = len(next(iter(final.values())).prompt_token_ids)
@@ -103,9 +112,6 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
     if body.response_format is not None and body.response_format.type != "text":
         raise bad_request(f"response_format type '{body.response_format.type}' is not supported: this server has no "
                           "constrained decoding; use 'text' (or leave response_format out)", "response_format")
-    if body.tools and body.tool_choice != "none":
-        raise bad_request("tool calling is not supported by this server yet; leave 'tools' out or send "
-                          "tool_choice 'none'", "tools")
     if body.top_logprobs and not body.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
 
@@ -120,9 +126,14 @@ def _template_message(message: ChatMessage) -> dict:
     return out
 
 
-def _message(text: str) -> dict:
-    return {"role": "assistant", "content": text}
-
-
-def _delta(text: str) -> dict:
-    return {"content": text}
+def _stream_choices(index: int, deltas: list[dict], logprobs: dict | None, parser: ChatOutputParser,
+                    output: RequestOutput) -> list[dict]:
+    """A stream choice per delta (one empty delta if none): the new tokens' logprobs on the first,
+    finish_reason on the last once the output is finished."""
+    choices = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas or [{}]]
+    choices[0]["logprobs"] = logprobs
+    if output.finished:
+        completion = output.outputs[0]
+        choices[-1].update(finish_reason=parser.finish_reason(completion.finish_reason),
+                           stop_reason=completion.stop_reason)
+    return choices

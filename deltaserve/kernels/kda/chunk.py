@@ -6,7 +6,8 @@ Inside a chunk of C tokens the delta rule's corrections u solve one unit lower-t
 
 with gc the in-chunk cumulative log decay; outputs and the next state then follow from matmuls. The pairwise
 decay exp(gc_i - gc_j) (j <= i, so <= 1) is formed exactly rather than factored as exp(gc_i) * exp(-gc_j),
-which overflows float32 when a chunk's total decay passes ~88.
+which overflows float32 when a chunk's total decay passes ~88. That tensor is [H, C, C, K]: its cost per token
+grows with C, so CPU chunks are short (16: measured 2.5x faster prefill than 64 on a 4-layer model).
 """
 
 import torch
@@ -22,7 +23,7 @@ def chunk_kda(
     state: torch.Tensor,
     state_slots: list[int],
     cu_seqlens: list[int],
-    chunk_size: int = 64,
+    chunk_size: int = 16,
 ) -> torch.Tensor:
     """KDA over packed sequences; sequence b starts from state[state_slots[b]] and leaves its final state there.
 

@@ -59,11 +59,13 @@ def grouped_experts(x, w13, w2, weights, ids) -> torch.Tensor:
     is CUDA-graph safe. Same contract as fused_experts."""
     T, k = ids.shape
     flat = ids.flatten()
-    order = flat.argsort()
+    order = flat.argsort(stable=True)
     token = order // k
     counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     offsets = counts.cumsum(0).to(torch.int32)
     gate, up = torch._grouped_mm(x.index_select(0, token), w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
     y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)  # [T*k, D]
     y = y.float() * weights.flatten()[order, None]
-    return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token, y).to(x.dtype)
+    # back to (token, slot) order with a permutation, then a sum over the k slots: no atomics, so deterministic
+    unsorted = torch.empty_like(y).index_copy_(0, order, y)
+    return unsorted.view(T, k, -1).sum(1).to(x.dtype)
