@@ -30,10 +30,11 @@ from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.config import ModelConfig
+from deltaserve.entrypoints.make_tiny import kimi_raw_config
 from deltaserve.loader.model_loader import load_model
 from deltaserve.loader.writer import save_checkpoint
 from deltaserve.tokenizer import load_tokenizer
-from deltaserve.tokenizer.train import MODEL_MAX_LENGTH, train_tiny_tokenizer
+from deltaserve.tokenizer.train import train_tiny_tokenizer
 
 VOCAB = 4096
 LAYERS = "KKMKKM"  # K = KDA, M = MLA; 2 to 1 as the 48B model's 3 to 1, MLA last as there
@@ -43,22 +44,8 @@ CHAT_SHARE = 4  # one train chapter in 4 also becomes a ChatML conversation, so 
 
 def raw_config(ids) -> dict:
     """config.json in Moonshot's spelling: 4.9M parameters, 19.6 MB as float32."""
-    return {
-        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "torch_dtype": "float32",
-        "vocab_size": VOCAB, "hidden_size": 192, "intermediate_size": 512, "moe_intermediate_size": 80,
-        "num_hidden_layers": len(LAYERS), "num_attention_heads": 4, "num_key_value_heads": 4,
-        "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
-        "bos_token_id": ids.bos_token_id, "eos_token_id": ids.eos_token_id, "pad_token_id": ids.pad_token_id,
-        "model_max_length": MODEL_MAX_LENGTH, "q_lora_rank": None, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 16, "v_head_dim": 32, "mla_use_nope": True, "num_experts": 8,
-        "num_experts_per_token": 2, "num_shared_experts": 1, "moe_renormalize": True,
-        "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 2.446, "use_grouped_topk": True,
-        "num_expert_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-        "linear_attn_config": {
-            "kda_layers": [i + 1 for i, t in enumerate(LAYERS) if t == "K"],
-            "full_attn_layers": [i + 1 for i, t in enumerate(LAYERS) if t == "M"],
-            "head_dim": 48, "num_heads": 4, "short_conv_kernel_size": 4},
-    }
+    return kimi_raw_config(ids, LAYERS, vocab=VOCAB, hidden=192, intermediate=512, moe_intermediate=80, heads=4,
+                           kv_lora_rank=64, nope=32, rope=16, v=32, kda_head_dim=48)
 
 
 # ---- corpus ----------------------------------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 pytest puts this file's folder (tests/) on sys.path, so test modules import the shared `helpers` package.
 """
 
+import pytest
 import torch
+from helpers.engine import LLMFactory, tiny_model_dir
 
 
 def pytest_configure(config):
@@ -16,3 +18,17 @@ def pytest_configure(config):
         return
     # without fla / causal_conv1d the reference logs that it runs its pure-PyTorch kernels: that is what we compare to
     hf_logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory)
+
+
+@pytest.fixture
+def make_llm(tiny_model):
+    """Factory of LLMs (default: the tiny model, max_model_len 512, one thread); at teardown each must be idle
+    with every page and slot back in its pool."""
+    factory = LLMFactory(tiny_model)
+    yield factory
+    factory.check_idle()

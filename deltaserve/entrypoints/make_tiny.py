@@ -16,33 +16,44 @@ from deltaserve.loader.writer import save_checkpoint
 from deltaserve.tokenizer.train import MODEL_MAX_LENGTH, train_tiny_tokenizer
 
 TINY_VOCAB = 512
-TINY_LAYERS = ("kda", "kda", "mla", "kda", "mla")
+TINY_LAYERS = "KKMKM"  # K = KDA, M = MLA
 
 
-def tiny_raw_config(ids, layout: str) -> dict:
-    """config.json of the tiny model: Moonshot's spelling, or the one transformers' save_pretrained writes."""
+def kimi_raw_config(ids, layers: str, *, vocab: int, hidden: int, intermediate: int, moe_intermediate: int,
+                    heads: int, kv_lora_rank: int, nope: int, rope: int, v: int, kda_head_dim: int, experts: int = 8,
+                    top_k: int = 2, expert_groups: int = 1, layout: str = "moonshot") -> dict:
+    """A small Kimi-Linear config.json: `layers` spells the attention of each layer (K = KDA, M = MLA), the first
+    MLP is dense; Moonshot's spelling, or the one transformers' save_pretrained writes (layout 'saved' and
+    'transformers')."""
     raw = {
         "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "torch_dtype": "float32",
-        "vocab_size": TINY_VOCAB, "hidden_size": 64, "intermediate_size": 160, "moe_intermediate_size": 32,
-        "num_hidden_layers": len(TINY_LAYERS), "num_attention_heads": 4, "num_key_value_heads": 4,
-        "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,
+        "moe_intermediate_size": moe_intermediate, "num_hidden_layers": len(layers), "num_attention_heads": heads,
+        "num_key_value_heads": heads, "hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
         "bos_token_id": ids.bos_token_id, "eos_token_id": ids.eos_token_id, "pad_token_id": ids.pad_token_id,
-        "model_max_length": MODEL_MAX_LENGTH, "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8, "v_head_dim": 16, "mla_use_nope": True, "num_experts": 8,
-        "num_experts_per_token": 2, "num_shared_experts": 1, "moe_renormalize": True,
+        "model_max_length": MODEL_MAX_LENGTH, "q_lora_rank": None, "kv_lora_rank": kv_lora_rank,
+        "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v, "mla_use_nope": True,
+        "num_experts": experts, "num_experts_per_token": top_k, "num_shared_experts": 1, "moe_renormalize": True,
         "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 2.446, "use_grouped_topk": True,
-        "num_expert_group": 2, "topk_group": 1,
+        "num_expert_group": expert_groups, "topk_group": 1,
     }
     if layout == "moonshot":
         raw.update(first_k_dense_replace=1, moe_layer_freq=1, linear_attn_config={
-            "kda_layers": [i + 1 for i, t in enumerate(TINY_LAYERS) if t == "kda"],
-            "full_attn_layers": [i + 1 for i, t in enumerate(TINY_LAYERS) if t == "mla"],
-            "head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4})
+            "kda_layers": [i + 1 for i, t in enumerate(layers) if t == "K"],
+            "full_attn_layers": [i + 1 for i, t in enumerate(layers) if t == "M"],
+            "head_dim": kda_head_dim, "num_heads": heads, "short_conv_kernel_size": 4})
     else:
-        raw.update(linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
-                   layer_types=["linear_attention" if t == "kda" else "full_attention" for t in TINY_LAYERS],
-                   mlp_layer_types=["dense"] + ["sparse"] * (len(TINY_LAYERS) - 1))
+        raw.update(linear_head_dim=kda_head_dim, linear_num_heads=heads, linear_conv_kernel_dim=4,
+                   layer_types=["linear_attention" if t == "K" else "full_attention" for t in layers],
+                   mlp_layer_types=["dense"] + ["sparse"] * (len(layers) - 1))
     return raw
+
+
+def tiny_raw_config(ids, layout: str) -> dict:
+    """config.json of make-tiny's model: 5 layers, hidden 64, 8 experts in 2 groups, top-2."""
+    return kimi_raw_config(ids, TINY_LAYERS, vocab=TINY_VOCAB, hidden=64, intermediate=160, moe_intermediate=32,
+                           heads=4, kv_lora_rank=32, nope=16, rope=8, v=16, kda_head_dim=16, expert_groups=2,
+                           layout=layout)
 
 
 def make_tiny(out: str | Path, seed: int = 0, layout: str = "moonshot") -> Path:
