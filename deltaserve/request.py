@@ -54,6 +54,4 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        if not self.status.finished:
-            return None
-        return "stop" if self.status == RequestStatus.FINISHED_STOPPED else self.status.value
+        return self.status.value if self.status.finished else None

@@ -77,10 +77,6 @@ class CacheManager:
         return cls(plan.num_blocks, plan.num_slots, plan.block_size, plan.num_snapshot_slots)
 
     @property
-    def enable_prefix_caching(self) -> bool:
-        return self.prefix_cache is not None
-
-    @property
     def num_blocks(self) -> int:
         return self.block_pool.num_blocks
 

@@ -178,8 +178,8 @@ class AsyncEngine:
                 try:
                     outputs = await loop.run_in_executor(self._executor, self.engine.step)
                 except Exception as e:  # a failed step: fail its requests, keep serving the next ones
-                    log.exception("engine step failed; aborting every request in flight")
-                    self._fail_all(e)
+                    log.exception("engine step failed; aborting every request the engine holds")
+                    self._fail_streams(e)
                     continue
                 self._dispatch(outputs)
                 self.observer.on_step(self.engine)
@@ -241,16 +241,22 @@ class AsyncEngine:
                 self.num_reserved -= 1
             stream._put(output)
 
-    def _fail_all(self, error: BaseException) -> None:
-        """Abort every request in flight and hand `error` to each waiting handler."""
-        for req_id in list(self._streams):
+    def _fail_streams(self, error: BaseException) -> None:
+        """Abort every request the engine holds and hand `error` to their handlers; adds not yet applied stay
+        queued, as they took no part in the step that failed."""
+        for req_id in self._streams:
             self.engine.abort(req_id)
         for stream in set(self._streams.values()):
             stream._put(error)
+        self.num_reserved -= len(self._streams)
+        self._streams.clear()
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Fail every request in flight, the queued adds too (the loop is stopping)."""
+        self._fail_streams(error)
         for pending in self._pending_adds:
             if not pending.added.done():
                 pending.added.set_exception(error)
-        self._streams.clear()
         self._pending_adds.clear()
         self._pending_aborts.clear()
         self.num_reserved = 0

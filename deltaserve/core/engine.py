@@ -51,9 +51,8 @@ class Engine:
         self.tokenizer = load_tokenizer(model) if Path(model).is_dir() else None
         self.max_model_len = self._max_model_len()
         weights = ModelRunner.load_model(model, self.model_config, engine_config, progress)
-        plan = plan_cache(self.model_config, engine_config, self.max_model_len, _device_budget(engine_config))
+        plan = plan_cache(self.model_config, engine_config, self.max_model_len, ModelRunner.cache_budget(engine_config))
         log.info(describe_plan(plan))
-        self.cache_plan = plan
         self.runner = ModelRunner(weights, self.model_config, plan, DTYPES[engine_config.dtype], engine_config.device,
                                   engine_config.seed)
         self.scheduler = Scheduler(engine_config, CacheManager.from_plan(plan), self.max_model_len)
@@ -67,8 +66,6 @@ class Engine:
         """Queue one prompt; ValueError (nothing queued) if it can never run."""
         self._check_prompt(prompt_token_ids, params)
         req_id = request_id if request_id is not None else str(next(self._ids))
-        if req_id in self._tracked:
-            raise ValueError(f"request id {req_id!r} is already in use; pass a unique request_id")
         req = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids)
         self.scheduler.add_request(req)
         detok = None if self.tokenizer is None else IncrementalDetokenizer(
@@ -104,7 +101,7 @@ class Engine:
         runner_out = self.runner.execute(sched)
         updates = self.scheduler.update_from_output(sched, runner_out)
         for req_id, entries in runner_out.prompt_logprobs.items():
-            self._add_prompt_logprobs(req_id, entries)
+            self._add_prompt_logprobs(req_id, entries, sched.num_scheduled_tokens[req_id])
         now = time.monotonic()
         outputs = []
         for req, new_ids in updates:
@@ -158,12 +155,15 @@ class Engine:
             tracked.logprobs.append(self._as_dict(entry))
             tracked.cumulative_logprob += entry.logprobs[0]
 
-    def _add_prompt_logprobs(self, req_id: str, entries: list[Logprobs]) -> None:
+    def _add_prompt_logprobs(self, req_id: str, entries: list[Logprobs], num_scheduled_tokens: int) -> None:
+        """entries score the prompt tokens from the one after this step's first position on; a recompute after a
+        preemption starts again at position 0, so its first entries repeat ones already kept."""
         tracked = self._tracked.get(req_id)
         if tracked is None or tracked.prompt_logprobs is None:
             return
-        missing = tracked.request.num_prompt_tokens - len(tracked.prompt_logprobs)
-        tracked.prompt_logprobs.extend(self._as_dict(e) for e in entries[:missing])  # a recompute repeats some
+        first_scored = tracked.request.num_computed_tokens - num_scheduled_tokens + 1
+        num_repeated = len(tracked.prompt_logprobs) - first_scored
+        tracked.prompt_logprobs.extend(self._as_dict(e) for e in entries[num_repeated:])
 
     def _as_dict(self, entry: Logprobs) -> dict[int, Logprob]:
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer else (lambda t: None)
@@ -182,16 +182,3 @@ class Engine:
         return RequestOutput(req.req_id, tracked.prompt, req.prompt_token_ids, [completion], finished,
                              tracked.prompt_logprobs, dict(tracked.metrics), req.num_cached_tokens)
 
-
-ACTIVATION_RESERVE_BYTES = 4 << 30  # left free on a GPU for a step's activations and the CUDA graphs
-
-
-def _device_budget(engine: EngineConfig) -> int | None:
-    """Bytes for the cache on a GPU: gpu_memory_utilization of the card, less what the weights took and a reserve."""
-    if engine.device == "cpu" or engine.cache_bytes is not None:
-        return None
-    import torch
-
-    total = torch.cuda.get_device_properties(torch.device(engine.device)).total_memory
-    used = torch.cuda.memory_allocated(engine.device)
-    return int(total * engine.gpu_memory_utilization) - used - ACTIVATION_RESERVE_BYTES

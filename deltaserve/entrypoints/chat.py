@@ -69,11 +69,10 @@ class ChatSession:
 
     def __init__(self, llm, params: SamplingParams, system: str | None = None):
         self.llm, self.params, self.system = llm, params, system
-        self.messages: list[dict] = []
         self.reset()
 
     def reset(self) -> None:
-        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.messages: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
 
     def run(self) -> None:
         print(f"chat: {HELP}", file=sys.stderr, flush=True)
@@ -94,10 +93,10 @@ class ChatSession:
         """Stream the model's answer to text; it joins the conversation, cut short if Ctrl-C stopped it."""
         self.messages.append({"role": "user", "content": text})
         with _interrupt_flag() as interrupted:  # from here on Ctrl-C stops this answer, not the program
-            prompt = self.llm.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
             try:
+                prompt = self.llm.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
                 stream = self.llm.stream(prompt, self.params)
-            except ValueError as e:  # too long for the model, say: nothing was queued
+            except ValueError as e:  # the template refused the chat, or it is too long: nothing was queued
                 self.messages.pop()
                 print(f"error: {e}; /reset starts a new conversation", file=sys.stderr, flush=True)
                 return ""

@@ -6,6 +6,7 @@
     ... for each new piece of output text:  deltas = parser.push(piece)      # OpenAI `delta` dicts
     ... when the request finishes:          deltas = parser.finish()
     parser.message(), parser.finish_reason(engine_finish_reason)
+    (a whole output at once: parser = parse_chat_output(text, prompt.parse_tool_calls))
 
 tool_choice "auto" (the default when tools are given) parses the model's tool calls out of its output;
 "none" leaves the output as content. The tools are declared in the prompt either way, as vLLM does.
@@ -92,11 +93,17 @@ class ChatOutputParser:
         return "tool_calls" if called and engine_finish_reason == "stop" else engine_finish_reason
 
 
+def parse_chat_output(text: str, parse_tool_calls: bool) -> ChatOutputParser:
+    """A finished parser of a whole output text: ask it for message(), result() or finish_reason()."""
+    parser = ChatOutputParser(parse_tool_calls)
+    parser.push(text)
+    parser.finish()
+    return parser
+
+
 def chat_completion_output(output: CompletionOutput, parse_tool_calls: bool) -> ChatCompletionOutput:
     """output with its text read as an assistant message (finish_reason "tool_calls" after tool calls)."""
-    parser = ChatOutputParser(parse_tool_calls)
-    parser.push(output.text)
-    parser.finish()
+    parser = parse_chat_output(output.text, parse_tool_calls)
     parsed = parser.result()
     fields = {**vars(output), "finish_reason": parser.finish_reason(output.finish_reason)}
     return ChatCompletionOutput(**fields, content=parsed.content, tool_calls=parsed.tool_calls)

@@ -58,9 +58,9 @@ class MultiheadLatentAttention(nn.Module):
         """Absorbed: q_nope [B, H, Dn] -> latent query [B, H, R]; attended latent -> values [B, H, Dv]."""
         nd = q_nope.shape[0]
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        q_latent = torch.einsum("bhd,hdr->bhr", q_nope, w[:, : self.nope_dim])
+        q_latent = (q_nope.transpose(0, 1) @ w[:, : self.nope_dim]).transpose(0, 1)  # per head: [B, Dn] @ [Dn, R]
         o_latent = mla_decode(q_latent, q_rope, cache, batch.block_tables[:nd], batch.context_lens[:nd], self.scale)
-        return torch.einsum("bhr,hdr->bhd", o_latent, w[:, self.nope_dim:])
+        return (o_latent.transpose(0, 1) @ w[:, self.nope_dim:].transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
 
     def _prefill(self, q_nope, q_rope, latents: torch.Tensor, start: int) -> torch.Tensor:
         """Expanded: latents [L, R+Dr] -> per-head keys and values, causal attention from position start."""

@@ -93,9 +93,8 @@ def _parse_prompt(raw, path: Path, where: str) -> GoldenPrompt:
     _need(isinstance(top2, list) and len(top2) == len(output), path, f"{where}.top2",
           f"must hold one [id1, id2, margin] per output token ({len(output)})")
     for j, entry in enumerate(top2):
-        ok = isinstance(entry, list) and len(entry) == 3 and _is_ids(entry[:2]) and _is_num(entry[2])
+        ok = isinstance(entry, list) and len(entry) == 3 and _is_ids(entry[:2]) and _is_num(entry[2]) and entry[2] >= 0
         _need(ok, path, f"{where}.top2[{j}]", "must be [id1, id2, margin] with margin >= 0")
-        _need(entry[2] >= 0, path, f"{where}.top2[{j}]", "must be [id1, id2, margin] with margin >= 0")
     ids, logprobs = raw.get("ref_topk_ids"), raw.get("ref_topk_logprobs")
     if ids is not None or logprobs is not None:
         ok = (isinstance(ids, list) and isinstance(logprobs, list) and len(ids) == len(logprobs) == len(output)

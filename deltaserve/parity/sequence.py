@@ -11,18 +11,7 @@ from __future__ import annotations
 import torch
 
 from deltaserve.runner.forward_batch import ForwardBatch
-
-
-def fresh_caches(model, num_tokens: int) -> list[dict[str, torch.Tensor]]:
-    """Per layer: MLA latents [1 page, num_tokens, latent_dim]; KDA conv and recurrent state [1 slot, ...]."""
-    weight = model.embed_tokens.weight
-    caches = []
-    for shapes in model.cache_shapes():
-        lead = {name: (1, num_tokens) if name == "latent" else (1,) for name in shapes}
-        caches.append({name: torch.zeros(*lead[name], *shape, device=weight.device,
-                                         dtype=torch.float32 if kind == "float32" else weight.dtype)
-                       for name, (shape, kind) in shapes.items()})
-    return caches
+from deltaserve.runner.model_runner import allocate_caches
 
 
 class SequenceRunner:
@@ -30,8 +19,9 @@ class SequenceRunner:
 
     def __init__(self, model, max_tokens: int):
         self.model, self.num_computed = model, 0
-        self.device = model.embed_tokens.weight.device
-        self.caches = fresh_caches(model, max_tokens)
+        weight = model.embed_tokens.weight
+        self.device = weight.device
+        self.caches = allocate_caches(model, 1, max_tokens, 1, weight.dtype, weight.device)  # one page, one slot
 
     @torch.inference_mode()
     def extend(self, token_ids: list[int], first_row: int = 0) -> torch.Tensor:

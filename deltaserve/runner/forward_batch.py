@@ -29,10 +29,6 @@ class ForwardBatch:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
     def prefill_cu_seqlens(self) -> list[int]:
         """Offsets of the prefill sequences' tokens, relative to the first prefill token."""
         cu = [0]

@@ -8,7 +8,8 @@ sampled tokens, and copy the KDA states the scheduler asked to keep into their s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import itertools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +26,8 @@ from deltaserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from deltaserve.core.outputs import RunnerOutput, SchedulerOutput
 
+ACTIVATION_RESERVE_BYTES = 4 << 30  # left free on a GPU for a step's activations and the CUDA graphs
+
 
 @dataclass
 class RequestState:
@@ -37,7 +40,6 @@ class RequestState:
     block_ids: list[int]
     state_slot: int
     num_computed_tokens: int
-    prompt_logprobs: list = field(default_factory=list)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -48,7 +50,9 @@ class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, plan: CachePlan, dtype: torch.dtype, device: str,
                  seed: int = 0, cuda_graphs: bool = True, graph_max_context: int = 4096):
         self.model, self.cfg, self.plan, self.device = model, model_config, plan, torch.device(device)
-        self.caches = self._allocate_caches(dtype)
+        # the last page and slot are scratch space for the padding rows of CUDA graphs; never handed out
+        self.caches = allocate_caches(model, plan.num_blocks + 1, plan.block_size, plan.num_slots + 1, dtype,
+                                      self.device)
         self.snapshots = self._allocate_snapshots()
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -72,19 +76,15 @@ class ModelRunner:
             model = load_model(folder, model_config, dtype, engine.device, progress)
         return model.eval()
 
-    def _allocate_caches(self, dtype: torch.dtype) -> list[dict[str, torch.Tensor]]:
-        """Per layer: MLA pages [num_blocks + 1, block_size, latent_dim]; KDA states [num_slots + 1, ...].
-        The last page and slot are scratch space for the padding rows of CUDA graphs; never handed out."""
-        caches = []
-        for shapes in self.model.cache_shapes():
-            layer = {}
-            for name, (shape, kind) in shapes.items():
-                lead = (self.plan.num_blocks + 1, self.plan.block_size) if name == "latent" else (
-                    self.plan.num_slots + 1,)
-                layer[name] = torch.zeros(*lead, *shape, dtype=torch.float32 if kind == "float32" else dtype,
-                                          device=self.device)
-            caches.append(layer)
-        return caches
+    @staticmethod
+    def cache_budget(engine: EngineConfig) -> int | None:
+        """Bytes for the cache on a GPU: gpu_memory_utilization of the card, less what the weights took and a
+        reserve; None on the CPU or with cache_bytes set (plan_cache then sizes from those)."""
+        if engine.device == "cpu" or engine.cache_bytes is not None:
+            return None
+        total = torch.cuda.get_device_properties(torch.device(engine.device)).total_memory
+        used = torch.cuda.memory_allocated(engine.device)
+        return int(total * engine.gpu_memory_utilization) - used - ACTIVATION_RESERVE_BYTES
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -175,34 +175,35 @@ class ModelRunner:
         from deltaserve.core.outputs import RunnerOutput
 
         out = RunnerOutput(req_ids=list(order), sampled_token_ids={r: [] for r in order})
-        ends = torch.tensor(batch.query_lens).cumsum(0).tolist()
-        sampling = []  # (req_id, row of its last token)
-        for req_id, end, n in zip(order, ends, batch.query_lens):
+        sampling = []  # (state, row of its last token)
+        for req_id, end, n in zip(order, itertools.accumulate(batch.query_lens), batch.query_lens):
             state = self.requests[req_id]
             state.num_computed_tokens += n
             if state.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs(state, end - n, n, logits_at, out)
             if state.num_computed_tokens >= len(state.token_ids):
-                sampling.append((req_id, end - 1))
-        if not sampling:
-            return out
-        states = [self.requests[r] for r, _ in sampling]
-        logits = logits_at([row for _, row in sampling])
+                sampling.append((state, end - 1))
+        if sampling:
+            self._sample_tokens([s for s, _ in sampling], logits_at([row for _, row in sampling]), out)
+        return out
+
+    def _sample_tokens(self, states: list[RequestState], logits: torch.Tensor, out: RunnerOutput) -> None:
+        """One token per state from logits [len(states), V] float32: appended to its tokens and recorded in out,
+        with its logprobs where asked."""
         params = [s.sampling_params for s in states]
         if plain_greedy(params):
-            token_ids, result = logits.argmax(dim=-1), None
+            token_ids, result = logits.argmax(dim=-1).tolist(), None
         else:
             result = sample(logits, build_sampling_metadata(
                 params, [s.token_ids[: s.num_prompt_tokens] for s in states], [s.output_token_ids for s in states],
                 self.cfg.vocab_size, self.device, self.generator))
-            token_ids = result.token_ids
-        for i, (token, state) in enumerate(zip(token_ids.tolist(), states)):
+            token_ids = result.token_ids.tolist()
+        for state, token in zip(states, token_ids):
             state.token_ids.append(token)
             out.sampled_token_ids[state.req_id] = [token]
-            if state.sampling_params.logprobs is not None:
-                num = state.sampling_params.logprobs
-                out.logprobs[state.req_id] = [sampled_logprobs(result.logprobs, i, token, num)]
-        return out
+        if result is not None and result.logprobs is not None:
+            entries = sampled_logprobs(result.logprobs, token_ids, [p.logprobs for p in params])
+            out.logprobs.update((s.req_id, [e]) for s, e in zip(states, entries) if e is not None)
 
     def _prompt_logprobs(self, state: RequestState, first_row: int, n: int, logits_at, out: RunnerOutput) -> None:
         """Logprobs of the prompt tokens this chunk predicts (position p predicts token p + 1)."""
@@ -213,3 +214,15 @@ class ModelRunner:
         logits = logits_at(list(range(first_row, first_row + last - start)))
         targets = state.token_ids[start + 1: last + 1]
         out.prompt_logprobs[state.req_id] = prompt_logprobs(logits, targets, state.sampling_params.prompt_logprobs)
+
+
+def allocate_caches(model, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype,
+                    device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """Zeroed cache tensors, per layer: MLA pages [num_pages, page_size, latent_dim] in dtype; KDA conv tails
+    [num_slots, ...] in dtype and recurrent states [num_slots, ...] float32 (model.cache_shapes() says which)."""
+    caches = []
+    for shapes in model.cache_shapes():
+        caches.append({name: torch.zeros(*((num_pages, page_size) if name == "latent" else (num_slots,)), *shape,
+                                         dtype=torch.float32 if kind == "float32" else dtype, device=device)
+                       for name, (shape, kind) in shapes.items()})
+    return caches

@@ -37,9 +37,17 @@ class Tokenizer(ABC):
             ChatTemplate(config.chat_template, config.chat_template_origin) if config.chat_template else None
         )
 
-    @abstractmethod
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of text; add_special_tokens adds what the tokenizer's post-processor adds (e.g. BOS)."""
+        if not isinstance(text, str):
+            raise TokenizerError(
+                f"encode takes a str, got {type(text).__name__}; pass text, or token ids to the engine"
+            )
+        return self._encode(text, add_special_tokens)
+
+    @abstractmethod
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """encode() of a text already checked to be a str."""
 
     @abstractmethod
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:

@@ -19,7 +19,6 @@ class ChatTemplate:
     """A compiled chat template; origin (the file it came from) is named in every error."""
 
     def __init__(self, source: str, origin: str):
-        self.source = source
         self.origin = origin
         try:
             self._template = _make_environment().from_string(source)

@@ -30,11 +30,7 @@ class HFTokenizer(Tokenizer):
         self._special_ids = frozenset(i for i, token in added.items() if token.special)
         super().__init__(load_tokenizer_config(model_dir), str(model_dir / CONFIG_FILE))
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        if not isinstance(text, str):
-            raise TokenizerError(
-                f"encode takes a str, got {type(text).__name__}; pass text, or token ids to the engine"
-            )
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:

@@ -64,11 +64,7 @@ class KimiTokenizer(Tokenizer):
         self._special_ids = frozenset(self._special.values()) - kept_in_text
         super().__init__(config, str(config_path))
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        if not isinstance(text, str):
-            raise TokenizerError(
-                f"encode takes a str, got {type(text).__name__}; pass text, or token ids to the engine"
-            )
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         allowed = "all" if add_special_tokens else set()
         return [
             token_id

@@ -6,7 +6,12 @@ from pathlib import Path
 import pytest
 
 from deltaserve.cache.sizing import (
-    DEFAULT_CPU_CACHE_BYTES, KDAStateSpec, MLAPageSpec, describe_plan, layer_cache_specs, plan_cache,
+    DEFAULT_CPU_CACHE_BYTES,
+    KDAStateSpec,
+    MLAPageSpec,
+    describe_plan,
+    layer_cache_specs,
+    plan_cache,
 )
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 

@@ -7,6 +7,7 @@ on requests in flight holds, and a failed step fails only the requests it ran (t
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -95,3 +96,26 @@ def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(make_llm):
         return [o async for o in await async_engine.add([greedy(3)], "second")]
 
     assert run(make_llm, body)[-1][1].finished
+
+
+def test_a_failed_step_spares_the_adds_queued_while_it_ran(make_llm):
+    async def body(async_engine):
+        step, queued = async_engine.engine.step, threading.Event()
+
+        def broken_step():
+            queued.wait(timeout=30)  # fail only once "second" waits in the queue
+            async_engine.engine.step = step
+            raise RuntimeError("boom")
+
+        async_engine.engine.step = broken_step
+        first = await async_engine.add([greedy(3)], "first")
+        second = asyncio.ensure_future(async_engine.add([greedy(3)], "second"))
+        while not async_engine._pending_adds:
+            await asyncio.sleep(0.001)
+        queued.set()
+        with pytest.raises(RuntimeError, match="boom"):
+            [o async for o in first]
+        return [o async for o in await second], async_engine.num_reserved
+
+    outputs, reserved = run(make_llm, body)
+    assert outputs[-1][1].finished and reserved == 0

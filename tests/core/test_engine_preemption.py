@@ -63,3 +63,17 @@ def test_one_chunk_per_step_budget_under_preemption(make_llm):
     outputs, _ = run_engine(llm.engine, prompts, params)
     assert llm.engine.scheduler.num_preemptions > 0
     assert_same_outputs(outputs, alone, "tightest cache vs alone")
+
+
+def test_request_preempted_mid_prompt_keeps_its_prompt_logprobs_in_order(make_llm):
+    """A decode that needs a page preempts the tail request part-way through its prompt, after some of its prompt
+    logprobs were returned; its recompute from position 0 must not append those positions a second time."""
+    prompts = random_prompts((31, 100), seed=7)
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=1)]
+    alone = generate_alone(make_llm(max_num_seqs=1), prompts, params)
+    llm = make_llm(max_num_seqs=2, block_size=BLOCK_SIZE, num_cache_blocks=7, max_num_batched_tokens=16)
+    outputs, preempted = run_engine(llm.engine, prompts, params)
+    assert ("1", 0) in preempted, preempted
+    assert len(outputs[1].prompt_logprobs) == len(prompts[1])
+    assert_same_outputs(outputs, alone, "preempted mid-prompt vs alone")

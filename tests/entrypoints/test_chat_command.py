@@ -61,7 +61,8 @@ def test_two_turns_stream_the_template_answers_then_exit(tiny_model, make_llm):
 
 def test_ctrl_c_stops_the_answer_not_the_program(tiny_model, make_llm):
     question = "Tell me a long story"
-    full = make_llm(max_model_len=4096).chat([{"role": "user", "content": question}], SamplingParams(max_tokens=4000, temperature=0))
+    full = make_llm(max_model_len=4096).chat([{"role": "user", "content": question}],
+                                             SamplingParams(max_tokens=4000, temperature=0))
     num_full = len(full.outputs[0].token_ids)
     assert num_full >= 200, "the tiny model's greedy answer is too short to interrupt; pick another question"
 

@@ -67,7 +67,7 @@ class ServerMetrics(EngineObserver):
         if not output.finished:
             return
         completion = output.outputs[0]
-        if not first and not completion.token_ids:
+        if not completion.token_ids:
             self.prompt_tokens.inc(len(output.prompt_token_ids))  # max_tokens 0: only the prompt was run
         self.finished.labels(self.model_name, completion.finish_reason or "unknown").inc()
         if "finish_time" in times:

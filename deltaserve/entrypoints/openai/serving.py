@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -60,9 +61,22 @@ class ServingContext:
             raise OpenAIError(404, f"The model '{name}' does not exist; this server serves "
                                    f"'{self.config.served_model_name}' (GET /v1/models)", "model", "model_not_found")
 
+    def check_request(self, body: SamplingFields) -> None:
+        """What both endpoints refuse before any tokenizing: another model, unsupported fields."""
+        self.check_model(body.model)
+        if body.logit_bias:
+            raise bad_request("'logit_bias' is not supported by this server; leave it out", "logit_bias")
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+
+    def response_meta(self, request_id: str) -> dict:
+        """The id, created and model fields that every response and chunk of a request carries."""
+        return dict(id=request_id, created=int(time.time()), model=self.config.served_model_name)
+
     def need_tokenizer(self, what: str):
         if self.tokenizer is None:
-            raise bad_request(f"{what} needs a tokenizer and this model folder has none; send token ids as 'prompt'")
+            raise bad_request(f"{what} needs a tokenizer and this model folder has none; send token ids as "
+                              "'prompt' to /v1/completions instead")
         return self.tokenizer
 
     def encode(self, text: str, param: str) -> list[int]:
@@ -113,10 +127,6 @@ class ServingContext:
     def sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None = None,
                         prompt_logprobs: int | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i uses seed + i so that choices differ."""
-        if body.logit_bias:
-            raise bad_request("'logit_bias' is not supported by this server", "logit_bias")
-        if body.stream_options is not None and not body.stream:
-            raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
         seed = body.seed if body.seed is not None else self.config.default_seed
         fields = dict(
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
@@ -189,7 +199,15 @@ async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
     stream.abort()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def wants_usage(body: SamplingFields) -> bool:
+    """Whether a stream ends with a usage chunk (and every chunk carries "usage": null before it)."""
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def usage(outputs: list[RequestOutput], n: int) -> dict:
+    """Token counts of outputs, n choices per prompt in order: each prompt counts once however many choices."""
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs[::n])
+    completion_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 

@@ -9,17 +9,16 @@ the section stays content. tool_choice "none" declares the tools to the model bu
 
 from __future__ import annotations
 
-import time
 import uuid
 
 from fastapi import Request
 
 from deltaserve.core.async_engine import EngineInput
 from deltaserve.core.outputs import RequestOutput
-from deltaserve.entrypoints.chat_tools import ChatOutputParser
+from deltaserve.entrypoints.chat_tools import ChatOutputParser, parse_chat_output
 from deltaserve.entrypoints.openai.errors import bad_request
 from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
-from deltaserve.entrypoints.openai.serving import ServingContext, json_logprob, respond_or_gone, usage
+from deltaserve.entrypoints.openai.serving import ServingContext, json_logprob, respond_or_gone, usage, wants_usage
 
 
 class ChatServing:
@@ -28,7 +27,7 @@ class ChatServing:
 
     async def create(self, body: ChatCompletionRequest, request: Request):
         ctx = self.ctx
-        ctx.check_model(body.model)
+        ctx.check_request(body)
         _check_unsupported(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -42,7 +41,7 @@ class ChatServing:
         inputs = [EngineInput(ids, params, prompt.text) for params in ctx.sampling_params(body, max_tokens, logprobs)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream, watcher = await ctx.start(inputs, request_id, request)
-        meta = dict(id=request_id, created=int(time.time()), model=ctx.config.served_model_name)
+        meta = ctx.response_meta(request_id)
         if body.stream:
             return ctx.sse(self._chunks(body, stream, meta, prompt.parse_tool_calls), stream, watcher)
         return await respond_or_gone(self._whole(body, stream, watcher, meta, prompt.parse_tool_calls))
@@ -52,21 +51,17 @@ class ChatServing:
         choices = []
         for index, output in enumerate(outputs):
             completion = output.outputs[0]
-            parser = ChatOutputParser(parse_tool_calls)
-            parser.push(completion.text)
-            parser.finish()
+            parser = parse_chat_output(completion.text, parse_tool_calls)
             logprobs = self._logprobs(output, 0, body.top_logprobs or 0) if body.logprobs else None
             choices.append({"index": index, "message": parser.message(), "logprobs": logprobs,
                             "finish_reason": parser.finish_reason(completion.finish_reason),
                             "stop_reason": completion.stop_reason})
-        completion_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-        return {**meta, "object": "chat.completion", "choices": choices,
-                "usage": usage(len(outputs[0].prompt_token_ids), completion_tokens)}
+        return {**meta, "object": "chat.completion", "choices": choices, "usage": usage(outputs, body.n)}
 
     async def _chunks(self, body: ChatCompletionRequest, stream, meta: dict, parse_tool_calls: bool):
         """A role chunk per choice, a chunk per content or tool-call delta (the last with finish_reason), then the
         usage chunk if asked."""
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        include_usage = wants_usage(body)
         extra = {"usage": None} if include_usage else {}
         chunk = {**meta, "object": "chat.completion.chunk"}
         for index in range(body.n):
@@ -89,15 +84,13 @@ class ChatServing:
             for choice in _stream_choices(index, deltas, logprobs, parsers[index], output):
                 yield {**chunk, "choices": [choice], **extra}
         if include_usage and final:
-            completion_tokens = sum(len(o.outputs[0].token_ids) for o in final.values())
-            prompt_tokens = len(next(iter(final.values())).prompt_token_ids)
-            yield {**chunk, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
+            yield {**chunk, "choices": [], "usage": usage([final[i] for i in sorted(final)], body.n)}
 
     def _logprobs(self, output: RequestOutput, start: int, num_top: int) -> dict:
         """OpenAI's chat logprobs of the output tokens from `start` on."""
         completion = output.outputs[0]
         content = []
-        for token_id, entry in list(zip(completion.token_ids, completion.logprobs or []))[start:]:
+        for token_id, entry in zip(completion.token_ids[start:], (completion.logprobs or [])[start:]):
             top = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= num_top), key=lambda x: x[1].rank)
             content.append({**self._token(token_id, entry), "top_logprobs": [self._token(t, entry) for t, _ in top]})
         return {"content": content}

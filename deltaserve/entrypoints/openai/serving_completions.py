@@ -7,7 +7,6 @@ max_tokens 0 that is the prompt-scoring request that lm-eval's loglikelihood tas
 
 from __future__ import annotations
 
-import time
 import uuid
 
 from fastapi import Request
@@ -16,7 +15,7 @@ from deltaserve.core.async_engine import EngineInput
 from deltaserve.core.outputs import RequestOutput
 from deltaserve.entrypoints.openai.errors import bad_request
 from deltaserve.entrypoints.openai.protocol import CompletionRequest
-from deltaserve.entrypoints.openai.serving import ServingContext, json_logprob, respond_or_gone, usage
+from deltaserve.entrypoints.openai.serving import ServingContext, json_logprob, respond_or_gone, usage, wants_usage
 
 
 class CompletionServing:
@@ -25,7 +24,7 @@ class CompletionServing:
 
     async def create(self, body: CompletionRequest, request: Request):
         ctx = self.ctx
-        ctx.check_model(body.model)
+        ctx.check_request(body)
         _check_unsupported(body)
         ctx.check_max_tokens(body.max_tokens, "max_tokens")
         prompts = self._prompts(body)
@@ -40,7 +39,7 @@ class CompletionServing:
                 echoes.append(self._echo_text(text, ids) if body.echo else "")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream, watcher = await ctx.start(inputs, request_id, request)
-        meta = dict(id=request_id, created=int(time.time()), model=ctx.config.served_model_name)
+        meta = ctx.response_meta(request_id)
         if body.stream:
             return ctx.sse(self._chunks(body, stream, echoes, meta), stream, watcher)
         return await respond_or_gone(self._whole(body, stream, watcher, echoes, meta))
@@ -49,7 +48,7 @@ class CompletionServing:
         prompt = body.prompt
         if isinstance(prompt, str):
             prompt = [prompt]
-        if not prompt or any(isinstance(p, list) and not p for p in prompt):
+        if not prompt or any(isinstance(p, (str, list)) and not p for p in prompt):
             raise bad_request("'prompt' must not be empty: send text, or at least one token id", "prompt")
         if isinstance(prompt[0], int):
             return [(None, list(prompt))]
@@ -71,7 +70,7 @@ class CompletionServing:
                 logprobs = _logprobs(parts + [(_output_scored(output, 0), len(echo))], self.ctx.token_text)
             choices.append({"index": index, "text": echo + completion.text, "logprobs": logprobs,
                             "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
-        return {**meta, "object": "text_completion", "choices": choices, "usage": _usage(outputs, body.n)}
+        return {**meta, "object": "text_completion", "choices": choices, "usage": usage(outputs, body.n)}
 
     async def _chunks(self, body: CompletionRequest, stream, echoes: list[str], meta: dict):
         """One chunk per choice that gained text (the echo comes with its first), then the usage chunk if asked."""
@@ -79,7 +78,7 @@ class CompletionServing:
         sent_tokens = [0] * len(echoes)
         text_offset = [0] * len(echoes)  # characters sent per choice, echo included
         final: dict[int, RequestOutput] = {}
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        include_usage = wants_usage(body)
         async for index, output in stream:
             completion = output.outputs[0]
             first = sent_chars[index] is None
@@ -101,7 +100,7 @@ class CompletionServing:
                  "stop_reason": completion.stop_reason}], **({"usage": None} if include_usage else {})}
         if include_usage:
             yield {**meta, "object": "text_completion", "choices": [],
-                   "usage": _usage([final[i] for i in sorted(final)], body.n)}
+                   "usage": usage([final[i] for i in sorted(final)], body.n)}
 
 
 def _check_unsupported(body: CompletionRequest) -> None:
@@ -113,14 +112,19 @@ def _check_unsupported(body: CompletionRequest) -> None:
 
 def _prompt_scored(output: RequestOutput) -> list[tuple[int, dict | None]]:
     """(prompt token id, its logprob entry); the first token has none."""
-    entries = output.prompt_logprobs or []
-    return [(t, entries[i] if i < len(entries) else None) for i, t in enumerate(output.prompt_token_ids)]
+    return _scored(output.prompt_token_ids, output.prompt_logprobs, 0)
 
 
 def _output_scored(output: RequestOutput, start: int) -> list[tuple[int, dict | None]]:
+    """(output token id, its logprob entry) from the start-th output token on."""
     completion = output.outputs[0]
-    entries = completion.logprobs or []
-    return [(t, entries[i] if i < len(entries) else None) for i, t in enumerate(completion.token_ids) if i >= start]
+    return _scored(completion.token_ids, completion.logprobs, start)
+
+
+def _scored(token_ids: list[int], entries: list[dict | None] | None, start: int) -> list[tuple[int, dict | None]]:
+    """token_ids[start:] each with its entry, None past the end of entries."""
+    entries = entries or []
+    return [(token_ids[i], entries[i] if i < len(entries) else None) for i in range(start, len(token_ids))]
 
 
 def _logprobs(parts: list[tuple[list[tuple[int, dict | None]], int]], token_text) -> dict:
@@ -137,9 +141,3 @@ def _logprobs(parts: list[tuple[list[tuple[int, dict | None]], int]], token_text
                                 if entry else None)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
             "text_offset": text_offset}
-
-
-def _usage(outputs: list[RequestOutput], n: int) -> dict:
-    """Each prompt counts once however many choices it has."""
-    prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs[::n])
-    return usage(prompt_tokens, sum(len(o.outputs[0].token_ids) for o in outputs))

@@ -58,10 +58,10 @@ def mla_decode(
     latents = cache[block_tables].flatten(1, 2)  # [B, L, R+Dr], L = max_blocks * block_size: no host sync
     max_len = latents.shape[1]
     c_kv, k_rope = latents[..., :R], latents[..., R:]  # [B, L, R], [B, L, Dr]
-    scores = torch.einsum("bhr,blr->bhl", q_latent, c_kv) + torch.einsum("bhd,bld->bhl", q_rope, k_rope)
+    scores = q_latent @ c_kv.transpose(1, 2) + q_rope @ k_rope.transpose(1, 2)  # [B, H, L]
     beyond = torch.arange(max_len, device=cache.device)[None, :] >= context_lens[:, None]  # [B, L]
     probs = torch.softmax((scores * scale).float().masked_fill(beyond[:, None, :], float("-inf")), dim=-1)
-    return torch.einsum("bhl,blr->bhr", probs.to(c_kv.dtype), c_kv)
+    return probs.to(c_kv.dtype) @ c_kv
 
 
 def _sdpa_prefill(q_nope, q_rope, k_nope, k_rope, v, scale: float, start_pos: int) -> torch.Tensor:

@@ -23,11 +23,13 @@ def grouped_topk(
     scores = router_logits.sigmoid()
     biased = scores + correction_bias
     T, E = biased.shape
-    group_scores = biased.view(T, num_groups, E // num_groups).topk(2, dim=-1)[0].sum(-1)  # [T, G]
-    group_ids = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1.0).bool()
-    expert_mask = group_mask[:, :, None].expand(T, num_groups, E // num_groups).reshape(T, E)
-    ids = biased.masked_fill(~expert_mask, float("-inf")).topk(top_k, dim=-1, sorted=False)[1]
+    if topk_group < num_groups:  # otherwise every group stays: the mask would keep everything
+        group_scores = biased.view(T, num_groups, E // num_groups).topk(2, dim=-1)[0].sum(-1)  # [T, G]
+        group_ids = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_ids, 1.0).bool()
+        expert_mask = group_mask[:, :, None].expand(T, num_groups, E // num_groups).reshape(T, E)
+        biased = biased.masked_fill(~expert_mask, float("-inf"))
+    ids = biased.topk(top_k, dim=-1, sorted=False)[1]
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
