@@ -1,0 +1,72 @@
+"""Our Triton kernels against their twins on the CPU, through Triton's interpreter (TRITON_INTERPRET=1), so CI
+checks them without a GPU. On a machine with CUDA, tests/gpu runs the same kernels compiled instead."""
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("a GPU is present: tests/gpu runs these kernels compiled", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, so before importing them
+pytest.importorskip("triton")
+
+from deltaserve.kernels.conv1d_triton import conv1d_update  # noqa: E402
+from deltaserve.kernels.kda import fused_recurrent_kda, kda_gate, l2norm  # noqa: E402
+from deltaserve.kernels.kda.naive import naive_causal_conv1d  # noqa: E402
+from deltaserve.kernels.kda.triton_decode import kda_decode  # noqa: E402
+from deltaserve.kernels.moe.naive import naive_experts  # noqa: E402
+from deltaserve.kernels.moe.triton_decode import decode_experts  # noqa: E402
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("B,H,K", [(1, 2, 16), (3, 4, 32), (5, 1, 64)])
+def test_kda_decode_kernel_matches_twin(B, H, K):
+    gen = torch.Generator().manual_seed(B * K)
+    S = B + 3
+    qkv = torch.randn(B, 3, H, K, generator=gen)
+    g_raw, b_raw = torch.randn(B, H * K, generator=gen), torch.randn(B, H, generator=gen)
+    dt_bias = torch.randn(H * K, generator=gen) * 2 - 3
+    a_log = torch.empty(H).uniform_(1, 16, generator=gen).log()
+    state = torch.randn(S, H, K, K, generator=gen) * 0.1
+    slots = torch.randperm(S, generator=gen)[:B]
+    unused = torch.ones(S, dtype=torch.bool)
+    unused[slots] = False
+    state[unused] = 1e30
+    twin_state = state.clone()
+    o = kda_decode(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b_raw, dt_bias, a_log, state, slots, K ** -0.5)
+    o_twin = fused_recurrent_kda(l2norm(qkv[:, 0]), l2norm(qkv[:, 1]), qkv[:, 2], kda_gate(g_raw, dt_bias, a_log),
+                                 torch.sigmoid(b_raw), K ** -0.5, twin_state, slots)
+    assert rel_err(o, o_twin) < 1e-5
+    assert rel_err(state[slots], twin_state[slots]) < 1e-5
+    assert torch.all(state[unused] == 1e30)
+
+
+@pytest.mark.parametrize("B,C,W", [(1, 7, 4), (4, 300, 4), (2, 33, 2)])
+def test_conv_update_kernel_matches_naive(B, C, W):
+    gen = torch.Generator().manual_seed(B * C)
+    x = torch.randn(B, 2 * C, generator=gen)[:, :C]  # strided rows, as a split of in_proj's output
+    weight = torch.randn(C, W, generator=gen)
+    state = torch.randn(B + 2, C, W - 1, generator=gen)
+    slots = torch.randperm(B + 2, generator=gen)[:B]
+    before = state.clone()
+    y = conv1d_update(x, weight, state, slots)
+    for b, slot in enumerate(slots.tolist()):
+        y_ref, state_ref = naive_causal_conv1d(x[b:b + 1], weight, before[slot])
+        assert rel_err(y[b:b + 1], y_ref) < 1e-5
+        assert torch.equal(state[slot], state_ref)
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 16, 4)])
+def test_decode_experts_kernel_matches_naive(T, E, k):
+    gen = torch.Generator().manual_seed(T * E)
+    D, I = 96, 40  # not multiples of the kernels' blocks: the masks are exercised
+    x = torch.randn(T, D, generator=gen)
+    w13 = torch.randn(E, 2 * I, D, generator=gen) * 0.1
+    w2 = torch.randn(E, D, I, generator=gen) * 0.1
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=gen)
+    assert rel_err(decode_experts(x, w13, w2, weights, ids), naive_experts(x, w13, w2, weights, ids)) < 1e-5
