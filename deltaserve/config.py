@@ -256,6 +256,8 @@ class EngineConfig:
     threads: int | None = None
     load_format: str = "auto"
     seed: int = 0
+    tensor_parallel_size: int = 1  # processes (GPUs) one model is split over, by attention head and MLP column
+    enable_expert_parallel: bool = False  # with tensor_parallel_size > 1: routed experts split whole across ranks
 
     def __post_init__(self):
         def bad(name, value, expectation):
@@ -279,6 +281,10 @@ class EngineConfig:
             bad("load_format", self.load_format, "must be 'auto' or 'dummy'")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             bad("threads", self.threads, "must be a positive integer")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            bad("tensor_parallel_size", self.tensor_parallel_size, "must be a positive integer")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            bad("enable_expert_parallel", True, "needs tensor_parallel_size > 1 (experts are split over its ranks)")
         if self.num_cache_blocks is not None and self.num_cache_blocks < 1:
             bad("num_cache_blocks", self.num_cache_blocks, "must be a positive integer")
         if self.num_snapshot_slots is not None and (not isinstance(self.num_snapshot_slots, int)

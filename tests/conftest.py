@@ -3,9 +3,18 @@
 pytest puts this file's folder (tests/) on sys.path, so test modules import the shared `helpers` package.
 """
 
+import os
+
 import pytest
 import torch
-from helpers.engine import LLMFactory, tiny_model_dir
+
+if not torch.cuda.is_available():
+    # tests/kernels/test_triton_interpreted.py runs our Triton kernels through Triton's CPU interpreter. Triton
+    # reads this when it is first imported, and other tests import it early (transformers' kimi_linear does), so
+    # it is set here, before any test module loads.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from helpers.engine import LLMFactory, tiny_model_dir  # noqa: E402
 
 
 def pytest_configure(config):

@@ -19,6 +19,7 @@ from deltaserve.cache.sizing import describe_plan, plan_cache
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.core.outputs import CompletionOutput, Logprob, Logprobs, RequestOutput
 from deltaserve.core.scheduler import Scheduler
+from deltaserve.distributed import SINGLE, ParallelConfig, broadcast_object
 from deltaserve.loader.model_loader import DTYPES
 from deltaserve.request import Request, RequestStatus
 from deltaserve.runner.model_runner import ModelRunner
@@ -43,18 +44,24 @@ class _Tracked:
 
 
 class Engine:
-    def __init__(self, model: str, engine_config: EngineConfig, progress=None):
-        self.config = engine_config
+    def __init__(self, model: str, engine_config: EngineConfig, progress=None, parallel: ParallelConfig = SINGLE):
+        """parallel: rank 0 of a tensor-parallel group (whose other ranks run core/tensor_parallel.py's worker
+        loop): each step's SchedulerOutput is broadcast to them, and the cache plan once."""
+        self.config, self.parallel = engine_config, parallel
+        if engine_config.tensor_parallel_size != parallel.world_size:
+            raise ValueError(f"tensor_parallel_size = {engine_config.tensor_parallel_size} but this engine runs on "
+                             f"{parallel.world_size} process(es); start tensor parallel through LLM(...) or the CLI")
         self.model_config = ModelConfig.from_file(model)
         if Path(model).is_file() and engine_config.load_format != "dummy":
             raise ValueError(f"{model} is a file: pass a model folder, or a config.json with load_format 'dummy'")
         self.tokenizer = load_tokenizer(model) if Path(model).is_dir() else None
         self.max_model_len = self._max_model_len()
-        weights = ModelRunner.load_model(model, self.model_config, engine_config, progress)
+        weights = ModelRunner.load_model(model, self.model_config, engine_config, progress, parallel)
         plan = plan_cache(self.model_config, engine_config, self.max_model_len, ModelRunner.cache_budget(engine_config))
+        broadcast_object(plan, parallel)  # every rank allocates the pages and slots this scheduler hands out
         log.info(describe_plan(plan))
         self.runner = ModelRunner(weights, self.model_config, plan, DTYPES[engine_config.dtype], engine_config.device,
-                                  engine_config.seed)
+                                  engine_config.seed, cuda_graphs=parallel.world_size == 1)
         self.scheduler = Scheduler(engine_config, CacheManager.from_plan(plan), self.max_model_len)
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(
             self.tokenizer.eos_token_ids if self.tokenizer else ())))
@@ -98,6 +105,7 @@ class Engine:
                     f"{self.scheduler.num_waiting} waiting requests remain; this is a scheduler bug (a request "
                     "that can never get pages or a slot), not something to retry: abort the requests")
             return []
+        broadcast_object(sched, self.parallel)  # the other ranks run the same step on their shards
         runner_out = self.runner.execute(sched)
         updates = self.scheduler.update_from_output(sched, runner_out)
         for req_id, entries in runner_out.prompt_logprobs.items():
@@ -113,6 +121,11 @@ class Engine:
             self._detokenize(tracked, new_ids)
             outputs.append(self._output(tracked, now))
         return outputs
+
+    def shutdown(self) -> None:
+        """Tell the other ranks of a tensor-parallel group to stop (a no-op on one process)."""
+        if self.parallel.world_size > 1:
+            broadcast_object(None, self.parallel)
 
     def _max_model_len(self) -> int:
         """The engine option, else the smaller of the model's and the tokenizer's limits."""

@@ -96,8 +96,18 @@ def _tokens_so_far(engine: Engine, finished: list) -> int:
 
 
 def bench(model: str, engine_config: EngineConfig, batch_sizes: list[int], prompt_len: int, output_len: int) -> dict:
-    engine = Engine(model, engine_config)
-    cfg, device = engine.model_config, engine_config.device
+    from deltaserve.core.tensor_parallel import start_engine, stop_engine
+
+    engine, workers = start_engine(model, engine_config)
+    try:
+        return _bench(engine, batch_sizes, prompt_len, output_len)
+    finally:
+        stop_engine(engine, workers)
+
+
+def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: int) -> dict:
+    engine_config, cfg = engine.config, engine.model_config
+    device, world = engine_config.device, engine_config.tensor_parallel_size
     dtype_bytes = 4 if engine_config.dtype == "float32" else 2
     bandwidth = copy_bandwidth(device)
     run_batch(engine, 1, prompt_len, 4, seed=99)  # warm-up at the real shape: compiles and autotunes
@@ -106,11 +116,13 @@ def bench(model: str, engine_config: EngineConfig, batch_sizes: list[int], promp
     rows = []
     for batch in batch_sizes:
         row = run_batch(engine, batch, prompt_len, output_len, seed=batch)
-        floor = decode_step_bytes(cfg, batch, prompt_len + output_len // 2, dtype_bytes) / bandwidth
+        # tensor parallel: each GPU reads about 1 / world of the bytes (the embedding and lm_head are replicated)
+        floor = decode_step_bytes(cfg, batch, prompt_len + output_len // 2, dtype_bytes) / bandwidth / world
         row.update(floor_ms=1000 * floor, floor_tok_s=batch / floor)
         rows.append(row)
     peak = torch.cuda.max_memory_allocated(device) if device != "cpu" else None
     return {"device": torch.cuda.get_device_name(device) if device != "cpu" else "cpu", "dtype": engine_config.dtype,
+            "tensor_parallel_size": world, "expert_parallel": engine_config.enable_expert_parallel,
             "copy_GBps": bandwidth / 1e9, "peak_memory_GiB": peak / 2**30 if peak else None,
             "prompt_len": prompt_len, "output_len": output_len, "rows": rows}
 

@@ -36,12 +36,15 @@ def cmd_chat(args, make_llm: Callable) -> int:
     """Load the model (with a progress bar), then read, answer, repeat until /exit or end of input."""
     with _LoadingBar() as bar:
         llm = make_llm(args, progress=bar)
-    if llm.tokenizer is None:
-        raise ValueError("chat needs a tokenizer with a chat template and this model folder has none; "
-                         "use `deltaserve generate --prompt-token-ids ...` instead")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
-    ChatSession(llm, params, args.system).run()
+    try:
+        if llm.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template and this model folder has none; "
+                             "use `deltaserve generate --prompt-token-ids ...` instead")
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+        ChatSession(llm, params, args.system).run()
+    finally:
+        llm.shutdown()
     return 0
 
 

@@ -29,6 +29,10 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                    default=EngineConfig.enable_prefix_caching,
                    help="reuse cached prefixes (MLA pages and exact KDA state snapshots) across requests")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="processes (one GPU each) to split the model over; gloo on the CPU, NCCL on GPUs")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size > 1: split the routed experts whole across the ranks")
     g.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
 
@@ -84,7 +88,8 @@ def _make_llm(args, progress=None):
     return LLM(args.model, dtype=args.dtype, device=args.device, progress=progress, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, threads=args.threads, load_format=args.load_format,
-               enable_prefix_caching=args.enable_prefix_caching)
+               enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
+               enable_expert_parallel=args.enable_expert_parallel)
 
 
 def cmd_generate(args) -> None:
@@ -94,9 +99,12 @@ def cmd_generate(args) -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
     llm = _make_llm(args)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
+    try:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.shutdown()
     for out in outputs:
         completion = out.outputs[0]
         if args.json:
@@ -122,7 +130,9 @@ def cmd_bench(args) -> None:
                           max_model_len=args.max_model_len or args.prompt_len + args.output_len,
                           max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
                           block_size=args.block_size, threads=args.threads, load_format=args.load_format,
-                          enable_prefix_caching=args.enable_prefix_caching)
+                          enable_prefix_caching=args.enable_prefix_caching,
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          enable_expert_parallel=args.enable_expert_parallel)
     result = bench(args.config or args.model or str(BUNDLED_MODEL), engine, args.batch_sizes, args.prompt_len,
                    args.output_len)
     print_report(result)

@@ -28,16 +28,30 @@ class LLM:
                  progress: Callable[[int, int], None] | None = None, **engine_options):
         """model: a Kimi-Linear folder (default: the bundled demo model); dtype defaults to float32 on the CPU
         and bfloat16 on a GPU; progress(step, total) is called as the weights load; engine_options are
-        EngineConfig's fields (max_model_len, max_num_seqs, ...)."""
+        EngineConfig's fields (max_model_len, max_num_seqs, ...). With tensor_parallel_size N > 1 this process is
+        rank 0 and starts N - 1 worker processes (or joins torchrun's ranks); call shutdown() when done."""
         device = device or default_device()
         dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
         if model is None and engine_options.get("threads") is None:
             # the demo model's ops are too small to gain from a second thread, and on a busy machine every op
             # waits for that thread to be scheduled: a hundred times slower
             engine_options["threads"] = 1
-        self.engine = Engine(str(model or BUNDLED_MODEL), EngineConfig(dtype=dtype, device=device, **engine_options),
-                             progress)
+        model, config = str(model or BUNDLED_MODEL), EngineConfig(dtype=dtype, device=device, **engine_options)
+        if config.tensor_parallel_size == 1:
+            self.engine, self._workers = Engine(model, config, progress), None
+        else:
+            from deltaserve.core.tensor_parallel import start_engine
+
+            self.engine, self._workers = start_engine(model, config, progress)
         self.tokenizer = self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of tensor parallel (a no-op on one process); the LLM is unusable after."""
+        if self._workers is not None:
+            from deltaserve.core.tensor_parallel import stop_engine
+
+            stop_engine(self.engine, self._workers)
+            self._workers = None
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:

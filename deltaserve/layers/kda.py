@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from deltaserve.config import ModelConfig
+from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
 from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from deltaserve.kernels.kda import kda_decode, kda_prefill
 from deltaserve.kernels.norm import gated_rms_norm
@@ -18,10 +19,12 @@ if TYPE_CHECKING:
 
 
 class KimiDeltaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig = SINGLE):
         super().__init__()
-        H, K, D = cfg.kda_num_heads, cfg.kda_head_dim, cfg.hidden_size
-        self.num_heads, self.head_dim, self.eps = H, K, cfg.rms_norm_eps
+        # tensor parallel: this rank's H of the heads (every per-head tensor sharded); f_a, g_a and o_norm
+        # replicated; o_proj row-parallel, its partial sums all-reduced
+        H, K, D = cfg.kda_num_heads // parallel.world_size, cfg.kda_head_dim, cfg.hidden_size
+        self.num_heads, self.head_dim, self.eps, self.parallel = H, K, cfg.rms_norm_eps, parallel
         self.split = [3 * H * K, K, K, H]  # in_proj's outputs: q, k, v (the conv's channel order), f_a, g_a, b
         self.in_proj = Linear(D, sum(self.split))
         self.conv_weight = nn.Parameter(torch.empty(3 * H * K, cfg.conv_kernel_size))
@@ -34,7 +37,7 @@ class KimiDeltaAttention(nn.Module):
 
     def cache_shapes(self, cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
         """Per state slot: the last W-1 conv inputs (run dtype) and the recurrent state (float32)."""
-        H, K = cfg.kda_num_heads, cfg.kda_head_dim
+        H, K = self.num_heads, self.head_dim
         return {"conv": ((3 * H * K, cfg.conv_kernel_size - 1), "model"), "recurrent": ((H, K, K), "float32")}
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -50,7 +53,8 @@ class KimiDeltaAttention(nn.Module):
         qkv = (conv_parts[0] if len(conv_parts) == 1 else torch.cat(conv_parts)).view(N, 3, H, K)
         o = self._delta_rule(qkv[:, 0], qkv[:, 1], qkv[:, 2], self.f_b_proj(f_a), b, batch, cache["recurrent"])
         gate = self.g_b_proj(g_a).view(N, H, K)
-        return self.o_proj(gated_rms_norm(o, gate, self.o_norm_weight, self.eps).view(N, H * K))
+        return all_reduce(self.o_proj(gated_rms_norm(o, gate, self.o_norm_weight, self.eps).view(N, H * K)),
+                          self.parallel)
 
     def _delta_rule(self, q, k, v, g_raw, b_raw, batch: ForwardBatch, state: torch.Tensor) -> torch.Tensor:
         """q, k, v [N, H, K] raw; g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V] in the layer's dtype."""

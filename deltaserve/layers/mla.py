@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from deltaserve.config import ModelConfig
+from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
 from deltaserve.kernels.cache_ops import write_latents
 from deltaserve.kernels.mla import gather_latents, mla_decode, mla_prefill
 from deltaserve.kernels.norm import rms_norm
@@ -18,10 +19,12 @@ if TYPE_CHECKING:
 
 
 class MultiheadLatentAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig = SINGLE):
         super().__init__()
-        H, D, R = cfg.num_attention_heads, cfg.hidden_size, cfg.kv_lora_rank
-        self.num_heads, self.kv_lora_rank = H, R
+        # tensor parallel: this rank's H of the heads (q, kv_b_proj); the latent (kv_a, its norm, the cache)
+        # replicated; o_proj row-parallel, its partial sums all-reduced
+        H, D, R = cfg.num_attention_heads // parallel.world_size, cfg.hidden_size, cfg.kv_lora_rank
+        self.num_heads, self.kv_lora_rank, self.parallel = H, R, parallel
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.scale = cfg.qk_head_dim ** -0.5
         self.kv_norm_eps = cfg.kv_a_layernorm_eps
@@ -52,7 +55,7 @@ class MultiheadLatentAttention(nn.Module):
             out[row: row + n] = self._prefill(q_nope[row: row + n], q_rope[row: row + n],
                                               gather_latents(cache["latent"], batch.block_tables[i], start + n), start)
             row += n
-        return self.o_proj(out.view(N, H * self.v_dim))
+        return all_reduce(self.o_proj(out.view(N, H * self.v_dim)), self.parallel)
 
     def _decode(self, q_nope, q_rope, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
         """Absorbed: q_nope [B, H, Dn] -> latent query [B, H, R]; attended latent -> values [B, H, Dv]."""

@@ -5,33 +5,44 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
+from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
 from deltaserve.kernels.moe import fused_experts, grouped_topk
 from deltaserve.layers.linear import Linear
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up stacked in one projection [2I, D]."""
+    """down(silu(gate(x)) * up(x)); gate and up stacked in one projection [2I, D]. Tensor parallel: this rank's
+    I / world_size of the intermediate dim (gate_up column-parallel, down row-parallel); the partial sums are
+    all-reduced unless reduce is False (the shared expert, reduced with the routed experts in one go)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, parallel: ParallelConfig = SINGLE,
+                 reduce: bool = True):
         super().__init__()
+        intermediate_size //= parallel.world_size
+        self.parallel, self.reduce = parallel, reduce
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return all_reduce(out, self.parallel) if self.reduce else out
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig = SINGLE):
         super().__init__()
         E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.cfg = cfg
+        # tensor parallel: every expert's intermediate dim split; expert parallel: this rank's experts, whole
+        self.first_expert, local_experts = parallel.split(E) if parallel.expert_parallel else (0, E)
+        I = I if parallel.expert_parallel else I // parallel.world_size
+        self.cfg, self.parallel = cfg, parallel
         self.gate_weight = nn.Parameter(torch.empty(E, D, dtype=torch.float32))  # router stays float32
         self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32))
-        self.w13 = nn.Parameter(torch.empty(E, 2 * I, D))  # per expert: gate (w1) rows, then up (w3) rows
-        self.w2 = nn.Parameter(torch.empty(E, D, I))
-        self.shared_experts = SwiGLU(D, I * cfg.num_shared_experts) if cfg.num_shared_experts else None
+        self.w13 = nn.Parameter(torch.empty(local_experts, 2 * I, D))  # per expert: gate (w1) rows, then up (w3)
+        self.w2 = nn.Parameter(torch.empty(local_experts, D, I))
+        self.shared_experts = (SwiGLU(D, cfg.moe_intermediate_size * cfg.num_shared_experts, parallel, reduce=False)
+                               if cfg.num_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> routed experts (scaled) + shared expert (unscaled), [N, D]."""
@@ -40,7 +51,19 @@ class MoE(nn.Module):
         weights, ids = grouped_topk(logits, self.e_score_correction_bias.float(), cfg.num_experts_per_token,
                                     cfg.num_expert_group, cfg.topk_group, cfg.moe_renormalize,
                                     cfg.routed_scaling_factor)
-        out = fused_experts(x, self.w13, self.w2, weights, ids)
+        out = self._local_experts(x, weights, ids) if self.parallel.expert_parallel else fused_experts(
+            x, self.w13, self.w2, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        return all_reduce(out, self.parallel)
+
+    def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Expert parallel: the contributions of this rank's experts only, [N, D] (zero rows for tokens that chose
+        none of them); weights, ids [N, k] over all experts."""
+        local_ids = ids - self.first_expert
+        rows, slots = ((local_ids >= 0) & (local_ids < self.w13.shape[0])).nonzero(as_tuple=True)
+        out = torch.zeros_like(x)
+        if rows.numel():
+            y = fused_experts(x[rows], self.w13, self.w2, weights[rows, slots, None], local_ids[rows, slots, None])
+            out.index_add_(0, rows, y)
         return out

@@ -3,38 +3,49 @@
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from deltaserve.config import ModelConfig
+from deltaserve.distributed import SINGLE, ParallelConfig
 from deltaserve.loader.checkpoint import Checkpoint, CheckpointError
 from deltaserve.loader.names import FLOAT32_PARAMS, Option, checkpoint_options
+from deltaserve.loader.sharding import copy_piece, shard_specs
 from deltaserve.models.kimi_linear import KimiLinearForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "meta") -> KimiLinearForCausalLM:
-    """The model with uninitialised parameters on `device` (meta: no memory), in dtype but FLOAT32_PARAMS."""
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "meta",
+                parallel: ParallelConfig = SINGLE) -> KimiLinearForCausalLM:
+    """The model (this rank's shard of it) with uninitialised parameters on `device` (meta: no memory), in dtype
+    but FLOAT32_PARAMS."""
     with torch.device("meta"):
-        model = KimiLinearForCausalLM(cfg)
+        model = KimiLinearForCausalLM(cfg, parallel)
     for name, param in model.named_parameters():
         param.data = param.data.to(torch.float32 if name.rsplit(".", 1)[-1] in FLOAT32_PARAMS else dtype)
     return model if str(device) == "meta" else model.to_empty(device=device)
 
 
 def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str,
-               progress: Callable[[int, int], None] | None = None) -> KimiLinearForCausalLM:
-    model = build_model(cfg, dtype, device)
-    load_weights(model, Checkpoint(folder), cfg, progress)
+               progress: Callable[[int, int], None] | None = None,
+               parallel: ParallelConfig = SINGLE) -> KimiLinearForCausalLM:
+    model = build_model(cfg, dtype, device, parallel)
+    load_weights(model, Checkpoint(folder), cfg, progress, parallel)
     return model.eval()
 
 
-def load_weights(model, checkpoint: Checkpoint, cfg: ModelConfig, progress=None) -> None:
-    """Copy every parameter's tensors in; missing, unexpected and mis-shaped tensors are errors."""
+def load_weights(model, checkpoint: Checkpoint, cfg: ModelConfig, progress=None,
+                 parallel: ParallelConfig = SINGLE) -> None:
+    """Copy every parameter's tensors in (only this rank's part of a sharded one, sliced as it is read); missing,
+    unexpected and mis-shaped tensors are errors."""
     params = dict(model.named_parameters())
+    full_shapes = {n: p.shape for n, p in build_model(cfg, torch.float32).named_parameters()}
+    shards = shard_specs(cfg, parallel) if parallel.world_size > 1 else {}
     available = checkpoint.names()
     plan = {name: _choose(name, options, available, checkpoint.folder)
             for name, options in checkpoint_options(cfg).items()}
@@ -48,8 +59,8 @@ def load_weights(model, checkpoint: Checkpoint, cfg: ModelConfig, progress=None)
     for step, (name, option) in enumerate(plan.items()):
         for piece in option:
             _check_shape(piece, checkpoint.shape(piece.name), checkpoint.file_of[piece.name], name)
-            target = params[name].data[piece.index] if piece.index else params[name].data
-            target.copy_(checkpoint.read(piece.name).reshape(target.shape))
+            copy_piece(params[name].data, piece.index, full_shapes[name], shards.get(name),
+                       partial(checkpoint.read, piece.name))
         if progress:
             progress(step + 1, len(plan))
 
@@ -73,10 +84,15 @@ def _check_shape(piece, shape: tuple[int, ...], file: str, param: str) -> None:
                               f"{list(piece.shape)} (for parameter {param}); config.json does not match the weights")
 
 
-def init_dummy_weights(model: KimiLinearForCausalLM, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights of the real shapes, non-degenerate where a bug would hide (decays, biases, norms, convs)."""
+def init_dummy_weights(model: KimiLinearForCausalLM, seed: int = 0, std: float = 0.02,
+                       seed_per_parameter: bool = False) -> None:
+    """Random weights of the real shapes, non-degenerate where a bug would hide (decays, biases, norms, convs).
+    seed_per_parameter: each parameter from its own seed (seed and name), so that the replicated parameters of
+    tensor-parallel ranks, whose sharded ones differ in size, come out equal."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
+        if seed_per_parameter:
+            gen.manual_seed(seed + zlib.crc32(name.encode()))
         leaf, data = name.rsplit(".", 1)[-1], param.data
         if leaf == "A_log":
             data.copy_(torch.empty_like(data).uniform_(1.0, 16.0, generator=gen).log())

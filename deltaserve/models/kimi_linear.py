@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from deltaserve.config import KDA, MOE, ModelConfig
+from deltaserve.distributed import SINGLE, ParallelConfig
 from deltaserve.layers.kda import KimiDeltaAttention
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.mla import MultiheadLatentAttention
@@ -24,11 +25,13 @@ if TYPE_CHECKING:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, parallel: ParallelConfig = SINGLE):
         super().__init__()
         self.is_kda = cfg.layer_types[layer_id] == KDA
-        self.self_attn = KimiDeltaAttention(cfg) if self.is_kda else MultiheadLatentAttention(cfg)
-        self.mlp = MoE(cfg) if cfg.mlp_types[layer_id] == MOE else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        attn = KimiDeltaAttention if self.is_kda else MultiheadLatentAttention
+        self.self_attn = attn(cfg, parallel)
+        self.mlp = (MoE(cfg, parallel) if cfg.mlp_types[layer_id] == MOE
+                    else SwiGLU(cfg.hidden_size, cfg.intermediate_size, parallel))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -42,11 +45,13 @@ class DecoderLayer(nn.Module):
 
 
 class KimiLinearForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelConfig = SINGLE):
+        """parallel: this rank's shard of a tensor-parallel model; the embedding, norms and lm_head are replicated,
+        so every rank ends a step with the same logits."""
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:

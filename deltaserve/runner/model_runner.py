@@ -16,6 +16,7 @@ import torch
 
 from deltaserve.cache.sizing import CachePlan
 from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.distributed import SINGLE, ParallelConfig, check_divisible
 from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, sample
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
 from deltaserve.runner.cuda_graph import DecodeGraphs
@@ -64,16 +65,19 @@ class ModelRunner:
                 self.graphs.capture()
 
     @staticmethod
-    def load_model(folder: str, model_config: ModelConfig, engine: EngineConfig, progress=None):
-        """The model on engine.device: its weights from `folder`, or random ones with load_format 'dummy'."""
+    def load_model(folder: str, model_config: ModelConfig, engine: EngineConfig, progress=None,
+                   parallel: ParallelConfig = SINGLE):
+        """The model (this rank's shard) on engine.device: its weights from `folder`, or random ones with
+        load_format 'dummy'."""
         if engine.threads:
             torch.set_num_threads(engine.threads)
+        check_divisible(model_config, parallel)
         dtype = DTYPES[engine.dtype]
         if engine.load_format == "dummy":
-            model = build_model(model_config, dtype, engine.device)
-            init_dummy_weights(model, engine.seed)
+            model = build_model(model_config, dtype, engine.device, parallel)
+            init_dummy_weights(model, engine.seed, seed_per_parameter=parallel.world_size > 1)
         else:
-            model = load_model(folder, model_config, dtype, engine.device, progress)
+            model = load_model(folder, model_config, dtype, engine.device, progress, parallel)
         return model.eval()
 
     @staticmethod

@@ -50,4 +50,7 @@ def cmd_serve(args, make_llm) -> None:
 
     config = server_config(args)
     llm = make_llm(args)
-    run_server(llm.engine, config, args.host, args.port, args.drain_timeout)
+    try:
+        run_server(llm.engine, config, args.host, args.port, args.drain_timeout)
+    finally:
+        llm.shutdown()

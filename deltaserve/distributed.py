@@ -1,0 +1,70 @@
+"""Tensor and expert parallel over torch.distributed: who this process is, and the few collectives the model uses.
+
+The rank and world size travel as an explicit ParallelConfig (passed to the layers, the loader and the engine);
+nothing here is a hidden global except torch.distributed's own default process group, set up once per process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from deltaserve.config import ConfigError, ModelConfig
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """This process's place: rank in [0, world_size); expert_parallel splits the routed experts across ranks
+    (else each expert's intermediate dim is split)."""
+
+    rank: int = 0
+    world_size: int = 1
+    expert_parallel: bool = False
+
+    def split(self, total: int) -> tuple[int, int]:
+        """This rank's (start, size) of `total` items split evenly (check_divisible has checked it divides)."""
+        size = total // self.world_size
+        return self.rank * size, size
+
+
+SINGLE = ParallelConfig()
+
+
+def check_divisible(cfg: ModelConfig, parallel: ParallelConfig) -> None:
+    """Every split dimension must divide by the world size; the error names the config.json field."""
+    n = parallel.world_size
+    fields = {"num_attention_heads": cfg.num_attention_heads, "linear_attn_config.num_heads": cfg.kda_num_heads,
+              "intermediate_size": cfg.intermediate_size,
+              "moe_intermediate_size * num_shared_experts": cfg.moe_intermediate_size * cfg.num_shared_experts}
+    fields.update({"num_experts": cfg.num_experts} if parallel.expert_parallel
+                  else {"moe_intermediate_size": cfg.moe_intermediate_size})
+    for name, value in fields.items():
+        if value % n:
+            raise ConfigError(f"config field '{name}' = {value} does not divide by tensor_parallel_size = {n}; "
+                              "pick a tensor_parallel_size that divides it")
+
+
+def all_reduce(x: torch.Tensor, parallel: ParallelConfig) -> torch.Tensor:
+    """Sum x over the ranks, in place (the row-parallel projections' partial outputs)."""
+    if parallel.world_size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def broadcast_object(obj, parallel: ParallelConfig):
+    """rank 0's obj, on every rank (obj is ignored elsewhere); picklable objects only."""
+    if parallel.world_size == 1:
+        return obj
+    box = [obj if parallel.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def init_process_group(parallel: ParallelConfig, init_method: str, device: str) -> None:
+    """gloo on the CPU, NCCL on GPUs (each rank on cuda:rank)."""
+    backend = "gloo" if device == "cpu" else "nccl"
+    if backend == "nccl":
+        torch.cuda.set_device(parallel.rank)
+    dist.init_process_group(backend, init_method=init_method, rank=parallel.rank, world_size=parallel.world_size)
