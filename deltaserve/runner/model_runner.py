@@ -47,6 +47,9 @@ class RequestState:
         return self.token_ids[self.num_prompt_tokens:]
 
 
+_ONE_THREAD_MAX_TOKENS = 4  # measured on 2 cores: 1 thread as fast at 4 decode tokens, slower at 16
+
+
 class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, plan: CachePlan, dtype: torch.dtype, device: str,
                  seed: int = 0, cuda_graphs: bool = True, graph_max_context: int = 4096):
@@ -57,6 +60,7 @@ class ModelRunner:
         self.snapshots = self._allocate_snapshots()
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else None
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda" and dtype != torch.float32:  # float32: the exact, eager path
             self.graphs = DecodeGraphs(model, self.caches, plan.num_slots, -(-graph_max_context // plan.block_size),
@@ -78,6 +82,8 @@ class ModelRunner:
             init_dummy_weights(model, engine.seed, seed_per_parameter=parallel.world_size > 1)
         else:
             model = load_model(folder, model_config, dtype, engine.device, progress, parallel)
+        if engine.device == "cpu":
+            _input_major_weights(model)
         return model.eval()
 
     @staticmethod
@@ -99,6 +105,11 @@ class ModelRunner:
         if not order:
             return RunnerOutput([], {})
         input_ids, batch = self._prepare(order, sched.num_scheduled_tokens)
+        if self.cpu_threads is not None:
+            # a step of a few tokens is bound by memory bandwidth, which one core already saturates here, and
+            # per-op overhead, which more threads only raise (and a busy machine multiplies): one thread for those
+            few = len(input_ids) <= _ONE_THREAD_MAX_TOKENS
+            torch.set_num_threads(1 if few else self.cpu_threads)
         if self.graphs is not None and self.graphs.can_run(batch):
             logits = self.graphs.run(input_ids, batch)
             out = self._sample(order, batch, lambda rows: logits[rows])
@@ -106,6 +117,8 @@ class ModelRunner:
             hidden = self.model(input_ids, batch, self.caches)
             out = self._sample(order, batch, lambda rows: self.model.compute_logits(hidden[rows]))
         self._copy_states(sched.snapshot_saves, to_snapshots=True)  # the states after this step's tokens
+        if self.cpu_threads is not None:
+            torch.set_num_threads(self.cpu_threads)  # the process's setting, as the caller left it
         return out
 
     def _update_requests(self, sched: SchedulerOutput) -> None:
@@ -230,3 +243,18 @@ def allocate_caches(model, num_pages: int, page_size: int, num_slots: int, dtype
                                          dtype=torch.float32 if kind == "float32" else dtype, device=device)
                        for name, (shape, kind) in shapes.items()})
     return caches
+
+
+def _input_major_weights(model: torch.nn.Module) -> None:
+    """On the CPU, store the projection and expert weights input-major ([in, out] in memory; the logical shape and
+    values unchanged): a decode step's matrix-vector products then stream whole rows, measured 5-10% faster on the
+    layers and up to 2x on lm_head when the weights are not in cache. Skipped: kv_b_proj (MLA decode views it per
+    head), an lm_head tied to the embedding (looked up by row) and 8-bit weights."""
+    from deltaserve.layers.linear import Linear
+    from deltaserve.layers.moe import MoE
+
+    params = [m.weight for name, m in model.named_modules() if isinstance(m, Linear) and not name.endswith("kv_b_proj")]
+    params += [w for m in model.modules() if isinstance(m, MoE) for w in (m.w13, m.w2)]
+    for param in params:
+        if param is not model.embed_tokens.weight and param.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            param.data = param.data.transpose(-1, -2).contiguous().transpose(-1, -2)

@@ -45,17 +45,20 @@ def _chunk(q, k, v, g, beta, scale, S):
     """One chunk: q, k, g [C, H, K], v [C, H, V], beta [C, H], S [H, K, V] -> o [C, H, V], next S."""
     q, k, v, g = (t.transpose(0, 1) for t in (q * scale, k, v, g))  # [H, C, *]
     beta = beta.t()[..., None]  # [H, C, 1]
-    C = k.shape[1]
+    H, C, K = k.shape
     gc = g.cumsum(1)
     lower = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
-    decay = (gc[:, :, None, :] - gc[:, None, :, :]).masked_fill(~lower[..., None], float("-inf")).exp()
-    k_decayed = decay * k[:, None, :, :]  # [H, C(i), C(j), K]: k_j exp(gc_i - gc_j), zero for j > i
+    decay = (gc[:, :, None, :] - gc[:, None, :, :]).masked_fill_(~lower[..., None], float("-inf")).exp_()
+    k_decayed = decay.mul_(k[:, None, :, :])  # [H, C(i), C(j), K]: k_j exp(gc_i - gc_j), zero for j > i
     k_beta = k * beta
-    L = (k_beta[:, :, None, :] * k_decayed).sum(-1).tril(-1)
+    # L[h, i, j] = k_beta_i . k_decayed[i, j] and attn[h, i, j] = q_i . k_decayed[i, j], in one batched matmul
+    # that reads the [H, C, C, K] tensor once
+    both = torch.bmm(k_decayed.view(H * C, C, K), torch.stack([k_beta, q], dim=-1).view(H * C, K, 2))
+    both = both.view(H, C, C, 2)
+    L, attn = both[..., 0].tril(-1), both[..., 1]  # attn: lower triangle incl. the diagonal
     rhs = torch.cat([v * beta, k_beta * gc.exp()], dim=-1)
     solved = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
     u = solved[..., : v.shape[-1]] - solved[..., v.shape[-1]:] @ S  # [H, C, V]
-    attn = (q[:, :, None, :] * k_decayed).sum(-1)  # [H, C, C], lower triangle incl. the diagonal
     o = (q * gc.exp()) @ S + attn @ u
     last = gc[:, -1:, :]  # [H, 1, K]
     S = S * last.transpose(1, 2).exp() + (k * (last - gc).exp()).transpose(1, 2) @ u
