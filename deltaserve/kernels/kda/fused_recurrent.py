@@ -18,8 +18,24 @@ def fused_recurrent_kda(
     q, k, g: [B, H, K] float32 (q, k l2-normalised); v: [B, H, V] float32; beta: [B, H] float32
     state: [S, H, K, V] float32; state_slots: [B] int64 (distinct). Returns o [B, H, V] float32.
     """
+    if not state.is_cuda:
+        return _in_place(q * scale, k, v, g.exp(), beta, state, state_slots.tolist())
     S = state.index_select(0, state_slots) * g.exp()[..., None]  # [B, H, K, V]
     predicted = (k[:, :, None, :] @ S)[:, :, 0]  # [B, H, V]
     S = S + k[..., None] * ((v - predicted) * beta[..., None])[:, :, None, :]
     state.index_copy_(0, state_slots, S)
     return ((q * scale)[:, :, None, :] @ S)[:, :, 0]
+
+
+def _in_place(q, k, v, decay, beta, state, slots: list[int]) -> torch.Tensor:
+    """The CPU path: each sequence's state updated where it lies, with no state-sized temporaries (on the CPU
+    those cost more than the arithmetic: a [B, H, K, V] gather, scaled copy and sum took ~1 ms a layer for one
+    128x128x8 state, the in-place update ~0.15 ms). Same maths as the batched path above."""
+    o = torch.empty_like(v)
+    for b, slot in enumerate(slots):
+        S = state[slot]  # [H, K, V], a view
+        S.mul_(decay[b, :, :, None])
+        predicted = (k[b, :, None, :] @ S)[:, 0]  # [H, V]
+        S.baddbmm_(k[b, :, :, None], ((v[b] - predicted) * beta[b, :, None])[:, None, :])
+        torch.matmul(q[b, :, None, :], S, out=o[b, :, None, :])
+    return o
