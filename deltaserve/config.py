@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 KDA, MLA = "kda", "mla"
@@ -26,6 +26,58 @@ def _get(raw: dict, *names: str, default=None):
         if name in raw and raw[name] is not None:
             return raw[name]
     return default
+
+
+QUANTIZATION_METHODS = ("fp8",)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Block-wise FP8 (e4m3) weights, the format of FP8 checkpoints on the hub: per [block_n, block_k] block of a
+    weight [N, K], one float32 dequantization multiplier (`weight_scale_inv`, shape [ceil(N/block_n),
+    ceil(K/block_k)])."""
+
+    method: str = "fp8"
+    block_size: tuple[int, int] = (128, 128)
+    # checkpoint modules kept in high precision (quantization_config's modules_to_not_convert / ignored_layers)
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        _require(self.method in QUANTIZATION_METHODS, "quantization_config.quant_method", self.method,
+                 f"only {', '.join(QUANTIZATION_METHODS)} is supported; use a bfloat16 checkpoint otherwise")
+        _require(len(self.block_size) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1
+                                                   for b in self.block_size),
+                 "quantization_config.weight_block_size", list(self.block_size),
+                 "must be two positive integers [block_n, block_k], e.g. [128, 128]")
+
+    def keeps_high_precision(self, checkpoint_name: str) -> bool:
+        """Whether a checkpoint tensor belongs to a module listed in modules_to_not_convert."""
+        return any(module in checkpoint_name for module in self.modules_to_not_convert)
+
+
+def _quantization(raw) -> QuantConfig | None:
+    """config.json's quantization_config (FP8 checkpoints: quant_method fp8, fmt e4m3, block scales), validated."""
+    if raw is None:
+        return None
+    _require(isinstance(raw, dict), "quantization_config", raw, "must be an object")
+    method = raw.get("quant_method")
+    _require(method in QUANTIZATION_METHODS, "quantization_config.quant_method", method,
+             f"only {', '.join(QUANTIZATION_METHODS)} is supported; use a bfloat16 checkpoint otherwise")
+    fmt = raw.get("fmt", "e4m3")
+    _require(fmt == "e4m3", "quantization_config.fmt", fmt, "only 'e4m3' (float8_e4m3fn) weights are supported")
+    scheme = raw.get("activation_scheme", "dynamic")
+    _require(scheme == "dynamic", "quantization_config.activation_scheme", scheme,
+             "only 'dynamic' is supported (activations are not quantized); static activation scales are not")
+    block = raw.get("weight_block_size")
+    _require(isinstance(block, list) and len(block) == 2, "quantization_config.weight_block_size", block,
+             "must be [block_n, block_k], e.g. [128, 128]: per-tensor and per-channel FP8 are not supported")
+    skipped = []
+    for name in ("modules_to_not_convert", "ignored_layers"):
+        value = raw.get(name) or []
+        _require(isinstance(value, list) and all(isinstance(m, str) and m for m in value),
+                 f"quantization_config.{name}", value, "must be a list of module names")
+        skipped += value
+    return QuantConfig(method, tuple(block), tuple(skipped))
 
 
 @dataclass(frozen=True)
@@ -63,6 +115,9 @@ class ModelConfig:
     max_position_embeddings: int = 1 << 20
     tie_word_embeddings: bool = False
     kv_a_layernorm_eps: float = 1e-6  # the reference builds kv_a_layernorm with its default eps, not rms_norm_eps
+    # how the linear layers' weights are held at run time: the checkpoint's quantization_config, or the engine's
+    # quantization option (quantize at load); None: the run's dtype
+    quantization: QuantConfig | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -86,7 +141,9 @@ class ModelConfig:
         return [i for i, t in enumerate(self.layer_types) if t == MLA]
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "ModelConfig":
+    def from_file(cls, path: str | os.PathLike, quantization: str | None = None) -> "ModelConfig":
+        """quantization: the engine option; "fp8" quantizes a high-precision checkpoint at load (128 x 128
+        blocks). A checkpoint whose config.json carries a quantization_config runs quantized either way."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -98,7 +155,10 @@ class ModelConfig:
             raise ConfigError(f"{path} is not valid JSON ({e}); re-download or fix the file") from e
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
-        return cls.from_dict(raw)
+        cfg = cls.from_dict(raw)
+        if quantization is not None and cfg.quantization is None:
+            cfg = replace(cfg, quantization=QuantConfig(method=quantization))
+        return cfg
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
@@ -142,6 +202,7 @@ class ModelConfig:
             pad_token_id=_get(raw, "pad_token_id"),
             max_position_embeddings=_int(raw, "model_max_length", "max_position_embeddings", default=1 << 20),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            quantization=_quantization(raw.get("quantization_config")),
         )
         cfg.validate()
         return cfg
@@ -258,6 +319,9 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1  # processes (GPUs) one model is split over, by attention head and MLP column
     enable_expert_parallel: bool = False  # with tensor_parallel_size > 1: routed experts split whole across ranks
+    # None: weights in dtype (or as the checkpoint stores them); "fp8": linear layers and experts quantized at
+    # load to float8_e4m3fn with 128 x 128 block scales (README, "FP8 weights")
+    quantization: str | None = None
 
     def __post_init__(self):
         def bad(name, value, expectation):
@@ -277,6 +341,8 @@ class EngineConfig:
             bad("device", self.device, "must be 'cpu' or 'cuda[:N]'")
         if not 0 < self.gpu_memory_utilization <= 1:
             bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            bad("quantization", self.quantization, f"must be None or one of {', '.join(QUANTIZATION_METHODS)}")
         if self.load_format not in ("auto", "dummy"):
             bad("load_format", self.load_format, "must be 'auto' or 'dummy'")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):

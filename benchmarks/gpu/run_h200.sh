@@ -1,27 +1,76 @@
 #!/usr/bin/env bash
-# One lease on an H200: install the carried wheels, run the GPU tests, bench the 48B shape (dummy weights),
-# and a same-shape, fewer-layers comparison against transformers + fla-core. Writes logs under $OUT.
+# One lease on an H200: install the carried wheels, then the stages named in STAGES (default: all), each writing
+# its log under $OUT:
+#   tests     tests/gpu (kernels against their twins, float32 GPU = CPU, FP8 GPU = CPU fallback)
+#   parity    the demo model: bfloat16 on the GPU against a float32 golden captured on the GPU, 8 prompts x 64
+#             tokens, and 4 random prompts of 32k tokens x 128 (the demo's config.json raised past its 4k limit)
+#   bench     the 48B shape (dummy weights), bf16: batch 1, 64, 256 at prompt 512
+#   fp8       the 48B shape with --quantization fp8 at 51% of the card's memory (an 80 GB H100's share)
+#   profile   kernel time of a batch-1 decode step, bf16 (and fp8)
+#   prefill   one 8k-token prompt, bf16
+#   baseline  4 layers (3 KDA + 1 MLA) of the 48B shape: deltaserve and transformers + fla-core, same call
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-SRC=${SRC:-$PWD}  # a clean snapshot of the tree may be carried in .gpu/src
-export PYTHONPATH=$PWD/.gpu/site:$SRC
-cd "$SRC"
-python3 -m pip install --no-deps --no-index --target "$OLDPWD/.gpu/site" "$OLDPWD"/wheels/fla_core-0.6.0-py3-none-any.whl \
-    "$OLDPWD"/wheels/transformers-5.24.0-py3-none-any.whl >/dev/null 2>&1 || echo "wheel install failed"
+STAGES=${STAGES:-tests parity bench fp8 profile prefill baseline}
+export PYTHONPATH=$PWD/.gpu/site:$PWD
+python3 -m pip install --no-deps --no-index --target "$PWD/.gpu/site" wheels/fla_core-0.6.0-py3-none-any.whl \
+    wheels/transformers-5.24.0-py3-none-any.whl >/dev/null 2>&1 || echo "wheel install failed"
 python3 -c "import torch, triton, fla, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
 CFG=benchmarks/configs/kimi-linear-48b-a3b.json
-SMALL=${SMALL:-0}
-[ "${TESTS:-}" = none ] || timeout 240 python3 -m pytest -q -p no:logging ${TESTS:-tests/gpu} 2>&1 | grep -v DEBUG | tail -25 | tee "$OUT/gpu_tests.txt"
-if [ "$SMALL" = 1 ]; then exit 0; fi
-python3 - <<'PY' > "$OUT/cfg4.json"
+DS="python3 -m deltaserve.entrypoints.cli"
+B="$DS bench --load-format dummy --device cuda --max-num-batched-tokens 8192"
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+if has tests; then
+  timeout 300 python3 -m pytest -q -p no:logging -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.txt" 2>&1
+  tail -4 "$OUT/gpu_tests.txt"
+fi
+if has parity; then
+  (
+    cp -r deltaserve/assets/demo-model /tmp/demo32k
+    python3 -c "import json; p='/tmp/demo32k/config.json'; c=json.load(open(p)); c['model_max_length']=40000; json.dump(c, open(p,'w'))"
+    $DS parity capture --reference deltaserve --device cuda --dtype float32 --max-tokens 64 --out "$OUT/golden_texts.json"
+    $DS parity check --golden "$OUT/golden_texts.json" --device cuda --dtype bfloat16 --plot "$OUT/parity_texts.png"
+    $DS parity capture --reference deltaserve --device cuda --dtype float32 --max-tokens 32 --num-prompts 16 \
+        --out "$OUT/golden_random.json"
+    $DS parity check --golden "$OUT/golden_random.json" --device cuda --dtype bfloat16
+    $DS parity capture --model /tmp/demo32k --reference deltaserve --device cuda --dtype float32 --num-prompts 4 \
+        --prompt-len 32768 --max-tokens 128 --out /tmp/golden_32k.json
+    $DS parity check --model /tmp/demo32k --golden /tmp/golden_32k.json --device cuda --dtype bfloat16 \
+        --plot "$OUT/parity_32k.png"
+  ) > "$OUT/parity.txt" 2>&1
+  grep -E "^golden:|^teacher-forced:|^divergences:|^match" "$OUT/parity.txt"
+fi
+
+if has bench; then
+  timeout 300 $B --config $CFG --batch-sizes ${BATCHES:-1,64,256} --prompt-len 512 --output-len 32 \
+      --json-out "$OUT/bench_48b.json" > "$OUT/bench_48b.txt" 2>&1; tail -6 "$OUT/bench_48b.txt" | cut -c1-200
+fi
+if has fp8; then
+  timeout 300 $B --config $CFG --quantization fp8 --gpu-memory-utilization 0.51 --batch-sizes 1,64 --prompt-len 512 \
+      --output-len 32 --json-out "$OUT/bench_48b_fp8.json" > "$OUT/bench_48b_fp8.txt" 2>&1
+  tail -6 "$OUT/bench_48b_fp8.txt" | cut -c1-200
+fi
+if has profile; then
+  timeout 200 python3 benchmarks/gpu/profile_decode.py --config $CFG --batch 1 --json-out "$OUT/profile_b1.json" \
+      > "$OUT/profile_b1.txt" 2>&1; head -30 "$OUT/profile_b1.txt" | grep -v DEBUG | cut -c1-150
+  if has fp8; then
+    timeout 150 python3 benchmarks/gpu/profile_decode.py --config $CFG --batch 1 --quantization fp8 --top 12 \
+        > "$OUT/profile_b1_fp8.txt" 2>&1; head -16 "$OUT/profile_b1_fp8.txt" | cut -c1-150
+  fi
+fi
+if has prefill; then
+  timeout 200 $B --config $CFG --batch-sizes 1 --prompt-len 8192 --output-len 8 \
+      --json-out "$OUT/bench_48b_prefill8k.json" > "$OUT/bench_48b_prefill8k.txt" 2>&1
+  tail -4 "$OUT/bench_48b_prefill8k.txt" | cut -c1-200
+fi
+if has baseline; then
+  python3 - <<'PY' > "$OUT/cfg4.json"
 import json; c = json.load(open("benchmarks/configs/kimi-linear-48b-a3b.json")); c["num_hidden_layers"] = 4
 c["linear_attn_config"]["kda_layers"] = [1, 2, 3]; c["linear_attn_config"]["full_attn_layers"] = [4]; print(json.dumps(c))
 PY
-B="timeout ${BENCH_TIMEOUT:-200} python3 -m deltaserve.entrypoints.cli bench --load-format dummy --device cuda"
-$B --config "$OUT/cfg4.json" --batch-sizes 1 --prompt-len 2048 --output-len 32 --max-num-batched-tokens 8192 \
-    --json-out "$OUT/bench_4layers.json" 2>&1 | tail -3
-python3 benchmarks/gpu/transformers_baseline.py --config $CFG --layers 4 --prompt-len 2048 2>&1 | tail -1 | tee "$OUT/baseline_4layers.json"
-$B --config $CFG --batch-sizes ${BATCHES:-1,64,256} --prompt-len 512 --output-len 32 --max-num-batched-tokens 8192 \
-    --json-out "$OUT/bench_48b.json" 2>&1 | tail -6
-$B --config $CFG --batch-sizes 1 --prompt-len 8192 --output-len 8 --max-num-batched-tokens 8192 \
-    --json-out "$OUT/bench_48b_prefill8k.json" 2>&1 | tail -3
+  timeout 200 $B --config "$OUT/cfg4.json" --batch-sizes 1 --prompt-len 2048 --output-len 32 \
+      --json-out "$OUT/bench_4layers.json" > "$OUT/bench_4layers.txt" 2>&1; tail -4 "$OUT/bench_4layers.txt" | cut -c1-200
+  timeout 200 python3 benchmarks/gpu/transformers_baseline.py --config $CFG --layers 4 --prompt-len 2048 2>&1 \
+      | tail -1 | tee "$OUT/baseline_4layers.json"
+fi

@@ -51,7 +51,7 @@ class Engine:
         if engine_config.tensor_parallel_size != parallel.world_size:
             raise ValueError(f"tensor_parallel_size = {engine_config.tensor_parallel_size} but this engine runs on "
                              f"{parallel.world_size} process(es); start tensor parallel through LLM(...) or the CLI")
-        self.model_config = ModelConfig.from_file(model)
+        self.model_config = ModelConfig.from_file(model, engine_config.quantization)
         if Path(model).is_file() and engine_config.load_format != "dummy":
             raise ValueError(f"{model} is a file: pass a model folder, or a config.json with load_format 'dummy'")
         self.tokenizer = load_tokenizer(model) if Path(model).is_dir() else None

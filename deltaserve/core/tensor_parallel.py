@@ -76,7 +76,7 @@ def stop_group(workers: list, timeout_s: float = 30.0) -> None:
 
 def worker_loop(model: str, config: EngineConfig, parallel: ParallelConfig) -> None:
     """A rank other than 0: load this rank's shard, then run every step rank 0 broadcasts until it sends None."""
-    cfg = ModelConfig.from_file(model)
+    cfg = ModelConfig.from_file(model, config.quantization)
     weights = ModelRunner.load_model(model, cfg, config, None, parallel)
     plan = broadcast_object(None, parallel)
     runner = ModelRunner(weights, cfg, plan, DTYPES[config.dtype], config.device, config.seed, cuda_graphs=False)

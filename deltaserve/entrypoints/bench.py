@@ -18,26 +18,27 @@ from deltaserve.sampling_params import SamplingParams
 
 
 def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int) -> int:
-    """Bytes one decode step of `batch` sequences at `context` tokens must read or write at least."""
-    E, k, D, I = cfg.num_experts, cfg.num_experts_per_token, cfg.hidden_size, cfg.moe_intermediate_size
-    expert = 3 * D * I
+    """Bytes one decode step of `batch` sequences at `context` tokens must read or write at least (weights as
+    stored: FP8 ones and their scales with cfg.quantization)."""
+    E, k = cfg.num_experts, cfg.num_experts_per_token
     hit = E * (1 - (1 - k / E) ** batch)  # expected distinct experts per MoE layer, uniform routing
     num_moe = sum(t == MOE for t in cfg.mlp_types)
-    dense_params = _non_expert_params(cfg) + num_moe * hit * expert
+    other, routed = _weight_bytes(cfg, torch.float32 if dtype_bytes == 4 else torch.bfloat16)
+    weights = other + num_moe * hit * routed / max(num_moe * E, 1)
     latents = batch * context * cfg.latent_dim * sum(t == MLA for t in cfg.layer_types) * dtype_bytes
     kda_state = 2 * batch * len(cfg.kda_layer_ids) * cfg.kda_num_heads * cfg.kda_head_dim ** 2 * 4
-    return int(dense_params * dtype_bytes + latents + kda_state)
+    return int(weights + latents + kda_state)
 
 
-def _non_expert_params(cfg: ModelConfig) -> int:
+def _weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of the weights a decode step reads whatever the routing, bytes of all routed experts)."""
     from deltaserve.loader.model_loader import build_model
-    from deltaserve.models.kimi_linear import parameter_counts
 
-    model = build_model(cfg, torch.bfloat16)  # meta device: no memory
-    total, _ = parameter_counts(model)
-    num_moe = sum(t == MOE for t in cfg.mlp_types)
-    routed = num_moe * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    return total - routed - cfg.vocab_size * cfg.hidden_size  # the embedding reads one row per token
+    model = build_model(cfg, dtype)  # meta device: no memory
+    sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
+    routed = sum(size for name, size in sizes.items() if name.split(".")[-1].startswith(("w13", "w2")))
+    embedding = sizes["embed_tokens.weight"]  # the embedding reads one row per token
+    return sum(sizes.values()) - routed - embedding, routed
 
 
 def copy_bandwidth(device: str) -> float:
@@ -122,16 +123,33 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
         rows.append(row)
     peak = torch.cuda.max_memory_allocated(device) if device != "cpu" else None
     return {"device": torch.cuda.get_device_name(device) if device != "cpu" else "cpu", "dtype": engine_config.dtype,
-            "tensor_parallel_size": world, "expert_parallel": engine_config.enable_expert_parallel,
+            "quantization": cfg.quantization.method if cfg.quantization else None, "tensor_parallel_size": world,
+            "expert_parallel": engine_config.enable_expert_parallel,
             "copy_GBps": bandwidth / 1e9, "peak_memory_GiB": peak / 2**30 if peak else None,
-            "prompt_len": prompt_len, "output_len": output_len, "rows": rows}
+            "prompt_len": prompt_len, "output_len": output_len, "capacity": cache_capacity(engine.runner.plan),
+            "rows": rows}
+
+
+def cache_capacity(plan) -> dict:
+    """What the cache this engine allocated could hold: its bytes, the longest context one request could reach
+    (pages of every MLA layer plus one KDA state slot) and how many 4k-token requests fit at once, if the same
+    bytes were spent on pages and slots for that many (the KDA slots are fixed per request, the pages per token)."""
+    cache = plan.num_blocks * plan.bytes_per_block + (plan.num_slots + plan.num_snapshot_slots) * plan.bytes_per_slot
+    per_token = plan.bytes_per_block / plan.block_size
+    per_4k = plan.bytes_per_slot + -(-4096 // plan.block_size) * plan.bytes_per_block
+    return {"cache_GiB": cache / 2**30, "max_context_batch1": int((cache - plan.bytes_per_slot) // per_token)
+            if per_token else None, "batch_at_4k": int(cache // per_4k)}
 
 
 def print_report(result: dict) -> None:
     cols = ("batch", "ttft_ms", "tpot_ms", "prefill_tok_s", "output_tok_s", "floor_ms", "floor_tok_s")
-    print(f"device {result['device']}, {result['dtype']}, copy {result['copy_GBps']:.0f} GB/s, "
+    weights = f" ({result['quantization']} weights)" if result.get("quantization") else ""
+    print(f"device {result['device']}, {result['dtype']}{weights}, copy {result['copy_GBps']:.0f} GB/s, "
           f"peak memory {result['peak_memory_GiB'] or 0:.1f} GiB, prompt {result['prompt_len']}, "
           f"output {result['output_len']}")
+    capacity = result["capacity"]
+    print(f"cache {capacity['cache_GiB']:.1f} GiB: one request up to {capacity['max_context_batch1']} tokens, or "
+          f"{capacity['batch_at_4k']} requests of 4k tokens")
     print("".join(f"{c:>15}" for c in cols))
     for row in result["rows"]:
         print("".join(f"{row[c]:>15.2f}" if isinstance(row[c], float) else f"{row[c]:>15}" for c in cols))

@@ -25,6 +25,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--gpu-memory-utilization", type=float, default=EngineConfig.gpu_memory_utilization,
+                   help="fraction of the GPU's memory for weights + cache (the cache takes what the weights leave)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=EngineConfig.enable_prefix_caching,
                    help="reuse cached prefixes (MLA pages and exact KDA state snapshots) across requests")
@@ -34,6 +36,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="with --tensor-parallel-size > 1: split the routed experts whole across the ranks")
     g.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    g.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: linear layers and experts quantized at load to float8_e4m3fn with 128x128 block "
+                        "scales (an FP8 checkpoint runs in FP8 without it)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
 
 
@@ -87,9 +92,10 @@ def _make_llm(args, progress=None):
 
     return LLM(args.model, dtype=args.dtype, device=args.device, progress=progress, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               block_size=args.block_size, threads=args.threads, load_format=args.load_format,
+               block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+               threads=args.threads, load_format=args.load_format,
                enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
-               enable_expert_parallel=args.enable_expert_parallel)
+               enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization)
 
 
 def cmd_generate(args) -> None:
@@ -129,10 +135,11 @@ def cmd_bench(args) -> None:
     engine = EngineConfig(dtype=args.dtype or ("float32" if device == "cpu" else "bfloat16"), device=device,
                           max_model_len=args.max_model_len or args.prompt_len + args.output_len,
                           max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
-                          block_size=args.block_size, threads=args.threads, load_format=args.load_format,
+                          block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                          threads=args.threads, load_format=args.load_format,
                           enable_prefix_caching=args.enable_prefix_caching,
                           tensor_parallel_size=args.tensor_parallel_size,
-                          enable_expert_parallel=args.enable_expert_parallel)
+                          enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization)
     result = bench(args.config or args.model or str(BUNDLED_MODEL), engine, args.batch_sizes, args.prompt_len,
                    args.output_len)
     print_report(result)

@@ -7,6 +7,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
 from deltaserve.kernels.moe import fused_experts, grouped_topk
+from deltaserve.kernels.quant import FP8, fp8_fused_experts
 from deltaserve.layers.linear import Linear
 
 
@@ -51,8 +52,8 @@ class MoE(nn.Module):
         weights, ids = grouped_topk(logits, self.e_score_correction_bias.float(), cfg.num_experts_per_token,
                                     cfg.num_expert_group, cfg.topk_group, cfg.moe_renormalize,
                                     cfg.routed_scaling_factor)
-        out = self._local_experts(x, weights, ids) if self.parallel.expert_parallel else fused_experts(
-            x, self.w13, self.w2, weights, ids)
+        out = self._local_experts(x, weights, ids) if self.parallel.expert_parallel else self._experts(
+            x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return all_reduce(out, self.parallel)
@@ -64,6 +65,14 @@ class MoE(nn.Module):
         rows, slots = ((local_ids >= 0) & (local_ids < self.w13.shape[0])).nonzero(as_tuple=True)
         out = torch.zeros_like(x)
         if rows.numel():
-            y = fused_experts(x[rows], self.w13, self.w2, weights[rows, slots, None], local_ids[rows, slots, None])
+            y = self._experts(x[rows], weights[rows, slots, None], local_ids[rows, slots, None])
             out.index_add_(0, rows, y)
         return out
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum, [N, D]; ids index this rank's experts. FP8 weights (layers/fp8.py
+        swaps them in, with w13_scale_inv, w2_scale_inv and the block size) go through their own kernels."""
+        if self.w13.dtype == FP8:
+            return fp8_fused_experts(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, weights, ids,
+                                     self.block)
+        return fused_experts(x, self.w13, self.w2, weights, ids)

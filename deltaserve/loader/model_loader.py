@@ -12,9 +12,12 @@ import torch
 
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig
+from deltaserve.kernels.quant import FP8, FP8_MAX
+from deltaserve.layers.fp8 import quantize_model
 from deltaserve.loader.checkpoint import Checkpoint, CheckpointError
+from deltaserve.loader.fp8 import assemble_fp8, block_extent, read_high_precision, scale_name
 from deltaserve.loader.names import FLOAT32_PARAMS, Option, checkpoint_options
-from deltaserve.loader.sharding import copy_piece, shard_specs
+from deltaserve.loader.sharding import copy_piece, shard_fp8, shard_specs
 from deltaserve.models.kimi_linear import KimiLinearForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -23,11 +26,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "meta",
                 parallel: ParallelConfig = SINGLE) -> KimiLinearForCausalLM:
     """The model (this rank's shard of it) with uninitialised parameters on `device` (meta: no memory), in dtype
-    but FLOAT32_PARAMS."""
+    but FLOAT32_PARAMS; with cfg.quantization, its linear layers and experts in FP8 (layers/fp8.py)."""
     with torch.device("meta"):
         model = KimiLinearForCausalLM(cfg, parallel)
     for name, param in model.named_parameters():
         param.data = param.data.to(torch.float32 if name.rsplit(".", 1)[-1] in FLOAT32_PARAMS else dtype)
+    if cfg.quantization is not None:
+        quantize_model(model, cfg.quantization)
     return model if str(device) == "meta" else model.to_empty(device=device)
 
 
@@ -42,27 +47,52 @@ def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device:
 def load_weights(model, checkpoint: Checkpoint, cfg: ModelConfig, progress=None,
                  parallel: ParallelConfig = SINGLE) -> None:
     """Copy every parameter's tensors in (only this rank's part of a sharded one, sliced as it is read); missing,
-    unexpected and mis-shaped tensors are errors."""
+    unexpected and mis-shaped tensors are errors. FP8 parameters and checkpoint tensors: see loader/fp8.py."""
     params = dict(model.named_parameters())
     full_shapes = {n: p.shape for n, p in build_model(cfg, torch.float32).named_parameters()}
     shards = shard_specs(cfg, parallel) if parallel.world_size > 1 else {}
+    block = cfg.quantization.block_size if cfg.quantization is not None else None
     available = checkpoint.names()
     plan = {name: _choose(name, options, available, checkpoint.folder)
             for name, options in checkpoint_options(cfg).items()}
-    used = {piece.name for option in plan.values() for piece in option}
-    unexpected = sorted(available - used)
-    if unexpected:
-        first = unexpected[0]
-        raise CheckpointError(f"unexpected tensor {first} of shape {list(checkpoint.shape(first))} in "
-                              f"{checkpoint.file_of[first]} ({len(unexpected)} unexpected in all): not a Kimi-Linear "
-                              "tensor for this config.json; check that config.json matches the weights")
+    _check_unexpected(checkpoint, plan, block is not None)
     for step, (name, option) in enumerate(plan.items()):
         for piece in option:
             _check_shape(piece, checkpoint.shape(piece.name), checkpoint.file_of[piece.name], name)
-            copy_piece(params[name].data, piece.index, full_shapes[name], shards.get(name),
-                       partial(checkpoint.read, piece.name))
+        if params[name].dtype == FP8:
+            _load_fp8(name, params, option, full_shapes[name], shards.get(name), checkpoint, block)
+        else:
+            for piece in option:
+                copy_piece(params[name].data, piece.index, full_shapes[name], shards.get(name),
+                           partial(read_high_precision, checkpoint, piece.name, block))
         if progress:
             progress(step + 1, len(plan))
+
+
+def _check_unexpected(checkpoint: Checkpoint, plan: dict[str, Option], quantized: bool) -> None:
+    used = {piece.name for option in plan.values() for piece in option}
+    if quantized:
+        used |= {scale_name(name) for name in used}
+    unexpected = sorted(checkpoint.names() - used)
+    if unexpected:
+        first = unexpected[0]
+        hint = (" (FP8 block scales, but config.json has no quantization_config)" if not quantized
+                and first.endswith("_scale_inv") else "")
+        raise CheckpointError(f"unexpected tensor {first} of shape {list(checkpoint.shape(first))} in "
+                              f"{checkpoint.file_of[first]} ({len(unexpected)} unexpected in all){hint}: not a "
+                              "Kimi-Linear tensor for this config.json; check that config.json matches the weights")
+
+
+def _load_fp8(name: str, params: dict, option: Option, full_shape: torch.Size, shard, checkpoint: Checkpoint,
+              block: tuple[int, int]) -> None:
+    """An FP8 parameter and its block scales (name + "_scale_inv"): assembled whole, then this rank's part."""
+    values, scales = params[name].data, params[scale_name(name)].data
+    whole_values, whole_scales = assemble_fp8(name, option, full_shape, checkpoint, block, values.device)
+    if shard is not None:
+        extent = block_extent(shard[0], len(full_shape), block)
+        whole_values, whole_scales = shard_fp8(name, whole_values, whole_scales, shard, extent)
+    values.copy_(whole_values)
+    scales.copy_(whole_scales)
 
 
 def _choose(param: str, options: list[Option], available: set[str], folder: Path) -> Option:
@@ -94,7 +124,12 @@ def init_dummy_weights(model: KimiLinearForCausalLM, seed: int = 0, std: float =
         if seed_per_parameter:
             gen.manual_seed(seed + zlib.crc32(name.encode()))
         leaf, data = name.rsplit(".", 1)[-1], param.data
-        if leaf == "A_log":
+        if data.dtype == FP8:  # values N(0, 1) in e4m3, and (below) block scales std: weights N(0, std^2)
+            for part in data.view(-1, data.shape[-1]).split(max((1 << 20) // data.shape[-1], 1)):
+                part.copy_(torch.randn(part.shape, generator=gen, device=part.device).clamp(-FP8_MAX, FP8_MAX))
+        elif leaf.endswith("_scale_inv"):
+            data.fill_(std)
+        elif leaf == "A_log":
             data.copy_(torch.empty_like(data).uniform_(1.0, 16.0, generator=gen).log())
         elif leaf == "dt_bias":
             dt = torch.empty_like(data).uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp()

@@ -11,6 +11,7 @@ import torch
 
 from deltaserve.config import KDA, MOE, ModelConfig
 from deltaserve.distributed import ParallelConfig
+from deltaserve.loader.checkpoint import CheckpointError
 
 Shard = tuple[int, list[tuple[int, int]]]  # (dim, ranges [start, stop) of full indices kept, in local order)
 
@@ -95,3 +96,23 @@ def copy_piece(target: torch.Tensor, index: tuple, full_shape: torch.Size, shard
         tensor = read().reshape(piece_shape)
         for local, piece_dim, start, length in parts:
             target[local].copy_(tensor if length < 0 else tensor.narrow(piece_dim, start, length))
+
+
+def shard_fp8(param: str, values: torch.Tensor, scales: torch.Tensor, shard: Shard,
+              extent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of a whole FP8 parameter (values [..], block scales with `extent` elements per block along
+    the shard's dim): the kept indices, and for each local block the scales of the whole parameter's block its
+    elements come from. A local block must not mix elements of two blocks (each element keeps its own scale)."""
+    dim, ranges = shard
+    kept = torch.cat([torch.arange(start, stop) for start, stop in ranges])
+    blocks = kept // extent  # the whole parameter's block of each kept index
+    first = blocks[::extent]  # ... of each local block's first element
+    if not torch.equal(blocks, first.repeat_interleave(extent)[: len(kept)]):
+        local = int((blocks != first.repeat_interleave(extent)[: len(kept)]).nonzero()[0])
+        raise CheckpointError(
+            f"parameter {param}: this tensor-parallel rank keeps indices {ranges} of dim {dim}, so its local FP8 block "
+            f"{local // extent} ({extent} wide) would mix elements of two blocks of the whole weight (index "
+            f"{int(kept[local])}); use a tensor_parallel_size that splits it on {extent}-element block boundaries, "
+            "or run without FP8")
+    local_values = values.view(torch.uint8).index_select(dim, kept.to(values.device)).view(values.dtype)
+    return local_values, scales.index_select(dim, first.to(scales.device))

@@ -28,11 +28,12 @@ class DeltaserveBackend:
 
     name = "deltaserve"
 
-    def __init__(self, model_dir: str, dtype: str, device: str | None, max_model_len: int, max_num_seqs: int):
+    def __init__(self, model_dir: str, dtype: str, device: str | None, max_model_len: int, max_num_seqs: int,
+                 quantization: str | None = None):
         from deltaserve.entrypoints.llm import LLM
 
         self.llm = LLM(model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
-                       max_num_seqs=max(1, min(max_num_seqs, 32)))
+                       max_num_seqs=max(1, min(max_num_seqs, 32)), quantization=quantization)
         self.model = self.llm.engine.runner.model
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[Greedy]:

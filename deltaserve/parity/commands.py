@@ -58,6 +58,8 @@ def add_parity_parser(sub) -> None:
                      help=f"golden logit gaps under this are near-ties (default per --dtype: {defaults}; measured, "
                           "see BENCHMARKS.md)")
     chk.add_argument("--plot", help="write a PNG of the golden's margins with the divergences marked")
+    chk.add_argument("--quantization", choices=["fp8"], default=None,
+                     help="check deltaserve with FP8 weights (quantized at load) against the golden")
 
 
 def cmd_parity(args) -> int:
@@ -95,10 +97,12 @@ def cmd_check(args) -> int:
     model_dir, cfg = _model(args.model)
     check_vocab(golden, cfg.vocab_size, args.golden, model_dir)
     max_model_len = max(len(p.prompt_token_ids) + len(p.output_token_ids) for p in golden.prompts)
-    backend = DeltaserveBackend(model_dir, args.dtype, args.device, max_model_len, len(golden.prompts))
+    backend = DeltaserveBackend(model_dir, args.dtype, args.device, max_model_len, len(golden.prompts),
+                                args.quantization)
     result = check(golden, backend, tie_margin)
     device = next(backend.model.parameters()).device
-    for line in report_lines(golden, result, f"deltaserve {args.dtype} on {device}"):
+    weights = " with fp8 weights" if backend.llm.engine.model_config.quantization else ""
+    for line in report_lines(golden, result, f"deltaserve {args.dtype}{weights} on {device}"):
         print(line, flush=True)
     if args.plot:
         from deltaserve.parity.plot import plot_margins

@@ -54,6 +54,11 @@ class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, plan: CachePlan, dtype: torch.dtype, device: str,
                  seed: int = 0, cuda_graphs: bool = True, graph_max_context: int = 4096):
         self.model, self.cfg, self.plan, self.device = model, model_config, plan, torch.device(device)
+        if self.device.type == "cuda" and dtype == torch.float32:
+            # float32 is the exact regime: no TF32 in matmuls, nor in cuDNN's convolutions (PyTorch allows it there
+            # by default); process-wide, as PyTorch offers it
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
         # the last page and slot are scratch space for the padding rows of CUDA graphs; never handed out
         self.caches = allocate_caches(model, plan.num_blocks + 1, plan.block_size, plan.num_slots + 1, dtype,
                                       self.device)

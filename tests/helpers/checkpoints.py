@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deltaserve.config import ModelConfig
+from deltaserve.config import ModelConfig, QuantConfig
+from deltaserve.kernels.quant.naive import naive_quantize
 from deltaserve.loader.model_loader import build_model, init_dummy_weights
 from deltaserve.loader.writer import save_checkpoint
 
@@ -72,3 +74,30 @@ def shard(folder: Path, num_shards: int) -> dict[str, str]:
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (Path(folder) / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return weight_map
+
+
+_NOT_QUANTIZED = re.compile(r"embed_tokens|lm_head|conv1d|\.gate\.weight$")  # as FP8 checkpoints on the hub
+
+
+def write_fp8_checkpoint(src: Path, dst: Path, quant: QuantConfig) -> Path:
+    """A copy of the high-precision checkpoint `src` the way the hub's FP8 checkpoints are made: every linear
+    weight and stacked expert tensor (2-D or 3-D, but the embedding, lm_head, convs, the router and
+    quant.modules_to_not_convert) quantized block by block with the naive quantizer, beside its X_scale_inv;
+    config.json gains the matching quantization_config."""
+    tensors = {}
+    for name, tensor in read_tensors(src).items():
+        if tensor.dim() in (2, 3) and not _NOT_QUANTIZED.search(name) and not quant.keeps_high_precision(name):
+            pairs = [naive_quantize(t, quant.block_size) for t in tensor.reshape(-1, *tensor.shape[-2:])]
+            tensors[name] = torch.stack([q for q, _ in pairs]).reshape(tensor.shape)
+            tensors[name + "_scale_inv"] = torch.stack([s for _, s in pairs]).reshape(
+                *tensor.shape[:-2], *pairs[0][1].shape)
+        else:
+            tensors[name] = tensor
+    Path(dst).mkdir(parents=True, exist_ok=True)
+    rewrite_tensors(dst, tensors)
+    raw = json.loads((Path(src) / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(quant.block_size),
+                                  "modules_to_not_convert": list(quant.modules_to_not_convert)}
+    (Path(dst) / "config.json").write_text(json.dumps(raw, indent=2))
+    return Path(dst)

@@ -1,0 +1,31 @@
+"""`deltaserve bench` on the CPU: the table and JSON it writes, and its cache-capacity arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+from deltaserve.cache.sizing import CachePlan
+from deltaserve.entrypoints.bench import cache_capacity
+from deltaserve.entrypoints.cli import main
+
+
+def test_bench_command_writes_rows_and_capacity(tiny_model, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", str(tiny_model), "--load-format", "dummy", "--batch-sizes", "1,3", "--prompt-len",
+            "7", "--output-len", "4", "--threads", "1", "--json-out", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert [row["batch"] for row in result["rows"]] == [1, 3]
+    for row in result["rows"]:
+        assert row["tpot_ms"] > 0 and row["output_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["floor_ms"] > 0
+    assert result["capacity"]["max_context_batch1"] > 0 and "requests of 4k tokens" in printed
+
+
+def test_cache_capacity_spends_the_allocated_bytes_on_one_request_or_on_4k_requests():
+    # 10 pages of 16 tokens at 32 bytes a page, 2 KDA slots of 1000 bytes: 2320 bytes in all
+    plan = CachePlan(num_blocks=10, num_slots=2, block_size=16, bytes_per_block=32, bytes_per_slot=1000)
+    capacity = cache_capacity(plan)
+    assert capacity["max_context_batch1"] == (2320 - 1000) // 2  # 2 bytes a token
+    assert capacity["batch_at_4k"] == 2320 // (1000 + 256 * 32)  # = 0: a 4k request needs 9192 bytes
+    assert cache_capacity(CachePlan(10, 4, 16, 0, 1000))["max_context_batch1"] is None  # no MLA layer: no limit

@@ -1,0 +1,71 @@
+"""FP8 kernels compiled on a GPU against the CPU fallback and the naive twins; the engine in FP8 on a GPU.
+Skipped without CUDA."""
+
+import pytest
+import torch
+
+from deltaserve.kernels.moe.naive import naive_experts
+from deltaserve.kernels.quant import dequantize_fp8, fp8_fused_experts, fp8_linear, quantize_fp8
+from deltaserve.kernels.quant.naive import naive_fp8_linear
+from deltaserve.kernels.quant.triton_linear import fp8_dequantize_triton, fp8_matmul
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEV = "cuda"
+
+
+def rel_err(a, b):
+    return ((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm()).item()
+
+
+def quantized(shape, block, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return quantize_fp8(torch.randn(shape, generator=gen) * torch.rand(shape[-1], generator=gen) * 3, block)
+
+
+@pytest.mark.parametrize("shape,block", [((33, 130), (128, 128)), ((2, 300, 450), (128, 128)), ((129, 257), (16, 24))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_dequantize_equals_the_cpu_fallback_bit_for_bit(shape, block, dtype):
+    q, scale = quantized(shape, block, sum(shape))
+    gpu = fp8_dequantize_triton(q.to(DEV), scale.to(DEV), block, dtype)
+    assert torch.equal(gpu.cpu(), dequantize_fp8(q, scale, block, dtype))
+
+
+@pytest.mark.parametrize("M", [1, 4, 16, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_fp8_linear_matches_twin(M, dtype):
+    block = (128, 128)
+    q, scale = quantized((1000, 2304), block, M)
+    x = torch.randn(M, 2304, generator=torch.Generator().manual_seed(M)).to(dtype)
+    expected = naive_fp8_linear(x, q, scale, block)
+    assert rel_err(fp8_linear(x.to(DEV), q.to(DEV), scale.to(DEV), block), expected) < (1e-5 if dtype == torch.float32
+                                                                                           else 1e-2)
+    if M <= 64:
+        assert rel_err(fp8_matmul(x.to(DEV), q.to(DEV), scale.to(DEV), block), expected) < (
+            1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("T", [1, 4, 40])
+def test_gpu_fp8_experts_match_naive(T):
+    gen = torch.Generator().manual_seed(T)
+    E, k, D, I, block = 32, 8, 512, 256, (128, 128)
+    w13, s13 = quantized((E, 2 * I, D), block, T)
+    w2, s2 = quantized((E, D, I), block, E)
+    x = torch.randn(T, D, generator=gen) * 0.1
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=gen)
+    expected = naive_experts(x, dequantize_fp8(w13, s13, block), dequantize_fp8(w2, s2, block), weights, ids)
+    out = fp8_fused_experts(x.to(DEV).bfloat16(), w13.to(DEV), s13.to(DEV), w2.to(DEV), s2.to(DEV), weights.to(DEV),
+                            ids.to(DEV), block)
+    assert rel_err(out, expected) < 2e-2
+
+
+def test_gpu_engine_runs_fp8_and_agrees_with_the_cpu_fallback(tiny_model):
+    """float32 activations: the GPU's kernels and the CPU's dequantize-then-matmul compute the same model."""
+    from deltaserve import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [5 + i, 17, 33 + 2 * i, 9]} for i in range(4)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    gpu = LLM(str(tiny_model), device="cuda", dtype="float32", quantization="fp8", max_model_len=64)
+    cpu = LLM(str(tiny_model), device="cpu", quantization="fp8", max_model_len=64, threads=1)
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]

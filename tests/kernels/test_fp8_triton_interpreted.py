@@ -1,0 +1,62 @@
+"""The FP8 Triton kernels against their twins on the CPU, through Triton's interpreter (which loads float8_e4m3fn):
+the dequantize kernel equals the CPU fallback bit for bit, the weight-only matmul and the expert GEMVs match the
+naive twins. On a machine with CUDA, tests/gpu/test_gpu_fp8.py runs them compiled instead."""
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("a GPU is present: tests/gpu runs these kernels compiled", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does)",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+from deltaserve.kernels.moe.naive import naive_experts  # noqa: E402
+from deltaserve.kernels.quant import FP8, dequantize_fp8, quantize_fp8  # noqa: E402
+from deltaserve.kernels.quant.naive import naive_fp8_linear  # noqa: E402
+from deltaserve.kernels.quant.triton_experts import fp8_decode_experts  # noqa: E402
+from deltaserve.kernels.quant.triton_linear import fp8_dequantize_triton, fp8_matmul  # noqa: E402
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def quantized(shape, block, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return quantize_fp8(torch.randn(shape, generator=gen) * torch.rand(shape[-1], generator=gen) * 3, block)
+
+
+@pytest.mark.parametrize("shape,block", [((33, 130), (128, 128)), ((2, 70, 45), (16, 24)), ((129, 257), (32, 64))])
+def test_dequantize_kernel_equals_the_cpu_fallback_bit_for_bit(shape, block):
+    """In float32 (the product itself). The interpreter truncates float32 -> bfloat16 where a GPU rounds to
+    nearest even, so the bfloat16 output is compared bit for bit on a GPU only (tests/gpu/test_gpu_fp8.py)."""
+    q, scale = quantized(shape, block, sum(shape))
+    assert q.dtype == FP8
+    dtype = torch.float32
+    assert torch.equal(fp8_dequantize_triton(q, scale, block, dtype), dequantize_fp8(q, scale, block, dtype))
+
+
+@pytest.mark.parametrize("M,N,K,block", [(1, 70, 130, (128, 128)), (3, 129, 64, (16, 24)), (17, 40, 200, (32, 64))])
+def test_weight_only_matmul_matches_twin(M, N, K, block):
+    """In float32: the interpreter's tl.dot on bfloat16 operands returns garbage (bfloat16 is emulated), so
+    bfloat16 activations are checked on a GPU only (tests/gpu/test_gpu_fp8.py)."""
+    q, scale = quantized((N, K), block, M * N)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(K))
+    assert rel_err(fp8_matmul(x, q, scale, block), naive_fp8_linear(x, q, scale, block)) < 1e-5
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 16, 4)])
+def test_fp8_decode_experts_kernel_matches_naive(T, E, k):
+    gen = torch.Generator().manual_seed(T * E)
+    D, I, block = 96, 40, (16, 32)  # not multiples of the kernels' tiles nor of the blocks
+    w13, s13 = quantized((E, 2 * I, D), block, T)
+    w2, s2 = quantized((E, D, I), block, E)
+    x = torch.randn(T, D, generator=gen) * 0.1
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=gen)
+    expected = naive_experts(x, dequantize_fp8(w13, s13, block), dequantize_fp8(w2, s2, block), weights, ids)
+    assert rel_err(fp8_decode_experts(x, w13, s13, w2, s2, weights, ids, block), expected) < 1e-5
