@@ -19,10 +19,10 @@ python3 -c "import torch, triton, fla, transformers; print(torch.__version__, tr
 CFG=benchmarks/configs/kimi-linear-48b-a3b.json
 DS="python3 -m deltaserve.entrypoints.cli"
 B="$DS bench --load-format dummy --device cuda --max-num-batched-tokens 8192"
-has() { [[ " $STAGES " == *" $1 "* ]]; }
+has() { [[ " $STAGES " == *" $1 "* ]] && echo "== $1 $(date +%T)"; }
 
 if has tests; then
-  timeout 300 python3 -m pytest -q -p no:logging -p no:cacheprovider tests/gpu > "$OUT/gpu_tests.txt" 2>&1
+  timeout 300 python3 -m pytest -q -p no:logging -p no:cacheprovider ${TESTS:-tests/gpu} > "$OUT/gpu_tests.txt" 2>&1
   tail -4 "$OUT/gpu_tests.txt"
 fi
 if has parity; then

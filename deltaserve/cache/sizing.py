@@ -101,6 +101,11 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, max_model_len: int,
     else:
         full_length = num_slots * (bytes_per_slot + blocks_per_seq * bytes_per_block) + num_snapshots * bytes_per_slot
         budget = _budget(engine, budget_bytes, full_length)
+        given = budget_bytes is not None or engine.cache_bytes is not None  # not sized for full-length sequences
+        if given and num_snapshots and engine.num_snapshot_slots is None and bytes_per_slot:
+            # the default, two snapshots a slot, gives way where it would take over a quarter of a given budget
+            # (many slots of a large model: 512 snapshots of the 48B model's 41 MiB states would be 21 GiB)
+            num_snapshots = max(1, min(num_snapshots, budget // 4 // bytes_per_slot))
         num_blocks = _blocks_in_budget(budget, num_slots, num_snapshots, bytes_per_slot, bytes_per_block)
     return CachePlan(num_blocks, num_slots, engine.block_size, bytes_per_block, bytes_per_slot, num_snapshots)
 

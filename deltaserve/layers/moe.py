@@ -6,7 +6,7 @@ from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
-from deltaserve.kernels.moe import fused_experts, grouped_topk
+from deltaserve.kernels.moe import fused_experts, select_experts
 from deltaserve.kernels.quant import FP8, fp8_fused_experts
 from deltaserve.layers.linear import Linear
 
@@ -49,9 +49,9 @@ class MoE(nn.Module):
         """x [N, D] -> routed experts (scaled) + shared expert (unscaled), [N, D]."""
         cfg = self.cfg
         logits = F.linear(x.float(), self.gate_weight.float())  # [N, E]
-        weights, ids = grouped_topk(logits, self.e_score_correction_bias.float(), cfg.num_experts_per_token,
-                                    cfg.num_expert_group, cfg.topk_group, cfg.moe_renormalize,
-                                    cfg.routed_scaling_factor)
+        weights, ids = select_experts(logits, self.e_score_correction_bias.float(), cfg.num_experts_per_token,
+                                      cfg.num_expert_group, cfg.topk_group, cfg.moe_renormalize,
+                                      cfg.routed_scaling_factor, exact=x.dtype == torch.float32)
         out = self._local_experts(x, weights, ids) if self.parallel.expert_parallel else self._experts(
             x, weights, ids)
         if self.shared_experts is not None:

@@ -56,9 +56,21 @@ def test_budget_minus_slots_and_snapshots_divided_into_pages(model_48b, caching,
     """Prefix caching's snapshots (default 2 x max_num_seqs, a state slot's bytes each) come out of the budget."""
     engine = EngineConfig(dtype="bfloat16", max_num_seqs=4, block_size=16, enable_prefix_caching=caching)
     probe = plan_cache(model_48b, engine, 4096, budget_bytes=10 << 30)
-    budget = (4 + num_snapshots) * probe.bytes_per_slot + 1000 * probe.bytes_per_block + probe.bytes_per_block - 1
+    budget = (4 + num_snapshots) * probe.bytes_per_slot + 20000 * probe.bytes_per_block + probe.bytes_per_block - 1
     plan = plan_cache(model_48b, engine, 4096, budget_bytes=budget)
-    assert (plan.num_blocks, plan.num_slots, plan.block_size, plan.num_snapshot_slots) == (1000, 4, 16, num_snapshots)
+    assert (plan.num_blocks, plan.num_slots, plan.block_size, plan.num_snapshot_slots) == (20000, 4, 16, num_snapshots)
+
+
+def test_default_snapshots_take_at_most_a_quarter_of_the_budget(model_48b):
+    """256 slots on an H200's ~30 GiB: two snapshots a slot (21 GiB) would leave no room for pages."""
+    engine = EngineConfig(dtype="bfloat16", max_num_seqs=256, enable_prefix_caching=True)
+    budget = 30 << 30
+    plan = plan_cache(model_48b, engine, 4096, budget_bytes=budget)
+    assert 0 < plan.num_snapshot_slots * plan.bytes_per_slot <= budget // 4 < (plan.num_snapshot_slots + 1) * (
+        plan.bytes_per_slot)
+    assert plan.num_blocks > 0
+    explicit = EngineConfig(dtype="bfloat16", max_num_seqs=256, num_snapshot_slots=300)
+    assert plan_cache(model_48b, explicit, 4096, budget_bytes=budget).num_snapshot_slots == 300  # as asked
 
 
 def test_num_snapshot_slots_sets_the_snapshot_budget(model_48b):

@@ -30,9 +30,21 @@ def test_float32_gpu_matches_cpu(tiny):
     assert gpu == cpu
 
 
-def test_cuda_graphs_match_eager_bf16(tiny):
-    graphs = LLM(tiny, device="cuda", dtype="bfloat16", max_model_len=512)
-    assert graphs.engine.runner.graphs is not None
-    with_graphs = greedy_tokens(graphs, PROMPTS)
-    graphs.engine.runner.graphs = None
-    assert greedy_tokens(graphs, PROMPTS) == with_graphs
+def test_cuda_graphs_match_eager_bf16_up_to_near_ties():
+    """Graph replay and eager decode run the same kernels at different padded shapes (block-table width, batch),
+    so bf16 reductions may round differently: on the trained demo model they must give the same tokens, except
+    where eager's own top two are within TIE logprob of each other and the graph took the second."""
+    TIE = 0.1
+    llm = LLM(device="cuda", dtype="bfloat16", max_model_len=512, enable_prefix_caching=False)
+    assert llm.engine.runner.graphs is not None
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    with_graphs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.engine.runner.graphs = None
+    eager = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for g, e in zip(with_graphs, eager):
+        i = next((i for i, (a, b) in enumerate(zip(g.token_ids, e.token_ids)) if a != b), None)
+        if i is None:
+            continue
+        top = sorted(e.logprobs[i].items(), key=lambda kv: -kv[1].logprob)[:2]
+        assert g.token_ids[i] == top[1][0] and top[0][1].logprob - top[1][1].logprob < TIE, (i, top)

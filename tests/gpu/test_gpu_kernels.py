@@ -7,7 +7,8 @@ from deltaserve.kernels.kda import fused_recurrent_kda, kda_decode, kda_gate, l2
 from deltaserve.kernels.kda.chunk import chunk_kda
 from deltaserve.kernels.mla.naive import naive_mla
 from deltaserve.kernels.moe.experts import grouped_experts
-from deltaserve.kernels.moe.naive import naive_experts
+from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk
+from deltaserve.kernels.moe.triton_routing import triton_topk
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEV = "cuda"
@@ -135,3 +136,15 @@ def test_triton_decode_experts_match_naive(T, E, k):
     out = decode_experts(x, w13, w2, weights, ids)
     ref = naive_experts(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu())
     assert rel_err(out.cpu(), ref) < 2e-2
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 256, 8), (37, 256, 8), (3, 40, 3)])
+def test_routing_kernel_matches_naive(T, E, k):
+    gen = torch.Generator().manual_seed(T + E)
+    logits, bias = torch.randn(T, E, generator=gen) * 2, torch.randn(E, generator=gen) * 0.1
+    weights, ids = triton_topk(logits.to(DEV), bias.to(DEV), k, True, 2.446)
+    ref_weights, ref_ids = naive_grouped_topk(logits, bias, k, 1, 1, True, 2.446)
+    order, ref_order = ids.cpu().sort(dim=1), ref_ids.sort(dim=1)
+    assert torch.equal(order.values, ref_order.values)
+    assert torch.allclose(weights.cpu().gather(1, order.indices), ref_weights.gather(1, ref_order.indices),
+                          rtol=1e-5, atol=1e-6)

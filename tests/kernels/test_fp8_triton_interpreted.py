@@ -40,19 +40,25 @@ def test_dequantize_kernel_equals_the_cpu_fallback_bit_for_bit(shape, block):
     assert torch.equal(fp8_dequantize_triton(q, scale, block, dtype), dequantize_fp8(q, scale, block, dtype))
 
 
-@pytest.mark.parametrize("M,N,K,block", [(1, 70, 130, (128, 128)), (3, 129, 64, (16, 24)), (17, 40, 200, (32, 64))])
-def test_weight_only_matmul_matches_twin(M, N, K, block):
+@pytest.mark.parametrize("M,N,K,block,splits", [
+    (1, 70, 130, (128, 128), None), (3, 129, 64, (16, 24), None), (17, 40, 200, (32, 64), None),
+    (2, 130, 700, (128, 128), 3),  # aligned tiles (one scale per tile), K split into 3 ranges, ragged last
+    (1, 66, 300, (64, 128), 2),  # aligned, the last K range partly past K
+])
+def test_weight_only_matmul_matches_twin(M, N, K, block, splits):
     """In float32: the interpreter's tl.dot on bfloat16 operands returns garbage (bfloat16 is emulated), so
     bfloat16 activations are checked on a GPU only (tests/gpu/test_gpu_fp8.py)."""
     q, scale = quantized((N, K), block, M * N)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(K))
-    assert rel_err(fp8_matmul(x, q, scale, block), naive_fp8_linear(x, q, scale, block)) < 1e-5
+    assert rel_err(fp8_matmul(x, q, scale, block, splits), naive_fp8_linear(x, q, scale, block)) < 1e-5
 
 
-@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 16, 4)])
-def test_fp8_decode_experts_kernel_matches_naive(T, E, k):
+@pytest.mark.parametrize("T,E,k,D,I,block", [
+    (1, 8, 2, 96, 40, (16, 32)), (3, 16, 4, 96, 40, (16, 32)),  # not multiples of the kernels' tiles nor the blocks
+    (2, 8, 2, 256, 256, (128, 128)),  # aligned: one scale per tile
+])
+def test_fp8_decode_experts_kernel_matches_naive(T, E, k, D, I, block):
     gen = torch.Generator().manual_seed(T * E)
-    D, I, block = 96, 40, (16, 32)  # not multiples of the kernels' tiles nor of the blocks
     w13, s13 = quantized((E, 2 * I, D), block, T)
     w2, s2 = quantized((E, D, I), block, E)
     x = torch.randn(T, D, generator=gen) * 0.1

@@ -17,8 +17,9 @@ from deltaserve.kernels.conv1d_triton import conv1d_update  # noqa: E402
 from deltaserve.kernels.kda import fused_recurrent_kda, kda_gate, l2norm  # noqa: E402
 from deltaserve.kernels.kda.naive import naive_causal_conv1d  # noqa: E402
 from deltaserve.kernels.kda.triton_decode import kda_decode  # noqa: E402
-from deltaserve.kernels.moe.naive import naive_experts  # noqa: E402
+from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import decode_experts  # noqa: E402
+from deltaserve.kernels.moe.triton_routing import triton_topk  # noqa: E402
 
 
 def rel_err(a, b):
@@ -72,3 +73,20 @@ def test_decode_experts_kernel_matches_naive(T, E, k):
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=gen)
     assert rel_err(decode_experts(x, w13, w2, weights, ids), naive_experts(x, w13, w2, weights, ids)) < 1e-5
+
+
+@pytest.mark.parametrize("T,E,k,renormalize", [(1, 256, 8, True), (5, 40, 3, False), (2, 7, 7, True)])
+def test_routing_kernel_matches_naive(T, E, k, renormalize):
+    """The one-kernel router against the naive grouped top-k with every group kept; ids compared as sets per token
+    (the kernel's order is by score), weights matched to their ids."""
+    gen = torch.Generator().manual_seed(T * E + k)
+    logits, bias = torch.randn(T, E, generator=gen) * 2, torch.randn(E, generator=gen) * 0.1
+    weights, ids = triton_topk(logits, bias, k, renormalize, 2.446)
+    ref_weights, ref_ids = naive_grouped_topk(logits, bias, k, 1, 1, renormalize, 2.446)
+    for t in range(T):
+        got = dict(zip(ids[t].tolist(), weights[t].tolist()))
+        want = dict(zip(ref_ids[t].tolist(), ref_weights[t].tolist()))
+        assert got.keys() == want.keys()
+        assert all(abs(got[e] - want[e]) <= 1e-6 * abs(want[e]) + 1e-7 for e in want)
+    biased = logits.sigmoid() + bias
+    assert torch.equal(biased.gather(1, ids), biased.gather(1, ids).sort(dim=1, descending=True)[0])  # by score

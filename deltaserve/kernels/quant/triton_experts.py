@@ -11,7 +11,7 @@ import triton.language as tl
 @triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, ids_ptr, act_ptr, K_SLOTS: tl.constexpr, D: tl.constexpr,
                     I: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+                    ALIGNED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_i, pair = tl.program_id(0), tl.program_id(1)
     token = pair // K_SLOTS
     expert = tl.load(ids_ptr + pair).to(tl.int64)
@@ -24,9 +24,13 @@ def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, ids_ptr, act_ptr, K_SLOTS: tl.const
         x = tl.load(x_ptr + token * D + cols, mask=cols < D, other=0.0).to(tl.float32)
         mask = (rows[:, None] < I) & (cols[None, :] < D)
         gate = tl.load(base + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        gate *= tl.load(s_base + (rows[:, None] // BN) * S_COLS + cols[None, :] // BK, mask=mask, other=0.0)
         up = tl.load(base + (I + rows[:, None]) * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        up *= tl.load(s_base + ((I + rows[:, None]) // BN) * S_COLS + cols[None, :] // BK, mask=mask, other=0.0)
+        if ALIGNED:  # the tile lies in one scale block: one scalar each
+            gate *= tl.load(s_base + (pid_i * BLOCK_I // BN) * S_COLS + d0 // BK)
+            up *= tl.load(s_base + ((I + pid_i * BLOCK_I) // BN) * S_COLS + d0 // BK)
+        else:
+            gate *= tl.load(s_base + (rows[:, None] // BN) * S_COLS + cols[None, :] // BK, mask=mask, other=0.0)
+            up *= tl.load(s_base + ((I + rows[:, None]) // BN) * S_COLS + cols[None, :] // BK, mask=mask, other=0.0)
         acc_gate += tl.sum(gate * x[None, :], axis=1)
         acc_up += tl.sum(up * x[None, :], axis=1)
     act = acc_gate * tl.sigmoid(acc_gate) * acc_up
@@ -36,7 +40,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, ids_ptr, act_ptr, K_SLOTS: tl.const
 @triton.jit
 def _down_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, weights_ptr, y_ptr, D: tl.constexpr, I: tl.constexpr,
                  S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 ALIGNED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pair = tl.program_id(0), tl.program_id(1)
     expert = tl.load(ids_ptr + pair).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -46,8 +50,11 @@ def _down_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, weights_ptr, y_ptr, D: tl.con
         a = tl.load(act_ptr + pair * I + cols, mask=cols < I, other=0.0)
         mask = (rows[:, None] < D) & (cols[None, :] < I)
         w = tl.load(w2_ptr + expert * (D * I) + rows[:, None] * I + cols[None, :], mask=mask, other=0.0)
-        s = tl.load(s2_ptr + expert * (S_ROWS * S_COLS) + (rows[:, None] // BN) * S_COLS + cols[None, :] // BK,
-                    mask=mask, other=0.0)
+        if ALIGNED:
+            s = tl.load(s2_ptr + expert * (S_ROWS * S_COLS) + (pid_n * BLOCK_N // BN) * S_COLS + k0 // BK)
+        else:
+            s = tl.load(s2_ptr + expert * (S_ROWS * S_COLS) + (rows[:, None] // BN) * S_COLS + cols[None, :] // BK,
+                        mask=mask, other=0.0)
         acc += tl.sum(w.to(tl.float32) * s * a[None, :], axis=1)
     tl.store(y_ptr + pair * D + rows, acc * tl.load(weights_ptr + pair), mask=rows < D)
 
@@ -62,11 +69,15 @@ def fp8_decode_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.
     pairs = T * k
     act = torch.empty(pairs, I, dtype=torch.float32, device=x.device)
     s13, s2 = w13_scale_inv.float().contiguous(), w2_scale_inv.float().contiguous()
-    _gate_up_kernel[(triton.cdiv(I, 32), pairs)](
+    bn, bk = block
+    # as kernels.moe.triton_decode: 16 rows of gate and of up a program; tiles inside one scale block when aligned
+    _gate_up_kernel[(triton.cdiv(I, 16), pairs)](
         x.contiguous(), w13.contiguous(), s13, ids.contiguous(), act, K_SLOTS=k, D=D, I=I, S_ROWS=s13.shape[1],
-        S_COLS=s13.shape[2], BN=block[0], BK=block[1], BLOCK_I=32, BLOCK_D=128, num_warps=4)
+        S_COLS=s13.shape[2], BN=bn, BK=bk, ALIGNED=bn % 16 == 0 and bk % 128 == 0 and I % bn == 0, BLOCK_I=16,
+        BLOCK_D=128, num_warps=4)
     y = torch.empty(pairs, D, dtype=torch.float32, device=x.device)
     _down_kernel[(triton.cdiv(D, 32), pairs)](
         act, w2.contiguous(), s2, ids.contiguous(), weights.float().contiguous(), y, D=D, I=I, S_ROWS=s2.shape[1],
-        S_COLS=s2.shape[2], BN=block[0], BK=block[1], BLOCK_N=32, BLOCK_K=128, num_warps=4)
+        S_COLS=s2.shape[2], BN=bn, BK=bk, ALIGNED=bn % 32 == 0 and bk % 128 == 0, BLOCK_N=32, BLOCK_K=128,
+        num_warps=4)
     return y.view(T, k, D).sum(1).to(x.dtype)
