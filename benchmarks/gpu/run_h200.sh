@@ -2,12 +2,13 @@
 # One lease on an H200: install the carried wheels, then the stages named in STAGES (default: all), each writing
 # its log under $OUT:
 #   tests     tests/gpu (kernels against their twins, float32 GPU = CPU, FP8 GPU = CPU fallback)
+#   (in this order:) tests, bench, fp8, parity, profile, prefill, baseline
 #   parity    the demo model: bfloat16 on the GPU against a float32 golden captured on the GPU, 8 prompts x 64
 #             tokens, and 4 random prompts of 32k tokens x 128 (the demo's config.json raised past its 4k limit)
-#   bench     the 48B shape (dummy weights), bf16: batch 1, 64, 256 at prompt 512
+#   bench     the 48B shape (dummy weights), bf16: batch 1, 64, 256 at prompt 512, and one 8k-token prompt
 #   fp8       the 48B shape with --quantization fp8 at 51% of the card's memory (an 80 GB H100's share)
 #   profile   kernel time of a batch-1 decode step, bf16 (and fp8)
-#   prefill   one 8k-token prompt, bf16
+#   prefill   one 8k-token prompt, bf16, alone
 #   baseline  4 layers (3 KDA + 1 MLA) of the 48B shape: deltaserve and transformers + fla-core, same call
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,8 +23,18 @@ B="$DS bench --load-format dummy --device cuda --max-num-batched-tokens 8192"
 has() { [[ " $STAGES " == *" $1 "* ]] && echo "== $1 $(date +%T)"; }
 
 if has tests; then
-  timeout 300 python3 -m pytest -q -p no:logging -p no:cacheprovider ${TESTS:-tests/gpu} > "$OUT/gpu_tests.txt" 2>&1
+  timeout ${T_TESTS:-300} python3 -m pytest -q -p no:logging -p no:cacheprovider ${TESTS:-tests/gpu} > "$OUT/gpu_tests.txt" 2>&1
   tail -4 "$OUT/gpu_tests.txt"
+fi
+
+if has bench; then
+  timeout ${T_BENCH:-300} $B --config $CFG --batch-sizes ${BATCHES:-1,64,256} --prompt-len 512 --output-len 32 \
+      --long-prompt-len 8192 --json-out "$OUT/bench_48b.json" > "$OUT/bench_48b.txt" 2>&1; tail -8 "$OUT/bench_48b.txt" | cut -c1-200
+fi
+if has fp8; then
+  timeout ${T_FP8:-300} $B --config $CFG --quantization fp8 --gpu-memory-utilization 0.51 --batch-sizes 1,64 --prompt-len 512 \
+      --output-len 32 --json-out "$OUT/bench_48b_fp8.json" > "$OUT/bench_48b_fp8.txt" 2>&1
+  tail -6 "$OUT/bench_48b_fp8.txt" | cut -c1-200
 fi
 if has parity; then
   (
@@ -31,6 +42,7 @@ if has parity; then
     python3 -c "import json; p='/tmp/demo32k/config.json'; c=json.load(open(p)); c['model_max_length']=40000; json.dump(c, open(p,'w'))"
     $DS parity capture --reference deltaserve --device cuda --dtype float32 --max-tokens 64 --out "$OUT/golden_texts.json"
     $DS parity check --golden "$OUT/golden_texts.json" --device cuda --dtype bfloat16 --plot "$OUT/parity_texts.png"
+    [ "${PARITY:-}" = short ] && exit 0
     $DS parity capture --reference deltaserve --device cuda --dtype float32 --max-tokens 32 --num-prompts 16 \
         --out "$OUT/golden_random.json"
     $DS parity check --golden "$OUT/golden_random.json" --device cuda --dtype bfloat16
@@ -40,16 +52,6 @@ if has parity; then
         --plot "$OUT/parity_32k.png"
   ) > "$OUT/parity.txt" 2>&1
   grep -E "^golden:|^teacher-forced:|^divergences:|^match" "$OUT/parity.txt"
-fi
-
-if has bench; then
-  timeout 300 $B --config $CFG --batch-sizes ${BATCHES:-1,64,256} --prompt-len 512 --output-len 32 \
-      --json-out "$OUT/bench_48b.json" > "$OUT/bench_48b.txt" 2>&1; tail -6 "$OUT/bench_48b.txt" | cut -c1-200
-fi
-if has fp8; then
-  timeout 300 $B --config $CFG --quantization fp8 --gpu-memory-utilization 0.51 --batch-sizes 1,64 --prompt-len 512 \
-      --output-len 32 --json-out "$OUT/bench_48b_fp8.json" > "$OUT/bench_48b_fp8.txt" 2>&1
-  tail -6 "$OUT/bench_48b_fp8.txt" | cut -c1-200
 fi
 if has profile; then
   timeout 200 python3 benchmarks/gpu/profile_decode.py --config $CFG --batch 1 --json-out "$OUT/profile_b1.json" \

@@ -96,17 +96,21 @@ def _tokens_so_far(engine: Engine, finished: list) -> int:
     return running + sum(len(o.outputs[0].token_ids) for o in finished)
 
 
-def bench(model: str, engine_config: EngineConfig, batch_sizes: list[int], prompt_len: int, output_len: int) -> dict:
+def bench(model: str, engine_config: EngineConfig, batch_sizes: list[int], prompt_len: int, output_len: int,
+          long_prompt_len: int | None = None) -> dict:
+    """Rows for each batch size at prompt_len; with long_prompt_len, one more row: a single prompt that long (the
+    prefill figure of a long prompt), after a warm-up at that length."""
     from deltaserve.core.tensor_parallel import start_engine, stop_engine
 
     engine, workers = start_engine(model, engine_config)
     try:
-        return _bench(engine, batch_sizes, prompt_len, output_len)
+        return _bench(engine, batch_sizes, prompt_len, output_len, long_prompt_len)
     finally:
         stop_engine(engine, workers)
 
 
-def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: int) -> dict:
+def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: int,
+           long_prompt_len: int | None) -> dict:
     engine_config, cfg = engine.config, engine.model_config
     device, world = engine_config.device, engine_config.tensor_parallel_size
     dtype_bytes = 4 if engine_config.dtype == "float32" else 2
@@ -115,10 +119,14 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
     if device != "cpu":
         torch.cuda.reset_peak_memory_stats(device)
     rows = []
-    for batch in batch_sizes:
-        row = run_batch(engine, batch, prompt_len, output_len, seed=batch)
+    runs = [(batch, prompt_len, output_len) for batch in batch_sizes]
+    if long_prompt_len:
+        run_batch(engine, 1, long_prompt_len, 2, seed=98)  # warm-up: the long prompt's chunk shapes
+        runs.append((1, long_prompt_len, min(output_len, 8)))
+    for batch, prompt, output in runs:
+        row = {"prompt_len": prompt, **run_batch(engine, batch, prompt, output, seed=batch + prompt)}
         # tensor parallel: each GPU reads about 1 / world of the bytes (the embedding and lm_head are replicated)
-        floor = decode_step_bytes(cfg, batch, prompt_len + output_len // 2, dtype_bytes) / bandwidth / world
+        floor = decode_step_bytes(cfg, batch, prompt + output // 2, dtype_bytes) / bandwidth / world
         row.update(floor_ms=1000 * floor, floor_tok_s=batch / floor)
         rows.append(row)
     peak = torch.cuda.max_memory_allocated(device) if device != "cpu" else None
@@ -142,7 +150,7 @@ def cache_capacity(plan) -> dict:
 
 
 def print_report(result: dict) -> None:
-    cols = ("batch", "ttft_ms", "tpot_ms", "prefill_tok_s", "output_tok_s", "floor_ms", "floor_tok_s")
+    cols = ("batch", "prompt_len", "ttft_ms", "tpot_ms", "prefill_tok_s", "output_tok_s", "floor_ms", "floor_tok_s")
     weights = f" ({result['quantization']} weights)" if result.get("quantization") else ""
     print(f"device {result['device']}, {result['dtype']}{weights}, copy {result['copy_GBps']:.0f} GB/s, "
           f"peak memory {result['peak_memory_GiB'] or 0:.1f} GiB, prompt {result['prompt_len']}, "

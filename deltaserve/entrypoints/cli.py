@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-sizes", type=_token_ids, default=[1, 16, 64], help="e.g. 1,16,64")
     bench.add_argument("--prompt-len", type=int, default=512)
     bench.add_argument("--output-len", type=int, default=64)
+    bench.add_argument("--long-prompt-len", type=int, default=None,
+                       help="also time one prompt of this many tokens (prefill of a long prompt), e.g. 8192")
     bench.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     _engine_options(serve)
@@ -131,9 +133,12 @@ def cmd_bench(args) -> None:
 
     if args.config and args.load_format != "dummy":
         raise ValueError("--config FILE has no weights: add --load-format dummy (or pass --model DIR)")
+    if args.long_prompt_len is not None and args.long_prompt_len < 1:
+        raise ValueError(f"--long-prompt-len {args.long_prompt_len}: must be a positive number of tokens")
     device = args.device or default_device()
+    longest = max(args.prompt_len + args.output_len, (args.long_prompt_len or 0) + 8)
     engine = EngineConfig(dtype=args.dtype or ("float32" if device == "cpu" else "bfloat16"), device=device,
-                          max_model_len=args.max_model_len or args.prompt_len + args.output_len,
+                          max_model_len=args.max_model_len or longest,
                           max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
                           block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                           threads=args.threads, load_format=args.load_format,
@@ -141,7 +146,7 @@ def cmd_bench(args) -> None:
                           tensor_parallel_size=args.tensor_parallel_size,
                           enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization)
     result = bench(args.config or args.model or str(BUNDLED_MODEL), engine, args.batch_sizes, args.prompt_len,
-                   args.output_len)
+                   args.output_len, args.long_prompt_len)
     print_report(result)
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -12,11 +12,11 @@ from deltaserve.entrypoints.cli import main
 def test_bench_command_writes_rows_and_capacity(tiny_model, tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["bench", "--model", str(tiny_model), "--load-format", "dummy", "--batch-sizes", "1,3", "--prompt-len",
-            "7", "--output-len", "4", "--threads", "1", "--json-out", str(out)]
+            "7", "--output-len", "4", "--threads", "1", "--long-prompt-len", "40", "--json-out", str(out)]
     assert main(args) == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
-    assert [row["batch"] for row in result["rows"]] == [1, 3]
+    assert [(row["batch"], row["prompt_len"]) for row in result["rows"]] == [(1, 7), (3, 7), (1, 40)]
     for row in result["rows"]:
         assert row["tpot_ms"] > 0 and row["output_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["floor_ms"] > 0
     assert result["capacity"]["max_context_batch1"] > 0 and "requests of 4k tokens" in printed
@@ -29,3 +29,8 @@ def test_cache_capacity_spends_the_allocated_bytes_on_one_request_or_on_4k_reque
     assert capacity["max_context_batch1"] == (2320 - 1000) // 2  # 2 bytes a token
     assert capacity["batch_at_4k"] == 2320 // (1000 + 256 * 32)  # = 0: a 4k request needs 9192 bytes
     assert cache_capacity(CachePlan(10, 4, 16, 0, 1000))["max_context_batch1"] is None  # no MLA layer: no limit
+
+
+def test_bench_rejects_a_non_positive_long_prompt(tiny_model, capsys):
+    assert main(["bench", "--model", str(tiny_model), "--long-prompt-len", "0"]) == 2
+    assert "--long-prompt-len" in capsys.readouterr().err
