@@ -1,0 +1,59 @@
+"""Compile our Triton kernels for sm_90 (Hopper) on a machine without a GPU: Triton ships ptxas, so typing and
+lowering errors that the CPU interpreter never meets show up here, before a lease is spent. Prints ok (with the
+shared memory a program takes) or the error, per kernel and variant, at the 48B model's shapes.
+
+    env -u TRITON_INTERPRET python benchmarks/gpu/compile_check.py
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from deltaserve.kernels.moe import triton_decode, triton_routing
+from deltaserve.kernels.quant import triton_experts, triton_linear
+
+TARGET = GPUTarget("cuda", 90, 32)
+TYPES = ("*", "i32", "i64", "fp32")  # an argument given as a string starting so is a runtime argument of that type
+
+
+def check(name: str, fn, args: dict, num_warps: int = 4) -> bool:
+    """args: each kernel argument, as its type ("*bf16", "i32", ...) or as its constexpr value."""
+    runtime = {k: v for k, v in args.items() if isinstance(v, str) and v.startswith(TYPES)}
+    signature = {k: runtime.get(k, "constexpr") for k in args}
+    constexprs = {k: v for k, v in args.items() if k not in runtime}
+    try:
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
+                                options={"num_warps": num_warps})
+    except Exception as e:  # noqa: BLE001 -- report every kernel's outcome, then fail
+        print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
+        return False
+    print(f"ok   {name}: shared {kernel.metadata.shared} B")
+    return True
+
+
+def main() -> int:
+    ok = check("router", triton_routing._route_kernel, dict(
+        logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64", E=256, K=8, RENORMALIZE=True,
+        SCALE=2.446, BLOCK_E=256, BLOCK_K=8), num_warps=1)
+    ok &= check("bf16 expert gate/up", triton_decode._gate_up_kernel, dict(
+        x_ptr="*bf16", w13_ptr="*bf16", ids_ptr="*i64", act_ptr="*fp32", K_SLOTS=8, D=2304, I=1024, BLOCK_I=16,
+        BLOCK_D=128))
+    for aligned in (True, False):
+        ok &= check(f"fp8 matmul, aligned {aligned}", triton_linear._matmul_kernel, dict(
+            x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", y_ptr="*fp32", M="i32", N="i32", K=4096, S_COLS=32,
+            K_PER_SPLIT=256, DOT_DTYPE=tl.bfloat16, BN=128, BK=128, ALIGNED=aligned, BLOCK_M=16, BLOCK_N=64,
+            BLOCK_K=128))
+        ok &= check(f"fp8 expert gate/up, aligned {aligned}", triton_experts._gate_up_kernel, dict(
+            x_ptr="*bf16", w13_ptr="*fp8e4nv", s13_ptr="*fp32", ids_ptr="*i64", act_ptr="*fp32", K_SLOTS=8, D=2304,
+            I=1024, S_ROWS=16, S_COLS=18, BN=128, BK=128, ALIGNED=aligned, BLOCK_I=16, BLOCK_D=128))
+        ok &= check(f"fp8 expert down, aligned {aligned}", triton_experts._down_kernel, dict(
+            act_ptr="*fp32", w2_ptr="*fp8e4nv", s2_ptr="*fp32", ids_ptr="*i64", weights_ptr="*fp32", y_ptr="*fp32",
+            D=2304, I=1024, S_ROWS=18, S_COLS=8, BN=128, BK=128, ALIGNED=aligned, BLOCK_N=32, BLOCK_K=128))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
