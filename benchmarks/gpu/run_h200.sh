@@ -23,8 +23,15 @@ B="$DS bench --load-format dummy --device cuda --max-num-batched-tokens 8192"
 has() { [[ " $STAGES " == *" $1 "* ]] && echo "== $1 $(date +%T)"; }
 
 if has tests; then
-  timeout ${T_TESTS:-300} python3 -m pytest -q -p no:logging -p no:cacheprovider ${TESTS:-tests/gpu} > "$OUT/gpu_tests.txt" 2>&1
-  tail -4 "$OUT/gpu_tests.txt"
+  # TESTS_BACKGROUND=1: kernel-only tests (no engine, little memory) alongside the next stage's weight loading
+  if [ "${TESTS_BACKGROUND:-}" = 1 ]; then
+    (timeout ${T_TESTS:-300} python3 -m pytest -q -p no:logging -p no:cacheprovider ${TESTS:-tests/gpu} \
+        > "$OUT/gpu_tests.txt" 2>&1) &
+  else
+    timeout ${T_TESTS:-300} python3 -m pytest -q -p no:logging -p no:cacheprovider ${TESTS:-tests/gpu} \
+        > "$OUT/gpu_tests.txt" 2>&1
+    tail -4 "$OUT/gpu_tests.txt"
+  fi
 fi
 
 if has bench; then
@@ -76,3 +83,6 @@ PY
   timeout 200 python3 benchmarks/gpu/transformers_baseline.py --config $CFG --layers 4 --prompt-len 2048 2>&1 \
       | tail -1 | tee "$OUT/baseline_4layers.json"
 fi
+wait
+[ "${TESTS_BACKGROUND:-}" = 1 ] && tail -4 "$OUT/gpu_tests.txt"
+exit 0

@@ -1,6 +1,7 @@
-"""Routed experts whose weights are block-wise FP8: the chosen experts' weights are dequantized, then
-kernels.moe.fused_experts runs as for any dtype (on a GPU, steps of few (token, expert) pairs instead read the FP8
-weights in one Triton kernel per projection)."""
+"""Routed experts whose weights are block-wise FP8. On a GPU: few (token, expert) pairs run one GEMV per pair
+(kernels.quant.triton_experts), more run grouped by expert (kernels.quant.triton_grouped); both read the FP8 weights
+directly and neither syncs with the host, so decode steps capture in CUDA graphs. On the CPU: the chosen experts'
+weights are dequantized, then kernels.moe.fused_experts runs as for any dtype."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 from deltaserve.kernels.moe import fused_experts
 from deltaserve.kernels.quant.fp8 import dequantize_fp8
 
-_FEW_ASSIGNMENTS_GPU = 32  # as kernels.moe.experts: up to this many pairs, one GEMV per pair beats a grouped GEMM
+# measured on an H200, the 48B shape (256 experts, top-8), one layer: a GEMV per pair 34 / 254 / 984 us at 8 / 128
+# / 512 pairs, grouped 99 / 367 / 730 us (and 834 us at 2048 pairs against 3.9 ms)
+_MAX_PAIRS_PER_PAIR_GEMV = 256
 
 
 def fp8_fused_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
@@ -17,11 +20,15 @@ def fp8_fused_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.T
                       block: tuple[int, int]) -> torch.Tensor:
     """x [T, D]; w13 [E, 2I, D] and w2 [E, D, I] float8_e4m3fn with their block scales [E, ceil(rows/bn),
     ceil(cols/bk)]; weights [T, k] float32; ids [T, k]. Same result as fused_experts on the dequantized weights,
-    [T, D] in x's dtype. A CUDA graph capture takes the kernel path at any size (the other one syncs)."""
-    if x.is_cuda and (ids.numel() <= _FEW_ASSIGNMENTS_GPU or torch.cuda.is_current_stream_capturing()):
-        from deltaserve.kernels.quant.triton_experts import fp8_decode_experts
+    [T, D] in x's dtype."""
+    if x.is_cuda:
+        if ids.numel() <= _MAX_PAIRS_PER_PAIR_GEMV:
+            from deltaserve.kernels.quant.triton_experts import fp8_decode_experts
 
-        return fp8_decode_experts(x, w13, w13_scale_inv, w2, w2_scale_inv, weights, ids, block)
+            return fp8_decode_experts(x, w13, w13_scale_inv, w2, w2_scale_inv, weights, ids, block)
+        from deltaserve.kernels.quant.triton_grouped import fp8_grouped_experts
+
+        return fp8_grouped_experts(x, w13, w13_scale_inv, w2, w2_scale_inv, weights, ids, block)
     hit = ids.unique()  # ascending, so fused_experts still sums contributions in ascending expert order
     local_ids = torch.searchsorted(hit, ids)
     w13_hit = dequantize_fp8(w13[hit], w13_scale_inv[hit], block, x.dtype)

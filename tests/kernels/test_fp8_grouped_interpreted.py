@@ -1,0 +1,61 @@
+"""The grouped FP8 expert kernels (kernels.quant.triton_grouped) against the naive twin on dequantized weights,
+through Triton's interpreter, in float32 (the interpreter's bfloat16 tl.dot is not to be trusted). On a machine
+with CUDA, tests/gpu/test_gpu_fp8_grouped.py runs them compiled, in bfloat16 and under a CUDA graph."""
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("a GPU is present: tests/gpu runs these kernels compiled", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does)",
+                allow_module_level=True)
+pytest.importorskip("triton")
+
+from deltaserve.kernels.moe.naive import naive_experts  # noqa: E402
+from deltaserve.kernels.quant import dequantize_fp8, quantize_fp8  # noqa: E402
+from deltaserve.kernels.quant.triton_grouped import _block_table, fp8_grouped_experts  # noqa: E402
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def quantized(shape, block, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return quantize_fp8(torch.randn(shape, generator=gen) * torch.rand(shape[-1], generator=gen) * 3, block)
+
+
+@pytest.mark.parametrize("T,E,k,D,I,block,hit", [
+    (1, 8, 2, 96, 40, (16, 32), None),  # one token; D, I multiples of neither the tiles nor the blocks
+    (3, 16, 4, 96, 40, (16, 32), None),  # most experts get no tokens
+    (37, 4, 2, 200, 72, (16, 32), None),  # ~18 pairs an expert: two blocks each, the second partial
+    (37, 4, 2, 130, 40, (16, 32), [0, 2]),  # 37 pairs on each of two experts (3 blocks), the first and last empty
+    (5, 8, 2, 256, 256, (128, 128), None),  # aligned: one scale per tile in both kernels
+    (9, 6, 3, 300, 192, (64, 128), None),  # aligned, with partial tiles at the edges of D and I
+    (20, 6, 3, 300, 130, (128, 128), None),  # gate/up per-element scales (I % 64 != 0), down aligned
+])
+def test_fp8_grouped_experts_match_naive(T, E, k, D, I, block, hit):
+    gen = torch.Generator().manual_seed(T * E + D)
+    w13, s13 = quantized((E, 2 * I, D), block, T + I)
+    w2, s2 = quantized((E, D, I), block, E + D)
+    x = torch.randn(T, D, generator=gen) * 0.1
+    hit = torch.tensor(hit) if hit else torch.arange(E)
+    ids = torch.stack([hit[torch.randperm(len(hit), generator=gen)[:k]] for _ in range(T)])
+    weights = torch.rand(T, k, generator=gen)
+    expected = naive_experts(x, dequantize_fp8(w13, s13, block), dequantize_fp8(w2, s2, block), weights, ids)
+    assert rel_err(fp8_grouped_experts(x, w13, s13, w2, s2, weights, ids, block), expected) < 1e-5
+
+
+def test_block_table_cuts_each_experts_sorted_rows_into_blocks():
+    """Blocks of up to 16 sorted rows of one expert, in ascending expert order (a block's end is its expert's; the
+    kernels mask rows past start + 16), among cdiv(P, 16) + min(E, P) launched; the rest have empty ranges."""
+    ids = torch.tensor([3] * 17 + [0] * 2 + [5] * 16 + [1])
+    expert, start, end = _block_table(ids, 6).long()
+    assert expert.numel() == 3 + 6
+    real = start < end
+    assert expert[real].tolist() == [0, 1, 3, 3, 5]
+    assert start[real].tolist() == [0, 2, 3, 19, 20] and end[real].tolist() == [2, 3, 20, 20, 36]
+    assert (expert[~real] == 6).all()
