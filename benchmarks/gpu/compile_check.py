@@ -12,6 +12,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from deltaserve.kernels.kda import triton_decode as kda_triton_decode
 from deltaserve.kernels.moe import triton_decode, triton_routing
 from deltaserve.kernels.quant import triton_experts, triton_linear
 
@@ -38,6 +39,12 @@ def main() -> int:
     ok = check("router", triton_routing._route_kernel, dict(
         logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64", E=256, K=8, RENORMALIZE=True,
         SCALE=2.446, BLOCK_E=256, BLOCK_K=8), num_warps=1)
+    for K in (128, 48):  # the 48B model's head width; the demo model's (not a power of two)
+        ok &= check(f"KDA decode, K {K}", kda_triton_decode._kda_decode_kernel, dict(
+            q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", graw_ptr="*bf16", braw_ptr="*bf16", dt_bias_ptr="*fp32",
+            a_log_ptr="*fp32", state_ptr="*fp32", slots_ptr="*i64", o_ptr="*fp32", qkv_stride="i32", g_stride="i32",
+            b_stride="i32", scale="fp32", H=32, K=K, V=K, BK=triton.next_power_of_2(K),
+            BV=min(triton.next_power_of_2(K), 32)))
     ok &= check("bf16 expert gate/up", triton_decode._gate_up_kernel, dict(
         x_ptr="*bf16", w13_ptr="*bf16", ids_ptr="*i64", act_ptr="*fp32", K_SLOTS=8, D=2304, I=1024, BLOCK_I=16,
         BLOCK_D=128))

@@ -13,29 +13,33 @@ import triton.language as tl
 def _kda_decode_kernel(
     q_ptr, k_ptr, v_ptr, graw_ptr, braw_ptr, dt_bias_ptr, a_log_ptr, state_ptr, slots_ptr, o_ptr,
     qkv_stride, g_stride, b_stride, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
+    """BK: K rounded up to a power of two (tl.arange needs one; the demo model's heads are 48 wide), lanes past K
+    masked to zero; likewise lanes past V in the last BV tile."""
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + i_b).to(tl.int64)
-    offs_k = tl.arange(0, K)
+    offs_k = tl.arange(0, BK)
     offs_v = i_v * BV + tl.arange(0, BV)
+    mk, mv = offs_k < K, offs_v < V
     row = i_b.to(tl.int64)
-    q = tl.load(q_ptr + row * qkv_stride + i_h * K + offs_k).to(tl.float32)
-    k = tl.load(k_ptr + row * qkv_stride + i_h * K + offs_k).to(tl.float32)
-    v = tl.load(v_ptr + row * qkv_stride + i_h * V + offs_v).to(tl.float32)
+    q = tl.load(q_ptr + row * qkv_stride + i_h * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row * qkv_stride + i_h * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + row * qkv_stride + i_h * V + offs_v, mask=mv, other=0.0).to(tl.float32)
     q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-    g = tl.load(graw_ptr + row * g_stride + i_h * K + offs_k).to(tl.float32)
-    g = g + tl.load(dt_bias_ptr + i_h * K + offs_k)
+    g = tl.load(graw_ptr + row * g_stride + i_h * K + offs_k, mask=mk, other=0.0).to(tl.float32)
+    g = g + tl.load(dt_bias_ptr + i_h * K + offs_k, mask=mk, other=0.0)
     softplus = tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(g)))
     decay = tl.exp(-tl.exp(tl.load(a_log_ptr + i_h)) * softplus)  # [K]
     beta = tl.sigmoid(tl.load(braw_ptr + row * b_stride + i_h).to(tl.float32))
     s_ptrs = state_ptr + ((slot * H + i_h) * K + offs_k[:, None]) * V + offs_v[None, :]
-    S = tl.load(s_ptrs) * decay[:, None]  # [K, BV]
+    s_mask = mk[:, None] & mv[None, :]
+    S = tl.load(s_ptrs, mask=s_mask, other=0.0) * decay[:, None]  # [BK, BV]
     delta = (v - tl.sum(S * k[:, None], axis=0)) * beta
     S = S + k[:, None] * delta[None, :]
-    tl.store(s_ptrs, S)
-    tl.store(o_ptr + (row * H + i_h) * V + offs_v, tl.sum(S * q[:, None], axis=0))
+    tl.store(s_ptrs, S, mask=s_mask)
+    tl.store(o_ptr + (row * H + i_h) * V + offs_v, tl.sum(S * q[:, None], axis=0), mask=mv)
 
 
 def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots, scale: float) -> torch.Tensor:
@@ -45,12 +49,13 @@ def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots, scale:
     Returns o [B, H, V] float32."""
     B = q.shape[0]
     S_, H, K, V = state.shape
-    BV = min(V, 32)
+    BV = min(triton.next_power_of_2(V), 32)
     o = torch.empty(B, H, V, dtype=torch.float32, device=q.device)
     assert q.stride(2) == 1 and q.stride(1) == K and k.stride(0) == q.stride(0) == v.stride(0)  # rows of one qkv
     assert g_raw.stride(1) == 1
     _kda_decode_kernel[(triton.cdiv(V, BV), H, B)](
         q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots, o,
-        q.stride(0), g_raw.stride(0), b_raw.stride(0), scale, H=H, K=K, V=V, BV=BV, num_warps=4,
+        q.stride(0), g_raw.stride(0), b_raw.stride(0), scale, H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
+        num_warps=4,
     )
     return o
