@@ -39,7 +39,9 @@ class QuantConfig:
 
     method: str = "fp8"
     block_size: tuple[int, int] = (128, 128)
-    # checkpoint modules kept in high precision (quantization_config's modules_to_not_convert / ignored_layers)
+    # the checkpoint's modules stored in high precision (quantization_config's modules_to_not_convert /
+    # ignored_layers), validated and kept for writing checkpoints; the engine's FP8 set is fixed (layers/fp8.py):
+    # a module listed here that the engine runs in FP8 is quantized at load from its stored high-precision tensor
     modules_to_not_convert: tuple[str, ...] = ()
 
     def __post_init__(self):

@@ -82,8 +82,9 @@ def layer_cache_specs(model: ModelConfig, block_size: int, dtype: str) -> list[M
 
 def plan_cache(model: ModelConfig, engine: EngineConfig, max_model_len: int,
                budget_bytes: int | None = None) -> CachePlan:
-    """Size the pools: num_slots = max_num_seqs, snapshot slots (prefix caching only) from num_snapshot_slots,
-    pages from num_cache_blocks or from what the byte budget leaves after the slots and snapshots.
+    """Size the pools: num_slots = max_num_seqs, snapshot slots (prefix caching only) from num_snapshot_slots
+    (default: two a slot, at most a quarter of a given budget), pages from num_cache_blocks or from what the byte
+    budget leaves after the slots and snapshots.
 
     The budget is `budget_bytes` (the runner's measurement of free device memory), else engine.cache_bytes,
     else on CPU the bytes of max_num_seqs sequences of max_model_len tokens (plus the snapshots), capped at 1 GiB.

@@ -135,6 +135,9 @@ def cmd_bench(args) -> None:
         raise ValueError("--config FILE has no weights: add --load-format dummy (or pass --model DIR)")
     if args.long_prompt_len is not None and args.long_prompt_len < 1:
         raise ValueError(f"--long-prompt-len {args.long_prompt_len}: must be a positive number of tokens")
+    if args.max_model_len and args.long_prompt_len and args.long_prompt_len + 8 > args.max_model_len:
+        raise ValueError(f"--long-prompt-len {args.long_prompt_len} needs --max-model-len >= "
+                         f"{args.long_prompt_len + 8} (the prompt and 8 output tokens); got {args.max_model_len}")
     device = args.device or default_device()
     longest = max(args.prompt_len + args.output_len, (args.long_prompt_len or 0) + 8)
     engine = EngineConfig(dtype=args.dtype or ("float32" if device == "cpu" else "bfloat16"), device=device,

@@ -53,6 +53,19 @@ def test_weight_only_matmul_matches_twin(M, N, K, block, splits):
     assert rel_err(fp8_matmul(x, q, scale, block, splits), naive_fp8_linear(x, q, scale, block)) < 1e-5
 
 
+def test_weight_only_matmul_never_reads_past_the_scales():
+    """K split into ranges of 384 over K = 1024: the last range ends past K, where a scale index would fall past the
+    last scale column (and, in the last row tile, past the tensor: here a NaN)."""
+    block = (128, 128)
+    q, scale = quantized((130, 1024), block, 5)
+    buffer = torch.full((scale.numel() + 8,), float("nan"))
+    buffer[: scale.numel()] = scale.flatten()
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(5))
+    y = fp8_matmul(x, q, buffer[: scale.numel()].view(scale.shape), block, splits=3)
+    assert not y.isnan().any() and rel_err(y, naive_fp8_linear(x, q, scale, block)) < 1e-5
+    assert fp8_matmul(x[:0], q, scale, block).shape == (0, 130)
+
+
 @pytest.mark.parametrize("T,E,k,D,I,block", [
     (1, 8, 2, 96, 40, (16, 32)), (3, 16, 4, 96, 40, (16, 32)),  # not multiples of the kernels' tiles nor the blocks
     (2, 8, 2, 256, 256, (128, 128)),  # aligned: one scale per tile

@@ -90,3 +90,11 @@ def test_routing_kernel_matches_naive(T, E, k, renormalize):
         assert all(abs(got[e] - want[e]) <= 1e-6 * abs(want[e]) + 1e-7 for e in want)
     biased = logits.sigmoid() + bias
     assert torch.equal(biased.gather(1, ids), biased.gather(1, ids).sort(dim=1, descending=True)[0])  # by score
+
+
+def test_routing_kernel_gives_distinct_valid_ids_for_a_nan_row():
+    """A token whose hidden state went NaN must not index past the experts (an illegal access kills the GPU)."""
+    logits = torch.randn(2, 40)
+    logits[1] = float("nan")
+    _, ids = triton_topk(logits, torch.zeros(40), 8, True, 1.0)
+    assert ids.min() >= 0 and ids.max() < 40 and len(set(ids[1].tolist())) == 8

@@ -18,17 +18,20 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E: tl.constexpr, K
     experts = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + token * E + experts, mask=experts < E, other=0.0)
     scores = tl.sigmoid(logits)
-    biased = tl.where(experts < E, scores + tl.load(bias_ptr + experts, mask=experts < E, other=0.0), float("-inf"))
+    biased = scores + tl.load(bias_ptr + experts, mask=experts < E, other=0.0)
+    biased = tl.where(biased == biased, biased, float("-inf"))  # NaN (a broken row) never wins, never crashes
+    free = experts < E  # a lane is a candidate until chosen: k distinct, valid ids whatever the scores
     slots = tl.arange(0, BLOCK_K)
     chosen_weights = tl.zeros([BLOCK_K], dtype=tl.float32)
     chosen_ids = tl.zeros([BLOCK_K], dtype=tl.int64)
     for j in tl.static_range(K):
-        best = tl.max(biased, axis=0)
-        pick = tl.min(tl.where(biased == best, experts, BLOCK_E), axis=0)
+        candidates = tl.where(free, biased, float("-inf"))
+        best = tl.max(candidates, axis=0)
+        pick = tl.min(tl.where(free & (candidates == best), experts, BLOCK_E), axis=0)
         weight = tl.sum(tl.where(experts == pick, scores, 0.0), axis=0)
         chosen_weights = tl.where(slots == j, weight, chosen_weights)
         chosen_ids = tl.where(slots == j, pick.to(tl.int64), chosen_ids)
-        biased = tl.where(experts == pick, float("-inf"), biased)
+        free = free & (experts != pick)
     if RENORMALIZE:
         chosen_weights = chosen_weights / (tl.sum(chosen_weights, axis=0) + 1e-20)
     tl.store(weights_ptr + token * K + slots, chosen_weights * SCALE, mask=slots < K)

@@ -52,7 +52,8 @@ def _matmul_kernel(x_ptr, q_ptr, s_ptr, y_ptr, M, N, K: tl.constexpr, S_COLS: tl
     rows_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(split * K_PER_SPLIT, split * K_PER_SPLIT + K_PER_SPLIT, BLOCK_K):
+    # the last range may be cut short by K (a scale index past K would read past the scales)
+    for k0 in range(split * K_PER_SPLIT, tl.minimum(split * K_PER_SPLIT + K_PER_SPLIT, K), BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows_m[:, None] * K + cols[None, :], mask=(rows_m[:, None] < M) & (cols[None, :] < K),
                     other=0.0)
@@ -88,6 +89,8 @@ def fp8_matmul(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block:
     float32 partial sums are added in a fixed order (deterministic)."""
     M, K = x.shape
     N = q.shape[0]
+    if M == 0:
+        return x.new_empty(0, N)
     splits = splits or _num_splits(M, N, K)
     k_per_split = triton.cdiv(triton.cdiv(K, splits), _BLOCK_K) * _BLOCK_K
     splits = triton.cdiv(K, k_per_split)
