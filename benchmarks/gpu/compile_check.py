@@ -14,7 +14,7 @@ from triton.compiler import ASTSource
 
 from deltaserve.kernels.kda import triton_decode as kda_triton_decode
 from deltaserve.kernels.moe import triton_decode, triton_routing
-from deltaserve.kernels.quant import triton_experts, triton_linear
+from deltaserve.kernels.quant import triton_linear
 
 TARGET = GPUTarget("cuda", 90, 32)
 TYPES = ("*", "i32", "i64", "fp32")  # an argument given as a string starting so is a runtime argument of that type
@@ -45,20 +45,20 @@ def main() -> int:
             a_log_ptr="*fp32", state_ptr="*fp32", slots_ptr="*i64", o_ptr="*fp32", qkv_stride="i32", g_stride="i32",
             b_stride="i32", scale="fp32", H=32, K=K, V=K, BK=triton.next_power_of_2(K),
             BV=min(triton.next_power_of_2(K), 32)))
-    ok &= check("bf16 expert gate/up", triton_decode._gate_up_kernel, dict(
-        x_ptr="*bf16", w13_ptr="*bf16", ids_ptr="*i64", act_ptr="*fp32", K_SLOTS=8, D=2304, I=1024, BLOCK_I=16,
-        BLOCK_D=128))
     for aligned in (True, False):
         ok &= check(f"fp8 matmul, aligned {aligned}", triton_linear._matmul_kernel, dict(
             x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", y_ptr="*fp32", M="i32", N="i32", K=4096, S_COLS=32,
             K_PER_SPLIT=256, DOT_DTYPE=tl.bfloat16, BN=128, BK=128, ALIGNED=aligned, BLOCK_M=16, BLOCK_N=64,
             BLOCK_K=128))
-        ok &= check(f"fp8 expert gate/up, aligned {aligned}", triton_experts._gate_up_kernel, dict(
-            x_ptr="*bf16", w13_ptr="*fp8e4nv", s13_ptr="*fp32", ids_ptr="*i64", act_ptr="*fp32", K_SLOTS=8, D=2304,
-            I=1024, S_ROWS=16, S_COLS=18, BN=128, BK=128, ALIGNED=aligned, BLOCK_I=16, BLOCK_D=128))
-        ok &= check(f"fp8 expert down, aligned {aligned}", triton_experts._down_kernel, dict(
-            act_ptr="*fp32", w2_ptr="*fp8e4nv", s2_ptr="*fp32", ids_ptr="*i64", weights_ptr="*fp32", y_ptr="*fp32",
-            D=2304, I=1024, S_ROWS=18, S_COLS=8, BN=128, BK=128, ALIGNED=aligned, BLOCK_N=32, BLOCK_K=128))
+    for scaled, aligned, w_type in ((False, True, "*bf16"), (True, True, "*fp8e4nv"), (True, False, "*fp8e4nv")):
+        s_type = "*fp32" if scaled else w_type  # unscaled: the weights stand in for the scales, never read
+        scales = dict(SCALED=scaled, BN=128, BK=128, ALIGNED=aligned)
+        ok &= check(f"expert gate/up, scaled {scaled}, aligned {aligned}", triton_decode._gate_up_kernel, dict(
+            x_ptr="*bf16", w13_ptr=w_type, s13_ptr=s_type, ids_ptr="*i64", act_ptr="*fp32", K_SLOTS=8, D=2304,
+            I=1024, S_ROWS=16, S_COLS=18, **scales, BLOCK_I=16, BLOCK_D=128))
+        ok &= check(f"expert down, scaled {scaled}, aligned {aligned}", triton_decode._down_kernel, dict(
+            act_ptr="*fp32", w2_ptr=w_type, s2_ptr=s_type, ids_ptr="*i64", weights_ptr="*fp32", y_ptr="*fp32",
+            D=2304, I=1024, S_ROWS=18, S_COLS=8, **scales, BLOCK_N=32, BLOCK_K=128))
     return 0 if ok else 1
 
 

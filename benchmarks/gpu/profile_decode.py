@@ -15,7 +15,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from deltaserve.config import EngineConfig
+from deltaserve.config import QUANTIZATION_METHODS, EngineConfig
 from deltaserve.core.tensor_parallel import start_engine, stop_engine
 from deltaserve.entrypoints.bench import run_batch
 from deltaserve.sampling_params import SamplingParams
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--quantization", choices=["fp8"], default=None)
+    parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()

@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 
-from deltaserve.config import EngineConfig
+from deltaserve.config import QUANTIZATION_METHODS, EngineConfig
 from deltaserve.entrypoints.chat import add_chat_options, cmd_chat
 from deltaserve.entrypoints.openai.command import add_serve_options, cmd_serve
 from deltaserve.parity.commands import add_parity_parser, cmd_parity
@@ -36,7 +36,7 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="with --tensor-parallel-size > 1: split the routed experts whole across the ranks")
     g.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
-    g.add_argument("--quantization", choices=["fp8"], default=None,
+    g.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
                    help="fp8: linear layers and experts quantized at load to float8_e4m3fn with 128x128 block "
                         "scales (an FP8 checkpoint runs in FP8 without it)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")

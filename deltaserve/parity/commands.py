@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from deltaserve.config import QUANTIZATION_METHODS
 from deltaserve.parity.backends import REFERENCES
 from deltaserve.parity.capture import DEFAULT_TOPK
 from deltaserve.parity.check import DEFAULT_TIE_MARGINS
@@ -58,7 +59,7 @@ def add_parity_parser(sub) -> None:
                      help=f"golden logit gaps under this are near-ties (default per --dtype: {defaults}; measured, "
                           "see BENCHMARKS.md)")
     chk.add_argument("--plot", help="write a PNG of the golden's margins with the divergences marked")
-    chk.add_argument("--quantization", choices=["fp8"], default=None,
+    chk.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
                      help="check deltaserve with FP8 weights (quantized at load) against the golden")
 
 

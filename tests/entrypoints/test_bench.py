@@ -34,3 +34,13 @@ def test_cache_capacity_spends_the_allocated_bytes_on_one_request_or_on_4k_reque
 def test_bench_rejects_a_non_positive_long_prompt(tiny_model, capsys):
     assert main(["bench", "--model", str(tiny_model), "--long-prompt-len", "0"]) == 2
     assert "--long-prompt-len" in capsys.readouterr().err
+
+
+def test_bench_rejects_a_long_prompt_past_max_model_len(tiny_model, capsys):
+    assert main(["bench", "--model", str(tiny_model), "--long-prompt-len", "100", "--max-model-len", "64"]) == 2
+    assert "needs --max-model-len >= 108" in capsys.readouterr().err
+
+
+def test_gpu_memory_utilization_out_of_range_is_refused(tiny_model, capsys):
+    assert main(["bench", "--model", str(tiny_model), "--gpu-memory-utilization", "1.5"]) == 2
+    assert "gpu_memory_utilization" in capsys.readouterr().err

@@ -3,23 +3,14 @@ Skipped without CUDA."""
 
 import pytest
 import torch
+from helpers.kernels import fp8_expert_case, quantized, rel_err
 
-from deltaserve.kernels.moe.naive import naive_experts
-from deltaserve.kernels.quant import dequantize_fp8, fp8_fused_experts, fp8_linear, quantize_fp8
+from deltaserve.kernels.quant import dequantize_fp8, fp8_fused_experts, fp8_linear
 from deltaserve.kernels.quant.naive import naive_fp8_linear
 from deltaserve.kernels.quant.triton_linear import fp8_dequantize_triton, fp8_matmul
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEV = "cuda"
-
-
-def rel_err(a, b):
-    return ((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm()).item()
-
-
-def quantized(shape, block, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return quantize_fp8(torch.randn(shape, generator=gen) * torch.rand(shape[-1], generator=gen) * 3, block)
 
 
 @pytest.mark.parametrize("shape,block", [((33, 130), (128, 128)), ((2, 300, 450), (128, 128)), ((129, 257), (16, 24))])
@@ -46,14 +37,8 @@ def test_gpu_fp8_linear_matches_twin(M, dtype):
 
 @pytest.mark.parametrize("T", [1, 4, 40])
 def test_gpu_fp8_experts_match_naive(T):
-    gen = torch.Generator().manual_seed(T)
     E, k, D, I, block = 32, 8, 512, 256, (128, 128)
-    w13, s13 = quantized((E, 2 * I, D), block, T)
-    w2, s2 = quantized((E, D, I), block, E)
-    x = torch.randn(T, D, generator=gen) * 0.1
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-    weights = torch.rand(T, k, generator=gen)
-    expected = naive_experts(x, dequantize_fp8(w13, s13, block), dequantize_fp8(w2, s2, block), weights, ids)
+    x, w13, s13, w2, s2, weights, ids, expected = fp8_expert_case(T, E, k, D, I, block, seeds=(T, T, E))
     out = fp8_fused_experts(x.to(DEV).bfloat16(), w13.to(DEV), s13.to(DEV), w2.to(DEV), s2.to(DEV), weights.to(DEV),
                             ids.to(DEV), block)
     assert rel_err(out, expected) < 2e-2

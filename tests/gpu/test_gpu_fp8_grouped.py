@@ -3,23 +3,13 @@ once and replayed with other routings equals eager. Skipped without CUDA."""
 
 import pytest
 import torch
+from helpers.kernels import fp8_expert_case, quantized, rel_err
 
-from deltaserve.kernels.moe.naive import naive_experts
-from deltaserve.kernels.quant import dequantize_fp8, quantize_fp8
 from deltaserve.kernels.quant.triton_grouped import fp8_grouped_experts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEV = "cuda"
 E, K, D, I, BLOCK = 32, 8, 512, 256, (128, 128)
-
-
-def rel_err(a, b):
-    return ((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm()).item()
-
-
-def quantized(shape, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return quantize_fp8(torch.randn(shape, generator=gen) * torch.rand(shape[-1], generator=gen) * 3, BLOCK)
 
 
 def routing(T, experts, gen):
@@ -29,12 +19,7 @@ def routing(T, experts, gen):
 
 @pytest.mark.parametrize("T", [1, 64, 300])
 def test_gpu_fp8_grouped_experts_match_naive(T):
-    gen = torch.Generator().manual_seed(T)
-    w13, s13 = quantized((E, 2 * I, D), T)
-    w2, s2 = quantized((E, D, I), E)
-    x = torch.randn(T, D, generator=gen) * 0.1
-    weights, ids = routing(T, torch.arange(E), gen)
-    expected = naive_experts(x, dequantize_fp8(w13, s13, BLOCK), dequantize_fp8(w2, s2, BLOCK), weights, ids)
+    x, w13, s13, w2, s2, weights, ids, expected = fp8_expert_case(T, E, K, D, I, BLOCK, seeds=(T, T, E))
     out = fp8_grouped_experts(x.to(DEV).bfloat16(), w13.to(DEV), s13.to(DEV), w2.to(DEV), s2.to(DEV),
                               weights.to(DEV), ids.to(DEV), BLOCK)
     assert out.dtype == torch.bfloat16
@@ -45,8 +30,8 @@ def test_gpu_fp8_grouped_experts_capture_in_a_cuda_graph_and_replay_with_new_rou
     """Captured with uniform routing, replayed with all pairs on the first 8 experts (more blocks of some experts,
     none of the others), then uniform again: each replay equals eager on the same inputs."""
     T, gen = 64, torch.Generator().manual_seed(0)
-    w13, s13 = (t.to(DEV) for t in quantized((E, 2 * I, D), 1))
-    w2, s2 = (t.to(DEV) for t in quantized((E, D, I), 2))
+    w13, s13 = (t.to(DEV) for t in quantized((E, 2 * I, D), BLOCK, 1))
+    w2, s2 = (t.to(DEV) for t in quantized((E, D, I), BLOCK, 2))
     x = (torch.randn(T, D, generator=gen) * 0.1).to(DEV).bfloat16()
     weights, ids = (t.to(DEV) for t in routing(T, torch.arange(E), gen))
 

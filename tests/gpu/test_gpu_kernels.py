@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers.kernels import rel_err
 
 from deltaserve.kernels.kda import fused_recurrent_kda, kda_decode, kda_gate, l2norm
 from deltaserve.kernels.kda.chunk import chunk_kda
@@ -12,10 +13,6 @@ from deltaserve.kernels.moe.triton_routing import triton_topk
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEV = "cuda"
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def kda_inputs(N, H, K, dtype, gen):

@@ -2,30 +2,13 @@
 through Triton's interpreter, in float32 (the interpreter's bfloat16 tl.dot is not to be trusted). On a machine
 with CUDA, tests/gpu/test_gpu_fp8_grouped.py runs them compiled, in bfloat16 and under a CUDA graph."""
 
-import os
-
 import pytest
 import torch
+from helpers.kernels import fp8_expert_case, rel_err, require_triton_interpreter
 
-if torch.cuda.is_available():
-    pytest.skip("a GPU is present: tests/gpu runs these kernels compiled", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does)",
-                allow_module_level=True)
-pytest.importorskip("triton")
+require_triton_interpreter()
 
-from deltaserve.kernels.moe.naive import naive_experts  # noqa: E402
-from deltaserve.kernels.quant import dequantize_fp8, quantize_fp8  # noqa: E402
 from deltaserve.kernels.quant.triton_grouped import _block_table, fp8_grouped_experts  # noqa: E402
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def quantized(shape, block, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return quantize_fp8(torch.randn(shape, generator=gen) * torch.rand(shape[-1], generator=gen) * 3, block)
 
 
 @pytest.mark.parametrize("T,E,k,D,I,block,hit", [
@@ -38,14 +21,8 @@ def quantized(shape, block, seed):
     (20, 6, 3, 300, 130, (128, 128), None),  # gate/up per-element scales (I % 64 != 0), down aligned
 ])
 def test_fp8_grouped_experts_match_naive(T, E, k, D, I, block, hit):
-    gen = torch.Generator().manual_seed(T * E + D)
-    w13, s13 = quantized((E, 2 * I, D), block, T + I)
-    w2, s2 = quantized((E, D, I), block, E + D)
-    x = torch.randn(T, D, generator=gen) * 0.1
-    hit = torch.tensor(hit) if hit else torch.arange(E)
-    ids = torch.stack([hit[torch.randperm(len(hit), generator=gen)[:k]] for _ in range(T)])
-    weights = torch.rand(T, k, generator=gen)
-    expected = naive_experts(x, dequantize_fp8(w13, s13, block), dequantize_fp8(w2, s2, block), weights, ids)
+    x, w13, s13, w2, s2, weights, ids, expected = fp8_expert_case(T, E, k, D, I, block, (T * E + D, T + I, E + D),
+                                                                   experts=hit)
     assert rel_err(fp8_grouped_experts(x, w13, s13, w2, s2, weights, ids, block), expected) < 1e-5
 
 

@@ -2,32 +2,16 @@
 the dequantize kernel equals the CPU fallback bit for bit, the weight-only matmul and the expert GEMVs match the
 naive twins. On a machine with CUDA, tests/gpu/test_gpu_fp8.py runs them compiled instead."""
 
-import os
-
 import pytest
 import torch
+from helpers.kernels import fp8_expert_case, quantized, rel_err, require_triton_interpreter
 
-if torch.cuda.is_available():
-    pytest.skip("a GPU is present: tests/gpu runs these kernels compiled", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does)",
-                allow_module_level=True)
-pytest.importorskip("triton")
+require_triton_interpreter()
 
-from deltaserve.kernels.moe.naive import naive_experts  # noqa: E402
-from deltaserve.kernels.quant import FP8, dequantize_fp8, quantize_fp8  # noqa: E402
+from deltaserve.kernels.moe.triton_decode import decode_experts  # noqa: E402
+from deltaserve.kernels.quant import FP8, dequantize_fp8  # noqa: E402
 from deltaserve.kernels.quant.naive import naive_fp8_linear  # noqa: E402
-from deltaserve.kernels.quant.triton_experts import fp8_decode_experts  # noqa: E402
 from deltaserve.kernels.quant.triton_linear import fp8_dequantize_triton, fp8_matmul  # noqa: E402
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def quantized(shape, block, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return quantize_fp8(torch.randn(shape, generator=gen) * torch.rand(shape[-1], generator=gen) * 3, block)
 
 
 @pytest.mark.parametrize("shape,block", [((33, 130), (128, 128)), ((2, 70, 45), (16, 24)), ((129, 257), (32, 64))])
@@ -71,11 +55,5 @@ def test_weight_only_matmul_never_reads_past_the_scales():
     (2, 8, 2, 256, 256, (128, 128)),  # aligned: one scale per tile
 ])
 def test_fp8_decode_experts_kernel_matches_naive(T, E, k, D, I, block):
-    gen = torch.Generator().manual_seed(T * E)
-    w13, s13 = quantized((E, 2 * I, D), block, T)
-    w2, s2 = quantized((E, D, I), block, E)
-    x = torch.randn(T, D, generator=gen) * 0.1
-    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-    weights = torch.rand(T, k, generator=gen)
-    expected = naive_experts(x, dequantize_fp8(w13, s13, block), dequantize_fp8(w2, s2, block), weights, ids)
-    assert rel_err(fp8_decode_experts(x, w13, s13, w2, s2, weights, ids, block), expected) < 1e-5
+    x, w13, s13, w2, s2, weights, ids, expected = fp8_expert_case(T, E, k, D, I, block, seeds=(T * E, T, E))
+    assert rel_err(decode_experts(x, w13, w2, weights, ids, s13, s2, block), expected) < 1e-5

@@ -1,17 +1,11 @@
 """Our Triton kernels against their twins on the CPU, through Triton's interpreter (TRITON_INTERPRET=1), so CI
 checks them without a GPU. On a machine with CUDA, tests/gpu runs the same kernels compiled instead."""
 
-import os
-
 import pytest
 import torch
+from helpers.kernels import rel_err, require_triton_interpreter
 
-if torch.cuda.is_available():
-    pytest.skip("a GPU is present: tests/gpu runs these kernels compiled", allow_module_level=True)
-if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py does)",
-                allow_module_level=True)
-pytest.importorskip("triton")
+require_triton_interpreter()
 
 from deltaserve.kernels.conv1d_triton import conv1d_update  # noqa: E402
 from deltaserve.kernels.kda import fused_recurrent_kda, kda_gate, l2norm  # noqa: E402
@@ -20,10 +14,6 @@ from deltaserve.kernels.kda.triton_decode import kda_decode  # noqa: E402
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import decode_experts  # noqa: E402
 from deltaserve.kernels.moe.triton_routing import triton_topk  # noqa: E402
-
-
-def rel_err(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 @pytest.mark.parametrize("B,H,K", [(1, 2, 16), (3, 4, 32), (5, 1, 64), (2, 4, 48)])  # 48: the demo model's

@@ -1,6 +1,7 @@
 """Routed experts whose weights are block-wise FP8. On a GPU: few (token, expert) pairs run one GEMV per pair
-(kernels.quant.triton_experts), more run grouped by expert (kernels.quant.triton_grouped); both read the FP8 weights
-directly and neither syncs with the host, so decode steps capture in CUDA graphs. On the CPU: the chosen experts'
+(kernels.moe.triton_decode, multiplying in the block scales), more run grouped by expert
+(kernels.quant.triton_grouped); both read the FP8 weights directly and neither syncs with the host, so decode
+steps capture in CUDA graphs. On the CPU: the chosen experts'
 weights are dequantized, then kernels.moe.fused_experts runs as for any dtype."""
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ def fp8_fused_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.T
     [T, D] in x's dtype."""
     if x.is_cuda:
         if ids.numel() <= _MAX_PAIRS_PER_PAIR_GEMV:
-            from deltaserve.kernels.quant.triton_experts import fp8_decode_experts
+            from deltaserve.kernels.moe.triton_decode import decode_experts
 
-            return fp8_decode_experts(x, w13, w13_scale_inv, w2, w2_scale_inv, weights, ids, block)
+            return decode_experts(x, w13, w2, weights, ids, w13_scale_inv, w2_scale_inv, block)
         from deltaserve.kernels.quant.triton_grouped import fp8_grouped_experts
 
         return fp8_grouped_experts(x, w13, w13_scale_inv, w2, w2_scale_inv, weights, ids, block)
