@@ -13,6 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from deltaserve.kernels.kda import triton_decode as kda_triton_decode
+from deltaserve.kernels.mla import triton_decode as mla_triton_decode
 from deltaserve.kernels.moe import triton_decode, triton_routing
 from deltaserve.kernels.quant import triton_linear
 
@@ -45,6 +46,15 @@ def main() -> int:
             a_log_ptr="*fp32", state_ptr="*fp32", slots_ptr="*i64", o_ptr="*fp32", qkv_stride="i32", g_stride="i32",
             b_stride="i32", scale="fp32", H=32, K=K, V=K, BK=triton.next_power_of_2(K),
             BV=min(triton.next_power_of_2(K), 32)))
+    for dtype, splits in (("bf16", 1), ("bf16", 33), ("fp32", 8)):
+        ok &= check(f"MLA decode, {dtype}, {splits} splits", mla_triton_decode._mla_decode_split_kernel, dict(
+            q_ptr=f"*{dtype}", qr_ptr=f"*{dtype}", cache_ptr=f"*{dtype}", bt_ptr="*i64", lens_ptr="*i64",
+            mid_o_ptr="*fp32", mid_lse_ptr="*fp32", q_stride_b="i32", q_stride_h="i32", qr_stride_b="i32",
+            qr_stride_h="i32", bt_stride="i32", page_stride="i32", token_stride="i32", scale="fp32", H=32, R=512,
+            DR=64, BR=512, BDR=64, BLOCK_H=16, BLOCK_N=32, PAGE=16, NUM_SPLITS=splits, IEEE=dtype == "fp32"))
+        ok &= check(f"MLA merge, {dtype}, {splits} splits", mla_triton_decode._mla_decode_merge_kernel, dict(
+            mid_o_ptr="*fp32", mid_lse_ptr="*fp32", o_ptr=f"*{dtype}", R=512, BR=512, NUM_SPLITS=splits,
+            BS=max(2, triton.next_power_of_2(splits))))
     for aligned in (True, False):
         ok &= check(f"fp8 matmul, aligned {aligned}", triton_linear._matmul_kernel, dict(
             x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", y_ptr="*fp32", M="i32", N="i32", K=4096, S_COLS=32,

@@ -36,7 +36,7 @@ fi
 
 if has bench; then
   timeout ${T_BENCH:-300} $B --config $CFG --batch-sizes ${BATCHES:-1,64,256} --prompt-len 512 --output-len 32 \
-      --long-prompt-len 8192 --json-out "$OUT/bench_48b.json" > "$OUT/bench_48b.txt" 2>&1; tail -8 "$OUT/bench_48b.txt" | cut -c1-200
+      --long-prompt-len ${LONG:-8192} --json-out "$OUT/bench_48b.json" > "$OUT/bench_48b.txt" 2>&1; tail -8 "$OUT/bench_48b.txt" | cut -c1-200
 fi
 if has fp8; then
   timeout ${T_FP8:-300} $B --config $CFG --quantization fp8 --gpu-memory-utilization 0.51 --batch-sizes 1,64 --prompt-len 512 \

@@ -8,6 +8,7 @@ the copy bandwidth measured in the same process.
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 import torch
@@ -96,21 +97,24 @@ def _tokens_so_far(engine: Engine, finished: list) -> int:
     return running + sum(len(o.outputs[0].token_ids) for o in finished)
 
 
+LONG_OUTPUT_LEN = 16  # output tokens of a long-prompt row (at most): its decode steps time TPOT at that context
+
+
 def bench(model: str, engine_config: EngineConfig, batch_sizes: list[int], prompt_len: int, output_len: int,
-          long_prompt_len: int | None = None) -> dict:
-    """Rows for each batch size at prompt_len; with long_prompt_len, one more row: a single prompt that long (the
-    prefill figure of a long prompt), after a warm-up at that length."""
+          long_prompt_lens: list[int] = ()) -> dict:
+    """Rows for each batch size at prompt_len, then one row per long prompt length: a single prompt that long (the
+    prefill figure of a long prompt, and TPOT at that context), after one warm-up at the shortest of them."""
     from deltaserve.core.tensor_parallel import start_engine, stop_engine
 
     engine, workers = start_engine(model, engine_config)
     try:
-        return _bench(engine, batch_sizes, prompt_len, output_len, long_prompt_len)
+        return _bench(engine, batch_sizes, prompt_len, output_len, long_prompt_lens)
     finally:
         stop_engine(engine, workers)
 
 
 def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: int,
-           long_prompt_len: int | None) -> dict:
+           long_prompt_lens: list[int]) -> dict:
     engine_config, cfg = engine.config, engine.model_config
     device, world = engine_config.device, engine_config.tensor_parallel_size
     dtype_bytes = 4 if engine_config.dtype == "float32" else 2
@@ -120,15 +124,16 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
         torch.cuda.reset_peak_memory_stats(device)
     rows = []
     runs = [(batch, prompt_len, output_len) for batch in batch_sizes]
-    if long_prompt_len:
-        run_batch(engine, 1, long_prompt_len, 2, seed=98)  # warm-up: the long prompt's chunk shapes
-        runs.append((1, long_prompt_len, min(output_len, 8)))
+    if long_prompt_lens:
+        run_batch(engine, 1, min(long_prompt_lens), 2, seed=98)  # warm-up: a long prompt's chunk shapes
+        runs += [(1, n, min(output_len, LONG_OUTPUT_LEN)) for n in long_prompt_lens]
     for batch, prompt, output in runs:
         row = {"prompt_len": prompt, **run_batch(engine, batch, prompt, output, seed=batch + prompt)}
         # tensor parallel: each GPU reads about 1 / world of the bytes (the embedding and lm_head are replicated)
         floor = decode_step_bytes(cfg, batch, prompt + output // 2, dtype_bytes) / bandwidth / world
         row.update(floor_ms=1000 * floor, floor_tok_s=batch / floor)
         rows.append(row)
+        print(f"row {json.dumps(row)}", file=sys.stderr, flush=True)  # kept if a later row runs past a time limit
     peak = torch.cuda.max_memory_allocated(device) if device != "cpu" else None
     return {"device": torch.cuda.get_device_name(device) if device != "cpu" else "cpu", "dtype": engine_config.dtype,
             "quantization": cfg.quantization.method if cfg.quantization else None, "tensor_parallel_size": world,

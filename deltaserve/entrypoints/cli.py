@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-sizes", type=_token_ids, default=[1, 16, 64], help="e.g. 1,16,64")
     bench.add_argument("--prompt-len", type=int, default=512)
     bench.add_argument("--output-len", type=int, default=64)
-    bench.add_argument("--long-prompt-len", type=int, default=None,
-                       help="also time one prompt of this many tokens (prefill of a long prompt), e.g. 8192")
+    bench.add_argument("--long-prompt-len", type=_token_ids, default=[],
+                       help="also time one prompt of each of these lengths alone (its prefill, then decode at that "
+                            "context), e.g. 8192 or 8192,262144")
     bench.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     _engine_options(serve)
@@ -128,18 +129,20 @@ def cmd_generate(args) -> None:
 
 def cmd_bench(args) -> None:
     from deltaserve.config import EngineConfig
-    from deltaserve.entrypoints.bench import bench, print_report
+    from deltaserve.entrypoints.bench import LONG_OUTPUT_LEN, bench, print_report
     from deltaserve.entrypoints.llm import BUNDLED_MODEL, default_device
 
     if args.config and args.load_format != "dummy":
         raise ValueError("--config FILE has no weights: add --load-format dummy (or pass --model DIR)")
-    if args.long_prompt_len is not None and args.long_prompt_len < 1:
-        raise ValueError(f"--long-prompt-len {args.long_prompt_len}: must be a positive number of tokens")
-    if args.max_model_len and args.long_prompt_len and args.long_prompt_len + 8 > args.max_model_len:
-        raise ValueError(f"--long-prompt-len {args.long_prompt_len} needs --max-model-len >= "
-                         f"{args.long_prompt_len + 8} (the prompt and 8 output tokens); got {args.max_model_len}")
+    if any(n < 1 for n in args.long_prompt_len):
+        raise ValueError(f"--long-prompt-len {args.long_prompt_len}: each must be a positive number of tokens")
+    long_output = min(args.output_len, LONG_OUTPUT_LEN)
+    if args.max_model_len and args.long_prompt_len and max(args.long_prompt_len) + long_output > args.max_model_len:
+        raise ValueError(f"--long-prompt-len {max(args.long_prompt_len)} needs --max-model-len >= "
+                         f"{max(args.long_prompt_len) + long_output} (the prompt and {long_output} output tokens); "
+                         f"got {args.max_model_len}")
     device = args.device or default_device()
-    longest = max(args.prompt_len + args.output_len, (args.long_prompt_len or 0) + 8)
+    longest = max([args.prompt_len + args.output_len] + [n + long_output for n in args.long_prompt_len])
     engine = EngineConfig(dtype=args.dtype or ("float32" if device == "cpu" else "bfloat16"), device=device,
                           max_model_len=args.max_model_len or longest,
                           max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,

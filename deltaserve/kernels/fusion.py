@@ -10,6 +10,8 @@ import functools
 
 import torch
 
+RECOMPILE_LIMIT = 64
+
 
 def fused_on_gpu(fn):
     """fn, compiled (dynamic shapes, whole graph) when its first argument is a CUDA tensor, eager otherwise."""
@@ -21,6 +23,9 @@ def fused_on_gpu(fn):
         if not args[0].is_cuda:
             return fn(*args, **kwargs)
         if compiled is None:
+            # one specialisation per dtype, eps, rank and layout met: several models in one process (tests, a server
+            # restarting its engine) pass dynamo's default of 8 per function, which fails hard under fullgraph
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)
         return compiled(*args, **kwargs)
 

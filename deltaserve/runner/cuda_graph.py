@@ -3,8 +3,9 @@
 A decode step is launch-bound (hundreds of small kernels for a few milliseconds of weight traffic), so each
 captured size replays as one launch. Inputs live in static buffers; a batch is padded to the next captured
 size with rows that write only to a scratch state slot and a scratch page, which the cache manager never
-hands out. Graphs cover contexts up to `max_context` tokens (the block-table width is part of the shape);
-longer decodes, prefill and mixed steps run eagerly.
+hands out. The block-table width is part of the shape: graphs_width() makes it the model's whole length where
+the table stays small (MLA decode on the GPU reads only each sequence's context, whatever the width); decodes past
+it, prefill and mixed steps run eagerly.
 """
 
 from __future__ import annotations
@@ -14,6 +15,15 @@ import torch
 from deltaserve.runner.forward_batch import ForwardBatch
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+MAX_TABLE_BYTES = 256 << 20  # the static block table: 134 MB for 256 requests of 1M tokens in pages of 16
+
+
+def graph_width(max_model_len: int, block_size: int, max_batch: int) -> int:
+    """Block-table width (pages) of the captured graphs: the whole model length, unless the table would take more
+    than MAX_TABLE_BYTES; then as wide as fits (never under 4k tokens' worth)."""
+    full = -(-max_model_len // block_size)
+    fits = MAX_TABLE_BYTES // (8 * max_batch)
+    return max(min(full, fits), min(full, -(-4096 // block_size)))
 
 
 class DecodeGraphs:
@@ -56,8 +66,7 @@ class DecodeGraphs:
         self.slot_mapping[:B].copy_(batch.slot_mapping)
         self.state_slots[:B].copy_(batch.state_slots)
         self.context_lens[:B].copy_(batch.context_lens)
-        self.block_tables[:B, :width].copy_(batch.block_tables)
-        self.block_tables[:B, width:].fill_(self.scratch_block)
+        self.block_tables[:B, :width].copy_(batch.block_tables)  # entries past a context are never read
         self._pad_from(B)
         self.graphs[size].replay()
         return self.logits[size][:B]

@@ -8,6 +8,7 @@ sampled tokens, and copy the KDA states the scheduler asked to keep into their s
 
 from __future__ import annotations
 
+import gc
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,7 +20,7 @@ from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, check_divisible
 from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, sample
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
-from deltaserve.runner.cuda_graph import DecodeGraphs
+from deltaserve.runner.cuda_graph import DecodeGraphs, graph_width
 from deltaserve.runner.forward_batch import ForwardBatch
 from deltaserve.runner.logprobs import prompt_logprobs, sampled_logprobs
 from deltaserve.sampling_params import SamplingParams
@@ -52,7 +53,7 @@ _ONE_THREAD_MAX_TOKENS = 4  # measured on 2 cores: 1 thread as fast at 4 decode 
 
 class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, plan: CachePlan, dtype: torch.dtype, device: str,
-                 seed: int = 0, cuda_graphs: bool = True, graph_max_context: int = 4096):
+                 seed: int = 0, cuda_graphs: bool = True, graph_max_context: int | None = None):
         self.model, self.cfg, self.plan, self.device = model, model_config, plan, torch.device(device)
         if self.device.type == "cuda" and dtype == torch.float32:
             # float32 is the exact regime: no TF32 in matmuls, nor in cuDNN's convolutions (PyTorch allows it there
@@ -68,8 +69,13 @@ class ModelRunner:
         self.cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else None
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda" and dtype != torch.float32:  # float32: the exact, eager path
-            self.graphs = DecodeGraphs(model, self.caches, plan.num_slots, -(-graph_max_context // plan.block_size),
-                                       plan.block_size, plan.num_slots, plan.num_blocks, self.device)
+            # graph_max_context: the longest context decoded through a graph (the engine passes the model length;
+            # never more than the cache holds), where the static block table stays small
+            cache_tokens = plan.num_blocks * plan.block_size
+            longest = min(graph_max_context or cache_tokens, cache_tokens)
+            width = graph_width(longest, plan.block_size, plan.num_slots)
+            self.graphs = DecodeGraphs(model, self.caches, plan.num_slots, width, plan.block_size, plan.num_slots,
+                                       plan.num_blocks, self.device)
             with torch.inference_mode():
                 self.graphs.capture()
 
@@ -97,6 +103,7 @@ class ModelRunner:
         reserve; None on the CPU or with cache_bytes set (plan_cache then sizes from those)."""
         if engine.device == "cpu" or engine.cache_bytes is not None:
             return None
+        gc.collect()  # an engine dropped earlier in this process, held only by reference cycles, gives its memory back
         total = torch.cuda.get_device_properties(torch.device(engine.device)).total_memory
         used = torch.cuda.memory_allocated(engine.device)
         return int(total * engine.gpu_memory_utilization) - used - ACTIVATION_RESERVE_BYTES
@@ -120,7 +127,7 @@ class ModelRunner:
             out = self._sample(order, batch, lambda rows: logits[rows])
         else:
             hidden = self.model(input_ids, batch, self.caches)
-            out = self._sample(order, batch, lambda rows: self.model.compute_logits(hidden[rows]))
+            out = self._sample(order, batch, lambda rows: self.model.compute_logits(_rows(hidden, rows)))
         self._copy_states(sched.snapshot_saves, to_snapshots=True)  # the states after this step's tokens
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)  # the process's setting, as the caller left it
@@ -236,6 +243,11 @@ class ModelRunner:
         logits = logits_at(list(range(first_row, first_row + last - start)))
         targets = state.token_ids[start + 1: last + 1]
         out.prompt_logprobs[state.req_id] = prompt_logprobs(logits, targets, state.sampling_params.prompt_logprobs)
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows] for increasing rows: x itself when they are all its rows (a step of decodes), which spares a gather."""
+    return x if len(rows) == x.shape[0] else x[rows]
 
 
 def allocate_caches(model, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype,

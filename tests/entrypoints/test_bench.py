@@ -12,11 +12,11 @@ from deltaserve.entrypoints.cli import main
 def test_bench_command_writes_rows_and_capacity(tiny_model, tmp_path, capsys):
     out = tmp_path / "bench.json"
     args = ["bench", "--model", str(tiny_model), "--load-format", "dummy", "--batch-sizes", "1,3", "--prompt-len",
-            "7", "--output-len", "4", "--threads", "1", "--long-prompt-len", "40", "--json-out", str(out)]
+            "7", "--output-len", "4", "--threads", "1", "--long-prompt-len", "40,50", "--json-out", str(out)]
     assert main(args) == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
-    assert [(row["batch"], row["prompt_len"]) for row in result["rows"]] == [(1, 7), (3, 7), (1, 40)]
+    assert [(row["batch"], row["prompt_len"]) for row in result["rows"]] == [(1, 7), (3, 7), (1, 40), (1, 50)]
     for row in result["rows"]:
         assert row["tpot_ms"] > 0 and row["output_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["floor_ms"] > 0
     assert result["capacity"]["max_context_batch1"] > 0 and "requests of 4k tokens" in printed
@@ -38,7 +38,7 @@ def test_bench_rejects_a_non_positive_long_prompt(tiny_model, capsys):
 
 def test_bench_rejects_a_long_prompt_past_max_model_len(tiny_model, capsys):
     assert main(["bench", "--model", str(tiny_model), "--long-prompt-len", "100", "--max-model-len", "64"]) == 2
-    assert "needs --max-model-len >= 108" in capsys.readouterr().err
+    assert "needs --max-model-len >= 116" in capsys.readouterr().err
 
 
 def test_gpu_memory_utilization_out_of_range_is_refused(tiny_model, capsys):

@@ -1,5 +1,6 @@
 """Shared helpers of the kernel tests: the relative error, FP8 test weights, a routed-experts case with its naive
-expected output, and the guard of the test modules that run Triton kernels through the CPU interpreter."""
+expected output, a paged latent cache of ragged sequences, and the guard of the test modules that run Triton
+kernels through the CPU interpreter."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import pytest
 import torch
 
+from deltaserve.kernels.cache_ops import write_latents
 from deltaserve.kernels.moe.naive import naive_experts
 from deltaserve.kernels.quant import dequantize_fp8, quantize_fp8
 
@@ -49,3 +51,28 @@ def fp8_expert_case(T: int, E: int, k: int, D: int, I: int, block: tuple[int, in
     weights = torch.rand(T, k, generator=gen)
     expected = naive_experts(x, dequantize_fp8(w13, s13, block), dequantize_fp8(w2, s2, block), weights, ids)
     return x, w13, s13, w2, s2, weights, ids, expected
+
+
+class PagedLatents:
+    """A paged MLA cache [num_pages, page_size, latent_dim] holding random latents of sequences of `lengths`, their
+    pages in a random order. Pages no sequence owns (page 0 among them, which pads the block tables, as the runner
+    pads) hold huge finite garbage, so a read past a sequence's context shows in the output."""
+
+    def __init__(self, lengths: list[int], latent_dim: int, page_size: int, num_pages: int, gen: torch.Generator,
+                 dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        self.cache = torch.full((num_pages, page_size, latent_dim), 1e30, dtype=dtype)
+        free = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # page 0 stays garbage
+        self.latents, self.tables = [], []
+        for n in lengths:
+            pages = [free.pop() for _ in range(-(-n // page_size))]
+            latents = torch.randn(n, latent_dim, generator=gen).to(dtype)
+            slots = torch.tensor([pages[p // page_size] * page_size + p % page_size for p in range(n)])
+            write_latents(self.cache, slots, latents)
+            self.latents.append(latents)
+            self.tables.append(pages)
+        self.cache = self.cache.to(device)
+
+    def block_tables(self, width: int | None = None) -> torch.Tensor:
+        """[B, width] int64 (default: the longest table), padded with page 0."""
+        width = width or max(len(t) for t in self.tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in self.tables], device=self.cache.device)

@@ -8,42 +8,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.kernels import PagedLatents
 
-from deltaserve.kernels.cache_ops import write_latents
 from deltaserve.kernels.mla import gather_latents, mla_decode, mla_prefill
 from deltaserve.kernels.mla.naive import naive_mla
 
 H, DN, DR, DV, R = 3, 8, 4, 6, 16
 BLOCK_SIZE, NUM_PAGES = 4, 40
 SCALE = (DN + DR) ** -0.5
-GARBAGE = 1e30
 TOL = dict(rtol=1e-5, atol=1e-5)
-
-
-class PagedLatents:
-    """A paged cache [NUM_PAGES, BLOCK_SIZE, R+Dr] holding the latents of several sequences."""
-
-    def __init__(self, lengths: list[int], gen: torch.Generator):
-        self.cache = torch.full((NUM_PAGES, BLOCK_SIZE, R + DR), GARBAGE)
-        free = (torch.randperm(NUM_PAGES - 1, generator=gen) + 1).tolist()  # page 0 stays garbage
-        self.latents, self.tables = [], []
-        for n in lengths:
-            pages = [free.pop() for _ in range((n + BLOCK_SIZE - 1) // BLOCK_SIZE)]
-            latents = torch.randn(n, R + DR, generator=gen)
-            slots = torch.tensor([pages[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)])
-            write_latents(self.cache, slots, latents)
-            self.latents.append(latents)
-            self.tables.append(pages)
-
-    def block_tables(self) -> torch.Tensor:
-        """[B, max_blocks], padded with page 0 as the runner pads."""
-        width = max(len(t) for t in self.tables)
-        return torch.tensor([t + [0] * (width - len(t)) for t in self.tables])
 
 
 def test_gather_returns_exactly_what_was_written():
     gen = torch.Generator().manual_seed(0)
-    paged = PagedLatents([1, 4, 5, 13], gen)
+    paged = PagedLatents([1, 4, 5, 13], R + DR, BLOCK_SIZE, NUM_PAGES, gen)
     tables = paged.block_tables()
     for b, latents in enumerate(paged.latents):
         assert torch.equal(gather_latents(paged.cache, tables[b], len(latents)), latents)
@@ -54,7 +32,7 @@ def test_absorbed_decode_matches_naive(lengths):
     """Each sequence's newest token attends over its whole context, in the latent space (kv_b_proj folded into
     the query and the output), against the expanded naive attention."""
     gen = torch.Generator().manual_seed(len(lengths))
-    paged = PagedLatents(lengths, gen)
+    paged = PagedLatents(lengths, R + DR, BLOCK_SIZE, NUM_PAGES, gen)
     w_kv_b = torch.randn(H * (DN + DV), R, generator=gen) * 0.3
     q_nope = torch.randn(len(lengths), H, DN, generator=gen)
     q_rope = torch.randn(len(lengths), H, DR, generator=gen)
@@ -73,7 +51,8 @@ def test_prefill_matches_naive(start_pos, num_new):
     after start_pos cached tokens), keys and values expanded from the paged latents."""
     gen = torch.Generator().manual_seed(start_pos * 31 + num_new)
     length = start_pos + num_new
-    paged = PagedLatents([length + 3], gen)  # the sequence has later latents the chunk must not see
+    # the sequence has later latents the chunk must not see
+    paged = PagedLatents([length + 3], R + DR, BLOCK_SIZE, NUM_PAGES, gen)
     latents = gather_latents(paged.cache, paged.block_tables()[0], length)
     w_kv_b = torch.randn(H * (DN + DV), R, generator=gen) * 0.3
     kv = (latents[:, :R] @ w_kv_b.t()).view(length, H, DN + DV)

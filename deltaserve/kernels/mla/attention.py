@@ -8,6 +8,7 @@ reads R + Dr values per cached token instead of expanding the whole history agai
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -53,7 +54,13 @@ def mla_decode(
     q_latent [B, H, R] (q_nope already multiplied by the key half of kv_b_proj), q_rope [B, H, Dr],
     cache [P, bs, R+Dr], block_tables [B, max_blocks] int64, context_lens [B] int64 (tokens cached, this one
     included). Returns the attention-weighted latent [B, H, R]; the caller applies the value half of kv_b_proj.
+    On a GPU in half precision, the paged Triton kernel (reads only each sequence's context); float32 keeps this
+    torch path (the exact regime), which gathers the table's whole width and masks past each context.
     """
+    if q_latent.is_cuda and cache.dtype != torch.float32:
+        from deltaserve.kernels.mla.triton_decode import triton_mla_decode
+
+        return triton_mla_decode(q_latent, q_rope, cache, block_tables, context_lens, scale)
     B, _, R = q_latent.shape
     latents = cache[block_tables].flatten(1, 2)  # [B, L, R+Dr], L = max_blocks * block_size: no host sync
     max_len = latents.shape[1]
@@ -70,9 +77,9 @@ def _sdpa_prefill(q_nope, q_rope, k_nope, k_rope, v, scale: float, start_pos: in
     L = k_nope.shape[0]
     q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)[None]  # [1, H, T, Dn+Dr]
     k = torch.cat([k_nope, k_rope[:, None, :].expand(L, H, -1)], dim=-1).transpose(0, 1)[None]
-    mask = None
-    if start_pos:
-        mask = torch.arange(L, device=q.device)[None, :] <= start_pos + torch.arange(T, device=q.device)[:, None]
+    # a chunk after start_pos cached tokens: causal aligned to the bottom right (query t sees keys <= start_pos + t)
+    # as a bias object, not a [T, L] mask (2 GB for a chunk of 8k at a 256k context), so the fused kernels run
+    mask = causal_lower_right(T, L) if start_pos else None
     out = F.scaled_dot_product_attention(q, k, v.transpose(0, 1)[None], attn_mask=mask, is_causal=not start_pos,
                                          scale=scale)
     return out[0].transpose(0, 1)  # [T, H, Dv]

@@ -1,0 +1,126 @@
+"""Paged MLA decode on the GPU in the latent space, split along the context (flash-decoding).
+
+Each program takes one block of heads of one sequence and one slice of its context; it reads that slice's
+latents [c_kv R | k_rot Dr] straight from the pages named by the block table (once for the whole head block: the
+latent is shared by every head), keeps an online softmax, and writes its partial output and log-sum-exp. A second
+kernel merges the slices. Work and traffic follow each sequence's context length, not the block table's width, so
+a CUDA graph captured with a table wide enough for the model's whole length costs nothing extra for short
+contexts.
+
+Twin: attention.mla_decode's torch path (gather every page, masked softmax), tested against it.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK_N = 32  # context tokens per inner step
+_TARGET_PROGRAMS = 528  # ~4 per SM of an H100/H200: enough to stream the cache at full bandwidth
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    q_ptr, qr_ptr, cache_ptr, bt_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
+    q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale,
+    H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    i_hb, i_split, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b = i_b.to(tl.int64)
+    ctx = tl.load(lens_ptr + b).to(tl.int32)
+    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = i_split * per_split
+    end = tl.minimum(start + per_split, ctx)
+
+    heads = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_r, offs_dr = tl.arange(0, BR), tl.arange(0, BDR)
+    mh, mr, mdr = heads < H, offs_r < R, offs_dr < DR
+    q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + offs_r[None, :],
+                mask=mh[:, None] & mr[None, :], other=0.0)  # [BLOCK_H, BR]
+    qr = tl.load(qr_ptr + b * qr_stride_b + heads[:, None] * qr_stride_h + offs_dr[None, :],
+                 mask=mh[:, None] & mdr[None, :], other=0.0)  # [BLOCK_H, BDR]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BR], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        mt = toks < end
+        page = tl.load(bt_ptr + b * bt_stride + toks // PAGE, mask=mt, other=0).to(tl.int64)
+        row = page * page_stride + (toks % PAGE).to(tl.int64) * token_stride  # [BLOCK_N]
+        kv = tl.load(cache_ptr + row[:, None] + offs_r[None, :], mask=mt[:, None] & mr[None, :], other=0.0)
+        kr = tl.load(cache_ptr + row[:, None] + R + offs_dr[None, :], mask=mt[:, None] & mdr[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(kv), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(kv)) + tl.dot(qr, tl.trans(kr))  # [BLOCK_H, BLOCK_N] float32
+        s = tl.where(mt[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+        m_i = m_new
+
+    mid = (b * H + heads) * NUM_SPLITS + i_split  # [BLOCK_H]
+    if start < end:
+        tl.store(mid_o_ptr + mid[:, None] * R + offs_r[None, :], acc / l_i[:, None], mask=mh[:, None] & mr[None, :])
+        tl.store(mid_lse_ptr + mid, m_i + tl.log(l_i), mask=mh)
+    else:  # an empty slice (context shorter than the splits): weight zero in the merge
+        tl.store(mid_lse_ptr + mid, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mh)
+
+
+@triton.jit
+def _mla_decode_merge_kernel(mid_o_ptr, mid_lse_ptr, o_ptr, R: tl.constexpr, BR: tl.constexpr,
+                             NUM_SPLITS: tl.constexpr, BS: tl.constexpr):
+    """One (sequence, head): the slices' outputs weighted by exp(lse - max lse)."""
+    row = tl.program_id(0).to(tl.int64)  # b * H + h
+    offs_s, offs_r = tl.arange(0, BS), tl.arange(0, BR)
+    ms, mr = offs_s < NUM_SPLITS, offs_r < R
+    lse = tl.load(mid_lse_ptr + row * NUM_SPLITS + offs_s, mask=ms, other=float("-inf"))
+    w = tl.exp(lse - tl.max(lse, axis=0))  # the first slice is never empty: max is finite
+    w = tl.where(ms & (lse > float("-inf")), w, 0.0)
+    parts = tl.load(mid_o_ptr + (row * NUM_SPLITS + offs_s[:, None]) * R + offs_r[None, :],
+                    mask=(ms & (lse > float("-inf")))[:, None] & mr[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(o_ptr + row * R + offs_r, out.to(o_ptr.dtype.element_ty), mask=mr)
+
+
+def num_splits(batch: int, head_blocks: int, max_tokens: int) -> int:
+    """Context slices per (sequence, head block): enough programs to fill the GPU, a slice at least one inner step,
+    never more than 64. Depends on shapes only, so a CUDA graph captures one value."""
+    want = triton.cdiv(_TARGET_PROGRAMS, batch * head_blocks)
+    return max(1, min(64, want, triton.cdiv(max_tokens, _BLOCK_N)))
+
+
+def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr],
+    block_tables [B, max_blocks], context_lens [B] (>= 1 each). Returns [B, H, R] in q_latent's dtype. Only the
+    first context_lens[b] tokens of each table are read; entries past them may hold anything."""
+    B, H, R = q_latent.shape
+    DR = q_rope.shape[-1]
+    page = cache.shape[1]
+    assert cache.shape[2] == R + DR and cache.stride(2) == 1 and q_latent.stride(2) == 1 and q_rope.stride(2) == 1
+    block_h = 16 if H >= 16 else max(triton.next_power_of_2(H), 16)  # tl.dot needs 16 rows
+    head_blocks = triton.cdiv(H, block_h)
+    splits = num_splits(B, head_blocks, block_tables.shape[1] * page)
+    mid_o = torch.empty(B, H, splits, R, dtype=torch.float32, device=q_latent.device)
+    mid_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q_latent.device)
+    q_rope = q_rope.to(q_latent.dtype)
+    _mla_decode_split_kernel[(head_blocks, splits, B)](
+        q_latent, q_rope, cache, block_tables, context_lens, mid_o, mid_lse,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
+        cache.stride(0), cache.stride(1), scale,
+        H=H, R=R, DR=DR, BR=triton.next_power_of_2(R), BDR=max(16, triton.next_power_of_2(DR)), BLOCK_H=block_h,
+        BLOCK_N=_BLOCK_N, PAGE=page, NUM_SPLITS=splits, IEEE=q_latent.dtype == torch.float32,
+        num_warps=4, num_stages=2,
+    )
+    out = torch.empty(B, H, R, dtype=q_latent.dtype, device=q_latent.device)
+    _mla_decode_merge_kernel[(B * H,)](mid_o, mid_lse, out, R=R, BR=triton.next_power_of_2(R), NUM_SPLITS=splits,
+                                       BS=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    return out
