@@ -14,6 +14,11 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
         from deltaserve.kernels.conv1d_triton import conv1d_update
 
         return conv1d_update(x, weight, conv_state, state_slots)
+    if x.shape[0] == 1:  # batch 1 on the CPU: the state row as a view, no gather and scatter (same sums)
+        state = conv_state[int(state_slots)]  # [D, W-1]
+        window = torch.cat([state, x.t()], dim=-1)  # [D, W]
+        state.copy_(window[:, 1:])
+        return F.silu((window * weight).sum(-1))[None]
     window = torch.cat([conv_state.index_select(0, state_slots), x[:, :, None]], dim=-1)  # [B, D, W]
     conv_state.index_copy_(0, state_slots, window[:, :, 1:])
     return F.silu((window * weight).sum(-1))

@@ -82,6 +82,20 @@ def test_varlen_single_token_equals_update():
     torch.testing.assert_close(pool_a, pool_b, **TOL)
 
 
+def test_update_of_one_sequence_is_bitwise_its_row_in_a_batch():
+    """Batch 1 takes its own path (the state row as a view): the same bits as the batched gather and scatter."""
+    gen = torch.Generator().manual_seed(9)
+    weight = torch.randn(D, 4, generator=gen)
+    x = torch.randn(5, 2, D, generator=gen)
+    pool = conv_pool(gen, 4, [4, 1])
+    initial, alone = pool.clone(), pool.clone()
+    for t in range(5):
+        batched = causal_conv1d_update(x[t], weight, pool, torch.tensor([4, 1]))
+        assert torch.equal(causal_conv1d_update(x[t, :1], weight, alone, torch.tensor([4])), batched[:1])
+    assert torch.equal(alone[4], pool[4]) and torch.equal(alone[1], initial[1])
+    check_untouched(alone, [4, 1])
+
+
 def test_update_batch_in_unsorted_slots():
     """Four sequences decode together for 6 steps; each keeps its own tail."""
     gen = torch.Generator().manual_seed(8)

@@ -88,6 +88,15 @@ def test_fused_experts_with_every_token_on_the_same_experts():
                                rtol=1e-5, atol=1e-5)
 
 
+def test_one_token_is_bitwise_its_row_among_tokens_on_other_experts():
+    """One token takes its own path (no grouping): the same bits as the grouped path, where its experts see it alone."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 16, generator=gen)
+    w13, w2 = torch.randn(6, 12, 16, generator=gen) * 0.2, torch.randn(6, 16, 6, generator=gen) * 0.2
+    ids, weights = torch.tensor([[4, 1], [0, 5]]), torch.rand(2, 2, generator=gen)
+    assert torch.equal(fused_experts(x[:1], w13, w2, weights[:1], ids[:1]), fused_experts(x, w13, w2, weights, ids)[:1])
+
+
 def test_naive_experts_is_the_weighted_sum_of_swiglus():
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(1, 8, generator=gen)

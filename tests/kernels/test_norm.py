@@ -16,6 +16,17 @@ def test_rms_norm_float32_is_the_formula():
     torch.testing.assert_close(rms_norm(x, weight, 1e-5), expected, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(1, 256), (5, 24), (2, 3, 64)])
+def test_float32_norms_are_bitwise_the_written_out_ops(shape):
+    """On the CPU in float32 both norms run through PyTorch's rms_norm: the same bits as the reference's ops."""
+    gen = torch.Generator().manual_seed(4)
+    x, gate = torch.randn(shape, generator=gen) * 3, torch.randn(shape, generator=gen)
+    weight = torch.randn(shape[-1], generator=gen)
+    normed = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.equal(rms_norm(x, weight, 1e-5), normed)
+    assert torch.equal(gated_rms_norm(x, gate, weight, 1e-5), normed * torch.sigmoid(gate))
+
+
 def test_rms_norm_eps_matters_for_small_inputs():
     x, weight = torch.full((1, 4), 1e-3), torch.ones(4)
     assert rms_norm(x, weight, 1e-6)[0, 0].item() == pytest.approx(1e-3 / (1e-6 + 1e-6) ** 0.5, rel=1e-5)

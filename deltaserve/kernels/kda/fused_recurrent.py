@@ -35,7 +35,7 @@ def _in_place(q, k, v, decay, beta, state, slots: list[int]) -> torch.Tensor:
     for b, slot in enumerate(slots):
         S = state[slot]  # [H, K, V], a view
         S.mul_(decay[b, :, :, None])
-        predicted = (k[b, :, None, :] @ S)[:, 0]  # [H, V]
+        predicted = torch.bmm(k[b, :, None, :], S)[:, 0]  # [H, V]; bmm, not @: matmul's kernel without its checks
         S.baddbmm_(k[b, :, :, None], ((v[b] - predicted) * beta[b, :, None])[:, None, :])
-        torch.matmul(q[b, :, None, :], S, out=o[b, :, None, :])
+        torch.bmm(q[b, :, None, :], S, out=o[b, :, None, :])
     return o

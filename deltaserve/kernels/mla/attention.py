@@ -15,7 +15,7 @@ def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     """cache [P, bs, R+Dr], block_table [num_blocks] -> the first `length` latents of one sequence [length, R+Dr]."""
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:length]
+    return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:length]
 
 
 def mla_prefill(
@@ -62,7 +62,9 @@ def mla_decode(
 
         return triton_mla_decode(q_latent, q_rope, cache, block_tables, context_lens, scale)
     B, _, R = q_latent.shape
-    latents = cache[block_tables].flatten(1, 2)  # [B, L, R+Dr], L = max_blocks * block_size: no host sync
+    # [B, L, R+Dr], L = max_blocks * block_size: no host sync; index_select, not cache[block_tables] (on the CPU
+    # the advanced index costs ~50 us a layer at batch 1, about a third of the layer)
+    latents = cache.index_select(0, block_tables.flatten()).view(B, -1, cache.shape[-1])
     max_len = latents.shape[1]
     c_kv, k_rope = latents[..., :R], latents[..., R:]  # [B, L, R], [B, L, Dr]
     scores = q_latent @ c_kv.transpose(1, 2) + q_rope @ k_rope.transpose(1, 2)  # [B, H, L]
