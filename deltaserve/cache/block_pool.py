@@ -18,21 +18,27 @@ class BlockPool:
             raise ValueError(f"BlockPool num_blocks = {num_blocks!r}: must be a positive integer; "
                              "size the cache with deltaserve.cache.sizing.plan_cache")
         self.num_blocks = num_blocks
-        self._free_ids: deque[int] = deque(range(num_blocks))
-        self._is_free = [True] * num_blocks
+        # the free list is ids _next_fresh.. (never handed out, in order) followed by _freed (returned, oldest
+        # first): a deque of every id, without building one (a small model's GPU cache has tens of millions of pages)
+        self._next_fresh = 0
+        self._freed: deque[int] = deque()
+        self._is_free = bytearray(b"\x01") * num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_ids)
+        return self.num_blocks - self._next_fresh + len(self._freed)
 
     def allocate(self, num: int) -> list[int]:
         """Take `num` free pages; raises if fewer are free (callers check num_free_blocks first)."""
         if not isinstance(num, int) or num < 0:
             raise ValueError(f"BlockPool.allocate({num!r}): the page count must be an integer >= 0")
-        if num > len(self._free_ids):
-            raise RuntimeError(f"BlockPool.allocate({num}): {len(self._free_ids)} of {self.num_blocks} pages are "
+        if num > self.num_free_blocks:
+            raise RuntimeError(f"BlockPool.allocate({num}): {self.num_free_blocks} of {self.num_blocks} pages are "
                                "free; check num_free_blocks before allocating, or preempt a request first")
-        ids = [self._free_ids.popleft() for _ in range(num)]
+        fresh = min(num, self.num_blocks - self._next_fresh)
+        ids = list(range(self._next_fresh, self._next_fresh + fresh))
+        self._next_fresh += fresh
+        ids += [self._freed.popleft() for _ in range(num - fresh)]
         for block_id in ids:
             self._is_free[block_id] = False
         return ids
@@ -47,4 +53,4 @@ class BlockPool:
                 raise ValueError(f"BlockPool.free: block {block_id} is already free (double free); "
                                  "a request's block_ids must be cleared when its pages are returned")
             self._is_free[block_id] = True
-            self._free_ids.append(block_id)
+            self._freed.append(block_id)

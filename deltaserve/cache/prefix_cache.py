@@ -64,7 +64,7 @@ class PrefixCache:
 
     def __init__(self, block_pool: BlockPool):
         self.block_pool = block_pool
-        self._ref_counts = [0] * block_pool.num_blocks
+        self._ref_counts = array("i", bytes(4 * block_pool.num_blocks))  # 4 bytes a page, built in C
         self._page_of: dict[bytes, int] = {}  # block hash -> the cached page holding that block
         self._hash_of: dict[int, bytes] = {}  # cached page -> its block hash
         self._unreferenced: OrderedDict[int, None] = OrderedDict()  # cached pages no request holds, LRU first

@@ -14,6 +14,22 @@ def test_block_pool_hands_out_distinct_ids_and_takes_them_back():
     assert pool.num_free_blocks == 3 and sorted(pool.allocate(3)) == sorted(first)
 
 
+def test_block_pool_hands_out_never_used_pages_first_then_returned_ones_oldest_first():
+    pool = BlockPool(6)
+    first = pool.allocate(4)
+    pool.free([first[2], first[0]])
+    assert pool.allocate(3) == [4, 5, first[2]]  # the two never used, then the oldest returned
+    assert pool.num_free_blocks == 1 and pool.allocate(1) == [first[0]] and pool.num_free_blocks == 0
+
+
+def test_a_pool_of_a_hundred_million_pages_holds_a_byte_a_page():
+    """A small model's GPU cache has tens of millions of pages: no per-page Python objects (a list of ids was
+    ~60 bytes a page and seconds to build)."""
+    pool = BlockPool(100_000_000)
+    assert pool.num_free_blocks == 100_000_000 and len(pool._freed) == 0
+    assert pool.allocate(3) == [0, 1, 2] and pool.num_free_blocks == 100_000_000 - 3
+
+
 def test_block_pool_refuses_more_than_free_and_takes_nothing():
     pool = BlockPool(4)
     pool.allocate(3)
