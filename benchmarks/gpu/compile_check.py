@@ -21,14 +21,14 @@ TARGET = GPUTarget("cuda", 90, 32)
 TYPES = ("*", "i32", "i64", "fp32")  # an argument given as a string starting so is a runtime argument of that type
 
 
-def check(name: str, fn, args: dict, num_warps: int = 4) -> bool:
+def check(name: str, fn, args: dict, num_warps: int = 4, num_stages: int = 3) -> bool:
     """args: each kernel argument, as its type ("*bf16", "i32", ...) or as its constexpr value."""
     runtime = {k: v for k, v in args.items() if isinstance(v, str) and v.startswith(TYPES)}
     signature = {k: runtime.get(k, "constexpr") for k in args}
     constexprs = {k: v for k, v in args.items() if k not in runtime}
     try:
         kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
-                                options={"num_warps": num_warps})
+                                options={"num_warps": num_warps, "num_stages": num_stages})
     except Exception as e:  # noqa: BLE001 -- report every kernel's outcome, then fail
         print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
         return False
@@ -46,15 +46,15 @@ def main() -> int:
             a_log_ptr="*fp32", state_ptr="*fp32", slots_ptr="*i64", o_ptr="*fp32", qkv_stride="i32", g_stride="i32",
             b_stride="i32", scale="fp32", H=32, K=K, V=K, BK=triton.next_power_of_2(K),
             BV=min(triton.next_power_of_2(K), 32)))
-    for dtype, splits in (("bf16", 1), ("bf16", 33), ("fp32", 8)):
-        ok &= check(f"MLA decode, {dtype}, {splits} splits", mla_triton_decode._mla_decode_split_kernel, dict(
+    for dtype in ("bf16", "fp32"):
+        ok &= check(f"MLA decode, {dtype}", mla_triton_decode._mla_decode_split_kernel, dict(
             q_ptr=f"*{dtype}", qr_ptr=f"*{dtype}", cache_ptr=f"*{dtype}", bt_ptr="*i64", lens_ptr="*i64",
             mid_o_ptr="*fp32", mid_lse_ptr="*fp32", q_stride_b="i32", q_stride_h="i32", qr_stride_b="i32",
-            qr_stride_h="i32", bt_stride="i32", page_stride="i32", token_stride="i32", scale="fp32", H=32, R=512,
-            DR=64, BR=512, BDR=64, BLOCK_H=16, BLOCK_N=32, PAGE=16, NUM_SPLITS=splits, IEEE=dtype == "fp32"))
-        ok &= check(f"MLA merge, {dtype}, {splits} splits", mla_triton_decode._mla_decode_merge_kernel, dict(
-            mid_o_ptr="*fp32", mid_lse_ptr="*fp32", o_ptr=f"*{dtype}", R=512, BR=512, NUM_SPLITS=splits,
-            BS=max(2, triton.next_power_of_2(splits))))
+            qr_stride_h="i32", bt_stride="i32", page_stride="i32", token_stride="i32", scale="fp32", page_size="i32",
+            num_splits="i32", H=32, R=512, DR=64, BR=512, BDR=64, BLOCK_H=16, BLOCK_N=32, IEEE=dtype == "fp32"),
+            num_stages=mla_triton_decode.NUM_STAGES)
+        ok &= check(f"MLA merge, {dtype}", mla_triton_decode._mla_decode_merge_kernel, dict(
+            mid_o_ptr="*fp32", mid_lse_ptr="*fp32", o_ptr=f"*{dtype}", num_splits="i32", R=512, BR=512))
     for aligned in (True, False):
         ok &= check(f"fp8 matmul, aligned {aligned}", triton_linear._matmul_kernel, dict(
             x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", y_ptr="*fp32", M="i32", N="i32", K=4096, S_COLS=32,

@@ -25,7 +25,10 @@ def fused_on_gpu(fn):
         if compiled is None:
             # one specialisation per dtype, eps, rank and layout met: several models in one process (tests, a server
             # restarting its engine) pass dynamo's default of 8 per function, which fails hard under fullgraph
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+            # (recompile_limit since torch 2.7; cache_size_limit before, still its alias)
+            config = torch._dynamo.config
+            name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+            setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)
         return compiled(*args, **kwargs)
 

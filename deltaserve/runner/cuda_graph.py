@@ -3,7 +3,7 @@
 A decode step is launch-bound (hundreds of small kernels for a few milliseconds of weight traffic), so each
 captured size replays as one launch. Inputs live in static buffers; a batch is padded to the next captured
 size with rows that write only to a scratch state slot and a scratch page, which the cache manager never
-hands out. The block-table width is part of the shape: graphs_width() makes it the model's whole length where
+hands out. The block-table width is part of the shape: graph_width() makes it the model's whole length where
 the table stays small (MLA decode on the GPU reads only each sequence's context, whatever the width); decodes past
 it, prefill and mixed steps run eagerly.
 """
@@ -72,13 +72,14 @@ class DecodeGraphs:
         return self.logits[size][:B]
 
     def _pad_from(self, start: int) -> None:
-        """Rows from `start` on: one token into the scratch page, state in the scratch slot."""
+        """Rows from `start` on: one token into the scratch page, state in the scratch slot. Their context is that
+        one token, so only the first table entry is read (a row is as wide as the model length: 512 KB at 1M)."""
         self.input_ids[start:].zero_()
         self.positions[start:].zero_()
         self.slot_mapping[start:].fill_(self.scratch_block * self.block_size)
         self.state_slots[start:].fill_(self.scratch_slot)
         self.context_lens[start:].fill_(1)
-        self.block_tables[start:].fill_(self.scratch_block)
+        self.block_tables[start:, 0].fill_(self.scratch_block)
 
     def _batch(self, size: int) -> ForwardBatch:
         return ForwardBatch(

@@ -16,20 +16,22 @@ import triton.language as tl
 
 _BLOCK_N = 32  # context tokens per inner step
 _TARGET_PROGRAMS = 528  # ~4 per SM of an H100/H200: enough to stream the cache at full bandwidth
+NUM_STAGES = 2  # software pipelining of the split kernel's loads (benchmarks/gpu/compile_check.py uses it too)
 
 
 @triton.jit
 def _mla_decode_split_kernel(
     q_ptr, qr_ptr, cache_ptr, bt_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
-    q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale,
-    H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    IEEE: tl.constexpr,
+    q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale, page_size,
+    num_splits, H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """page_size and num_splits are runtime arguments: the split count follows the batch and the table width, and
+    a constant would compile a variant per value while serving."""
     i_hb, i_split, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = i_b.to(tl.int64)
     ctx = tl.load(lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = i_split * per_split
     end = tl.minimum(start + per_split, ctx)
 
@@ -47,8 +49,8 @@ def _mla_decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         toks = n0 + tl.arange(0, BLOCK_N)
         mt = toks < end
-        page = tl.load(bt_ptr + b * bt_stride + toks // PAGE, mask=mt, other=0).to(tl.int64)
-        row = page * page_stride + (toks % PAGE).to(tl.int64) * token_stride  # [BLOCK_N]
+        page = tl.load(bt_ptr + b * bt_stride + toks // page_size, mask=mt, other=0).to(tl.int64)
+        row = page * page_stride + (toks % page_size).to(tl.int64) * token_stride  # [BLOCK_N]
         kv = tl.load(cache_ptr + row[:, None] + offs_r[None, :], mask=mt[:, None] & mr[None, :], other=0.0)
         kr = tl.load(cache_ptr + row[:, None] + R + offs_dr[None, :], mask=mt[:, None] & mdr[None, :], other=0.0)
         if IEEE:
@@ -66,7 +68,7 @@ def _mla_decode_split_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
         m_i = m_new
 
-    mid = (b * H + heads) * NUM_SPLITS + i_split  # [BLOCK_H]
+    mid = (b * H + heads) * num_splits + i_split  # [BLOCK_H]
     if start < end:
         tl.store(mid_o_ptr + mid[:, None] * R + offs_r[None, :], acc / l_i[:, None], mask=mh[:, None] & mr[None, :])
         tl.store(mid_lse_ptr + mid, m_i + tl.log(l_i), mask=mh)
@@ -75,19 +77,25 @@ def _mla_decode_split_kernel(
 
 
 @triton.jit
-def _mla_decode_merge_kernel(mid_o_ptr, mid_lse_ptr, o_ptr, R: tl.constexpr, BR: tl.constexpr,
-                             NUM_SPLITS: tl.constexpr, BS: tl.constexpr):
-    """One (sequence, head): the slices' outputs weighted by exp(lse - max lse)."""
+def _mla_decode_merge_kernel(mid_o_ptr, mid_lse_ptr, o_ptr, num_splits, R: tl.constexpr, BR: tl.constexpr):
+    """One (sequence, head): the slices' outputs weighted by exp(lse), one slice at a time (a running maximum, as
+    in the split kernel); empty slices (lse -inf) are skipped. Slice 0 is never empty (contexts are >= 1 token)."""
     row = tl.program_id(0).to(tl.int64)  # b * H + h
-    offs_s, offs_r = tl.arange(0, BS), tl.arange(0, BR)
-    ms, mr = offs_s < NUM_SPLITS, offs_r < R
-    lse = tl.load(mid_lse_ptr + row * NUM_SPLITS + offs_s, mask=ms, other=float("-inf"))
-    w = tl.exp(lse - tl.max(lse, axis=0))  # the first slice is never empty: max is finite
-    w = tl.where(ms & (lse > float("-inf")), w, 0.0)
-    parts = tl.load(mid_o_ptr + (row * NUM_SPLITS + offs_s[:, None]) * R + offs_r[None, :],
-                    mask=(ms & (lse > float("-inf")))[:, None] & mr[None, :], other=0.0)
-    out = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
-    tl.store(o_ptr + row * R + offs_r, out.to(o_ptr.dtype.element_ty), mask=mr)
+    offs_r = tl.arange(0, BR)
+    mr = offs_r < R
+    m = tl.load(mid_lse_ptr + row * num_splits)
+    acc = tl.load(mid_o_ptr + row * num_splits * R + offs_r, mask=mr, other=0.0)
+    total = tl.exp(m - m)  # 1.0: slice 0's weight relative to the running maximum
+    for s in range(1, num_splits):
+        lse = tl.load(mid_lse_ptr + row * num_splits + s)
+        if lse > float("-inf"):
+            part = tl.load(mid_o_ptr + (row * num_splits + s) * R + offs_r, mask=mr, other=0.0)
+            m_new = tl.maximum(m, lse)
+            alpha, w = tl.exp(m - m_new), tl.exp(lse - m_new)
+            acc = acc * alpha + part * w
+            total = total * alpha + w
+            m = m_new
+    tl.store(o_ptr + row * R + offs_r, (acc / total).to(o_ptr.dtype.element_ty), mask=mr)
 
 
 def num_splits(batch: int, head_blocks: int, max_tokens: int) -> int:
@@ -106,6 +114,7 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     DR = q_rope.shape[-1]
     page = cache.shape[1]
     assert cache.shape[2] == R + DR and cache.stride(2) == 1 and q_latent.stride(2) == 1 and q_rope.stride(2) == 1
+    assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
     block_h = 16 if H >= 16 else max(triton.next_power_of_2(H), 16)  # tl.dot needs 16 rows
     head_blocks = triton.cdiv(H, block_h)
     splits = num_splits(B, head_blocks, block_tables.shape[1] * page)
@@ -115,12 +124,10 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     _mla_decode_split_kernel[(head_blocks, splits, B)](
         q_latent, q_rope, cache, block_tables, context_lens, mid_o, mid_lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
-        cache.stride(0), cache.stride(1), scale,
+        cache.stride(0), cache.stride(1), scale, page, splits,
         H=H, R=R, DR=DR, BR=triton.next_power_of_2(R), BDR=max(16, triton.next_power_of_2(DR)), BLOCK_H=block_h,
-        BLOCK_N=_BLOCK_N, PAGE=page, NUM_SPLITS=splits, IEEE=q_latent.dtype == torch.float32,
-        num_warps=4, num_stages=2,
+        BLOCK_N=_BLOCK_N, IEEE=q_latent.dtype == torch.float32, num_warps=4, num_stages=NUM_STAGES,
     )
     out = torch.empty(B, H, R, dtype=q_latent.dtype, device=q_latent.device)
-    _mla_decode_merge_kernel[(B * H,)](mid_o, mid_lse, out, R=R, BR=triton.next_power_of_2(R), NUM_SPLITS=splits,
-                                       BS=max(2, triton.next_power_of_2(splits)), num_warps=4)
+    _mla_decode_merge_kernel[(B * H,)](mid_o, mid_lse, out, splits, R=R, BR=triton.next_power_of_2(R), num_warps=4)
     return out
