@@ -57,7 +57,8 @@ class Engine:
         self.tokenizer = load_tokenizer(model) if Path(model).is_dir() else None
         self.max_model_len = self._max_model_len()
         weights = ModelRunner.load_model(model, self.model_config, engine_config, progress, parallel)
-        plan = plan_cache(self.model_config, engine_config, self.max_model_len, ModelRunner.cache_budget(engine_config))
+        budget = ModelRunner.cache_budget(engine_config, weights)
+        plan = plan_cache(self.model_config, engine_config, self.max_model_len, budget)
         broadcast_object(plan, parallel)  # every rank allocates the pages and slots this scheduler hands out
         log.info(describe_plan(plan))
         self.runner = ModelRunner(weights, self.model_config, plan, DTYPES[engine_config.dtype], engine_config.device,

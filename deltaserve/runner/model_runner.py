@@ -98,15 +98,16 @@ class ModelRunner:
         return model.eval()
 
     @staticmethod
-    def cache_budget(engine: EngineConfig) -> int | None:
-        """Bytes for the cache on a GPU: gpu_memory_utilization of the card, less what the weights took and a
-        reserve; None on the CPU or with cache_bytes set (plan_cache then sizes from those)."""
+    def cache_budget(engine: EngineConfig, model: torch.nn.Module) -> int | None:
+        """Bytes for the cache on a GPU (gpu_cache_budget, from the card's memory now and this model's weights);
+        None on the CPU or with cache_bytes set (plan_cache then sizes from those)."""
         if engine.device == "cpu" or engine.cache_bytes is not None:
             return None
         gc.collect()  # an engine dropped earlier in this process, held only by reference cycles, gives its memory back
-        total = torch.cuda.get_device_properties(torch.device(engine.device)).total_memory
-        used = torch.cuda.memory_allocated(engine.device)
-        return int(total * engine.gpu_memory_utilization) - used - ACTIVATION_RESERVE_BYTES
+        torch.cuda.empty_cache()  # and what PyTorch keeps cached counts as free
+        free, total = torch.cuda.mem_get_info(torch.device(engine.device))
+        weights = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
+        return gpu_cache_budget(total, free, weights, engine.gpu_memory_utilization)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -248,6 +249,13 @@ class ModelRunner:
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """x[rows] for increasing rows: x itself when they are all its rows (a step of decodes), which spares a gather."""
     return x if len(rows) == x.shape[0] else x[rows]
+
+
+def gpu_cache_budget(total: int, free: int, weights: int, utilization: float) -> int:
+    """Cache bytes: `utilization` of the card (total bytes) less this model's weights and ACTIVATION_RESERVE_BYTES,
+    and never more than is free now (after the weights) less the reserve: another engine in this process, or
+    another process, keeps what it holds. May be negative; plan_cache then says what to change."""
+    return min(int(total * utilization) - weights, free) - ACTIVATION_RESERVE_BYTES
 
 
 def allocate_caches(model, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype,

@@ -113,6 +113,19 @@ def test_gpu_needs_a_budget(model_48b):
         plan_cache(model_48b, EngineConfig(device="cuda"), 4096)
 
 
+def test_gpu_budget_is_the_share_less_the_weights_and_never_more_than_is_free():
+    from deltaserve.runner.model_runner import ACTIVATION_RESERVE_BYTES as RESERVE
+    from deltaserve.runner.model_runner import gpu_cache_budget
+
+    GB = 10**9
+    # alone on a 141 GB card, 98 GB of weights loaded: 0.9 x 141 - 98, less the reserve
+    assert gpu_cache_budget(141 * GB, 43 * GB, 98 * GB, 0.9) == int(0.9 * 141 * GB) - 98 * GB - RESERVE
+    # another engine (in this process or not) holds 120 GB: only what is free now, less the reserve
+    assert gpu_cache_budget(141 * GB, 20 * GB, 1 * GB, 0.9) == 20 * GB - RESERVE
+    # weights past the share: negative, and plan_cache turns that into an error naming the options
+    assert gpu_cache_budget(80 * GB, 2 * GB, 78 * GB, 0.9) < 0
+
+
 def test_model_without_mla_layers_gets_a_full_page_table_per_slot(raw_48b):
     lin = dict(raw_48b["linear_attn_config"], kda_layers=list(range(1, 28)), full_attn_layers=[])
     model = ModelConfig.from_dict(dict(raw_48b, linear_attn_config=lin))
