@@ -10,6 +10,9 @@
 #   profile   kernel time of a batch-1 decode step, bf16 (and fp8)
 #   prefill   one 8k-token prompt, bf16, alone
 #   baseline  4 layers (3 KDA + 1 MLA) of the 48B shape: deltaserve and transformers + fla-core, same call
+# Time limits: T_TESTS, T_BENCH, T_FP8 (whole stage) and T_PARITY (each parity command). Do not wrap this script in
+# `timeout`: that kills bash and leaves its python child holding the GPU (a lease's later tests then ran out of
+# memory); the limits here kill the python processes themselves.
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGES=${STAGES:-tests parity bench fp8 profile prefill baseline}
@@ -45,6 +48,7 @@ if has fp8; then
 fi
 if has parity; then
   (
+    DS="timeout ${T_PARITY:-200} $DS"  # this subshell's commands only
     cp -r deltaserve/assets/demo-model /tmp/demo32k
     python3 -c "import json; p='/tmp/demo32k/config.json'; c=json.load(open(p)); c['model_max_length']=40000; json.dump(c, open(p,'w'))"
     $DS parity capture --reference deltaserve --device cuda --dtype float32 --max-tokens 64 --out "$OUT/golden_texts.json"
