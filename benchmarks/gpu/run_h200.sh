@@ -51,12 +51,15 @@ if has parity; then
     DS="timeout ${T_PARITY:-200} $DS"  # this subshell's commands only
     cp -r deltaserve/assets/demo-model /tmp/demo32k
     python3 -c "import json; p='/tmp/demo32k/config.json'; c=json.load(open(p)); c['model_max_length']=40000; json.dump(c, open(p,'w'))"
-    $DS parity capture --reference deltaserve --device cuda --dtype float32 --max-tokens 64 --out "$OUT/golden_texts.json"
-    $DS parity check --golden "$OUT/golden_texts.json" --device cuda --dtype bfloat16 --plot "$OUT/parity_texts.png"
-    [ "${PARITY:-}" = short ] && exit 0
-    $DS parity capture --reference deltaserve --device cuda --dtype float32 --max-tokens 32 --num-prompts 16 \
-        --out "$OUT/golden_random.json"
-    $DS parity check --golden "$OUT/golden_random.json" --device cuda --dtype bfloat16
+    # PARITY=short: the 512 positions only; PARITY=long: the 32k context only
+    if [ "${PARITY:-}" != long ]; then
+      $DS parity capture --reference deltaserve --device cuda --dtype float32 --max-tokens 64 --out "$OUT/golden_texts.json"
+      $DS parity check --golden "$OUT/golden_texts.json" --device cuda --dtype bfloat16 --plot "$OUT/parity_texts.png"
+      [ "${PARITY:-}" = short ] && exit 0
+      $DS parity capture --reference deltaserve --device cuda --dtype float32 --max-tokens 32 --num-prompts 16 \
+          --out "$OUT/golden_random.json"
+      $DS parity check --golden "$OUT/golden_random.json" --device cuda --dtype bfloat16
+    fi
     $DS parity capture --model /tmp/demo32k --reference deltaserve --device cuda --dtype float32 --num-prompts 4 \
         --prompt-len 32768 --max-tokens 128 --out /tmp/golden_32k.json
     $DS parity check --model /tmp/demo32k --golden /tmp/golden_32k.json --device cuda --dtype bfloat16 \
