@@ -2,7 +2,8 @@
 # One lease on an H200: install the carried wheels, then the stages named in STAGES (default: all), each writing
 # its log under $OUT:
 #   tests     tests/gpu (kernels against their twins, float32 GPU = CPU, FP8 GPU = CPU fallback)
-#   (in this order:) tests, bench, fp8, parity, profile, prefill, baseline
+#   (in this order:) tests, kernels, bench, fp8, parity, profile, prefill, baseline
+#   kernels   benchmarks/gpu/kernels_bench.py: MLA decode, MLA prefill and FP8 experts against their alternatives
 #   parity    the demo model: bfloat16 on the GPU against a float32 golden captured on the GPU, 8 prompts x 64
 #             tokens, and 4 random prompts of 32k tokens x 128 (the demo's config.json raised past its 4k limit)
 #   bench     the 48B shape (dummy weights), bf16: batch 1, 64, 256 at prompt 512, and one 8k-token prompt
@@ -10,12 +11,12 @@
 #   profile   kernel time of a batch-1 decode step, bf16 (and fp8)
 #   prefill   one 8k-token prompt, bf16, alone
 #   baseline  4 layers (3 KDA + 1 MLA) of the 48B shape: deltaserve and transformers + fla-core, same call
-# Time limits: T_TESTS, T_BENCH, T_FP8 (whole stage) and T_PARITY (each parity command). Do not wrap this script in
+# Time limits: T_TESTS, T_KERNELS, T_BENCH, T_FP8 (whole stage) and T_PARITY (each parity command). Do not wrap this script in
 # `timeout`: that kills bash and leaves its python child holding the GPU (a lease's later tests then ran out of
 # memory); the limits here kill the python processes themselves.
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STAGES=${STAGES:-tests parity bench fp8 profile prefill baseline}
+STAGES=${STAGES:-tests kernels parity bench fp8 profile prefill baseline}
 export PYTHONPATH=$PWD/.gpu/site:$PWD
 python3 -m pip install --no-deps --no-index --target "$PWD/.gpu/site" wheels/fla_core-0.6.0-py3-none-any.whl \
     wheels/transformers-5.24.0-py3-none-any.whl >/dev/null 2>&1 || echo "wheel install failed"
@@ -37,6 +38,10 @@ if has tests; then
   fi
 fi
 
+if has kernels; then
+  timeout ${T_KERNELS:-240} python3 benchmarks/gpu/kernels_bench.py --json-out "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1
+  cut -c1-300 "$OUT/kernels.txt" | tail -20
+fi
 if has bench; then
   timeout ${T_BENCH:-300} $B --config $CFG --batch-sizes ${BATCHES:-1,64,256} --prompt-len 512 --output-len 32 \
       --long-prompt-len ${LONG:-8192} --json-out "$OUT/bench_48b.json" > "$OUT/bench_48b.txt" 2>&1; tail -8 "$OUT/bench_48b.txt" | cut -c1-200

@@ -153,7 +153,7 @@ def test_routing_kernel_matches_naive(T, E, k):
 def test_triton_mla_decode_matches_torch_twin(lengths, width, dtype):
     """The 48B model's MLA shape (32 heads, R 512, Dr 64, pages of 16) against the torch path in float32 on the same
     values; the widest table is a CUDA graph's for a 64k model length, its entries past each context unread."""
-    from deltaserve.kernels.mla.attention import mla_decode
+    from deltaserve.kernels.mla.attention import torch_mla_decode
     from deltaserve.kernels.mla.triton_decode import triton_mla_decode
 
     gen = torch.Generator().manual_seed(len(lengths))
@@ -165,5 +165,5 @@ def test_triton_mla_decode_matches_torch_twin(lengths, width, dtype):
     lens = torch.tensor(lengths, device=DEV)
     out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 192 ** -0.5)
     used = tables[:, : -(-max(lengths) // 16)]
-    twin = mla_decode(q_latent.float(), q_rope.float(), paged.cache.float(), used, lens, 192 ** -0.5)
+    twin = torch_mla_decode(q_latent.float(), q_rope.float(), paged.cache.float(), used, lens, 192 ** -0.5)
     assert rel_err(out, twin) < (1e-5 if dtype == torch.float32 else 1e-2)

@@ -11,7 +11,7 @@ from deltaserve.kernels.conv1d_triton import conv1d_update  # noqa: E402
 from deltaserve.kernels.kda import fused_recurrent_kda, kda_gate, l2norm  # noqa: E402
 from deltaserve.kernels.kda.naive import naive_causal_conv1d  # noqa: E402
 from deltaserve.kernels.kda.triton_decode import kda_decode  # noqa: E402
-from deltaserve.kernels.mla.attention import mla_decode  # noqa: E402
+from deltaserve.kernels.mla.attention import torch_mla_decode  # noqa: E402
 from deltaserve.kernels.mla.triton_decode import triton_mla_decode  # noqa: E402
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import decode_experts  # noqa: E402
@@ -106,6 +106,6 @@ def test_mla_decode_kernel_matches_torch_twin(lengths, H, R, DR, page, width):
     q_latent = torch.randn(H, B, R, generator=gen).transpose(0, 1)  # strided rows, as the absorbed query's
     q_rope = torch.randn(B, H, 2 * DR, generator=gen)[..., DR:]
     lens = torch.tensor(lengths)
-    twin = mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
+    twin = torch_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
     out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
     assert rel_err(out, twin) < 1e-5

@@ -54,13 +54,19 @@ def mla_decode(
     q_latent [B, H, R] (q_nope already multiplied by the key half of kv_b_proj), q_rope [B, H, Dr],
     cache [P, bs, R+Dr], block_tables [B, max_blocks] int64, context_lens [B] int64 (tokens cached, this one
     included). Returns the attention-weighted latent [B, H, R]; the caller applies the value half of kv_b_proj.
-    On a GPU in half precision, the paged Triton kernel (reads only each sequence's context); float32 keeps this
-    torch path (the exact regime), which gathers the table's whole width and masks past each context.
+    On a GPU in half precision, the paged Triton kernel (reads only each sequence's context); float32 keeps
+    torch_mla_decode (the exact regime), which gathers the table's whole width and masks past each context.
     """
     if q_latent.is_cuda and cache.dtype != torch.float32:
         from deltaserve.kernels.mla.triton_decode import triton_mla_decode
 
         return triton_mla_decode(q_latent, q_rope, cache, block_tables, context_lens, scale)
+    return torch_mla_decode(q_latent, q_rope, cache, block_tables, context_lens, scale)
+
+
+def torch_mla_decode(q_latent, q_rope, cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+    """mla_decode in torch ops on any device (the Triton kernel's twin): every page of the table gathered, then a
+    softmax masked past each context."""
     B, _, R = q_latent.shape
     # [B, L, R+Dr], L = max_blocks * block_size: no host sync; index_select, not cache[block_tables] (on the CPU
     # the advanced index costs ~50 us a layer at batch 1, about a third of the layer)

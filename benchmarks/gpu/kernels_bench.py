@@ -1,0 +1,171 @@
+"""Kernel-level timings at the 48B model's shapes, each against the alternative it replaced or could replace, with the
+outputs cross-checked (relative error against the first variant) so a fast wrong kernel shows:
+
+  mla_decode    paged Triton MLA decode, its table as wide as a CUDA graph's (the model length), against the torch
+                twin as it ran before (every page of a 4k-wide graph table gathered, or the batch's width past 4k)
+  mla_prefill   one 8k-token chunk after L cached tokens: PyTorch's fused attention as deltaserve calls it (values
+                128 wide: the memory-efficient kernel) against values zero-padded to the keys' 192 (flash may run)
+  fp8_experts   routed experts on FP8 weights: the grouped FP8 kernel against dequantizing the hit experts to bf16
+                and running the bf16 grouped GEMMs (and bf16 weights, for scale), per token count
+
+Times are CUDA-graph replays (triton.testing.do_bench_cudagraph), in microseconds per call; with the bytes each
+variant must read, the achieved bandwidth. `--smoke` runs tiny shapes on the CPU (Triton through its interpreter)
+to check the script, not to time anything.
+
+    python benchmarks/gpu/kernels_bench.py --json-out /tmp/kernels.json            # on a GPU
+    TRITON_INTERPRET=1 python benchmarks/gpu/kernels_bench.py --smoke                # anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = (128, 128)
+OLD_GRAPH_TOKENS = 4096  # the CUDA graphs' block-table width before the paged kernel
+
+
+def timed(fn, device: str) -> float:
+    """Microseconds per call (a CUDA graph's replay on a GPU; one call on the CPU, smoke only)."""
+    if device == "cpu":
+        start = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - start)
+    import triton.testing
+
+    return 1e3 * triton.testing.do_bench_cudagraph(fn, rep=100)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def mla_decode_rows(device: str, smoke: bool) -> list[dict]:
+    from deltaserve.kernels.mla.attention import torch_mla_decode
+    from deltaserve.kernels.mla.triton_decode import triton_mla_decode
+
+    H, R, DR, page = (4, 32, 16, 4) if smoke else (32, 512, 64, 16)
+    cases = [(1, 40, 256), (3, 100, 256)] if smoke else [
+        (1, 512, 65536), (1, 4096, 65536), (1, 32768, 65536), (1, 262144, 262144),
+        (64, 512, 65536), (64, 4096, 65536), (256, 512, 65536)]
+    dtype = torch.float32 if smoke else torch.bfloat16
+    rows = []
+    for B, ctx, model_len in cases:
+        pages_per_seq = -(-ctx // page)
+        cache = torch.randn(B * pages_per_seq + 1, page, R + DR, device=device).to(dtype)
+        width = -(-model_len // page)
+        tables = torch.zeros(B, width, dtype=torch.int64, device=device)
+        tables[:, :pages_per_seq] = torch.randperm(B * pages_per_seq, device=device).view(B, -1) + 1
+        lens = torch.full((B,), ctx, dtype=torch.int64, device=device)
+        q = (torch.randn(B, H, R, device=device) * 0.05).to(dtype)
+        qr = (torch.randn(B, H, DR, device=device) * 0.05).to(dtype)
+        scale = 192 ** -0.5
+        kernel = triton_mla_decode(q, qr, cache, tables, lens, scale)
+        row = {"batch": B, "context": ctx, "table_tokens": width * page,
+               "bytes_read": B * ctx * (R + DR) * cache.element_size()}
+        row["triton_us"] = timed(lambda: triton_mla_decode(q, qr, cache, tables, lens, scale), device)
+        # the torch twin as it ran before the kernel: under a graph captured 4,096 tokens wide (contexts up to that
+        # length), else eagerly with a table as wide as the batch's longest context
+        old = tables[:, :max(pages_per_seq, -(-OLD_GRAPH_TOKENS // page))]
+        row["rel_err"] = rel_err(kernel, torch_mla_decode(q, qr, cache, old, lens, scale))
+        row["torch_us_as_before"] = timed(lambda: torch_mla_decode(q, qr, cache, old, lens, scale), device)
+        row["triton_GBps"] = row["bytes_read"] / row["triton_us"] / 1e3
+        rows.append(row)
+        print("mla_decode", json.dumps(row), flush=True)
+    return rows
+
+
+def mla_prefill_rows(device: str, smoke: bool) -> list[dict]:
+    from deltaserve.kernels.mla.attention import mla_prefill
+
+    H, Dn, Dr, Dv = (2, 16, 8, 12) if smoke else (32, 128, 64, 128)
+    T = 16 if smoke else 8192
+    prefixes = [0, 48] if smoke else [0, 8192, 65536, 131072]
+    dtype = torch.float32 if smoke else torch.bfloat16
+    rows = []
+    for start in prefixes:
+        L = start + T
+        q_nope, q_rope = (torch.randn(T, H, d, device=device, dtype=dtype) for d in (Dn, Dr))
+        k_nope, v = torch.randn(L, H, Dn, device=device, dtype=dtype), torch.randn(L, H, Dv, device=device, dtype=dtype)
+        k_rope = torch.randn(L, Dr, device=device, dtype=dtype)
+        scale = (Dn + Dr) ** -0.5
+        base = mla_prefill(q_nope, q_rope, k_nope, k_rope, v, scale, start)
+        padded = lambda: mla_prefill(q_nope, q_rope, k_nope, k_rope, F.pad(v, (0, Dn + Dr - Dv)), scale,  # noqa: E731
+                                     start)[..., :Dv]
+        row = {"chunk": T, "prefix": start, "flops": 2 * T * (start + T / 2) * H * (Dn + Dr + Dv),
+               "rel_err_padded": rel_err(padded(), base),
+               "current_us": timed(lambda: mla_prefill(q_nope, q_rope, k_nope, k_rope, v, scale, start), device),
+               "v_padded_us": timed(padded, device)}
+        row["current_TFLOPs"] = row["flops"] / row["current_us"] / 1e6
+        row["v_padded_TFLOPs"] = row["flops"] / row["v_padded_us"] / 1e6
+        rows.append(row)
+        print("mla_prefill", json.dumps(row), flush=True)
+    return rows
+
+
+def fp8_expert_rows(device: str, smoke: bool) -> list[dict]:
+    from deltaserve.kernels.moe.experts import grouped_experts
+    from deltaserve.kernels.quant import dequantize_fp8, quantize_fp8
+    from deltaserve.kernels.quant.triton_grouped import fp8_grouped_experts
+
+    E, k, D, I = (8, 2, 256, 128) if smoke else (256, 8, 2304, 1024)
+    token_counts = [4, 40] if smoke else [64, 512, 2048, 8192]
+    act = torch.float32 if smoke else torch.bfloat16  # the interpreter's bfloat16 tl.dot is not to be trusted
+    w13_b = (torch.randn(E, 2 * I, D, device=device) * 0.02).to(act)
+    w2_b = (torch.randn(E, D, I, device=device) * 0.02).to(act)
+    w13, s13 = quantize_fp8(w13_b, BLOCK)
+    w2, s2 = quantize_fp8(w2_b, BLOCK)
+    rows = []
+    for T in token_counts:
+        x = torch.randn(T, D, device=device).to(act)
+        ids = torch.rand(T, E, device=device).topk(k, dim=-1).indices
+        weights = torch.rand(T, k, device=device)
+
+        def dequantized():
+            w13_d = dequantize_fp8(w13, s13, BLOCK, act)
+            w2_d = dequantize_fp8(w2, s2, BLOCK, act)
+            return grouped_experts(x, w13_d, w2_d, weights, ids)
+
+        fp8 = fp8_grouped_experts(x, w13, s13, w2, s2, weights, ids, BLOCK)
+        row = {"tokens": T, "pairs": T * k, "rel_err_dequantized": rel_err(dequantized(), fp8),
+               "fp8_grouped_us": timed(lambda: fp8_grouped_experts(x, w13, s13, w2, s2, weights, ids, BLOCK), device),
+               "dequantize_then_bf16_us": timed(dequantized, device),
+               "bf16_weights_us": timed(lambda: grouped_experts(x, w13_b, w2_b, weights, ids), device)}
+        rows.append(row)
+        print("fp8_experts", json.dumps(row), flush=True)
+    return rows
+
+
+PARTS = {"mla_decode": mla_decode_rows, "mla_prefill": mla_prefill_rows, "fp8_experts": fp8_expert_rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script only")
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"--parts: unknown {unknown}; choose from {list(PARTS)}")
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: run on a GPU, or pass --smoke")
+    torch.manual_seed(0)
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)"}
+    with torch.inference_mode():
+        for part in parts:
+            result[part] = PARTS[part](device, args.smoke)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""benchmarks/gpu/kernels_bench.py at its tiny --smoke shapes (Triton through the CPU interpreter): each part runs
+and its variants agree, so the script a GPU lease relies on is known to work before the lease."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+from helpers.kernels import require_triton_interpreter
+
+require_triton_interpreter()
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "kernels_bench.py"
+
+
+@pytest.fixture(scope="module")
+def kernels_bench():
+    spec = importlib.util.spec_from_file_location("kernels_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("part,errors", [("mla_decode", ["rel_err"]), ("mla_prefill", ["rel_err_padded"]),
+                                         ("fp8_experts", ["rel_err_dequantized"])])
+def test_each_part_runs_and_its_variants_agree(kernels_bench, part, errors):
+    rows = kernels_bench.PARTS[part]("cpu", smoke=True)
+    assert rows
+    for row in rows:
+        assert all(row[e] < 1e-5 for e in errors), row
+        assert all(v > 0 for key, v in row.items() if key.endswith("_us")), row
