@@ -26,6 +26,18 @@ def test_gpu_fp8_grouped_experts_match_naive(T):
     assert rel_err(out, expected) < 2e-2
 
 
+@pytest.mark.parametrize("T", [1024, 1100])  # 8192 and 8800 (token, expert) pairs: the dequantizing path
+def test_gpu_fp8_prefill_sized_experts_dequantize_and_match_naive(T):
+    from deltaserve.kernels.quant.experts import _MIN_PAIRS_TO_DEQUANTIZE, fp8_fused_experts
+
+    assert T * K >= _MIN_PAIRS_TO_DEQUANTIZE
+    x, w13, s13, w2, s2, weights, ids, expected = fp8_expert_case(T, E, K, D, I, BLOCK, seeds=(T, 1, 2))
+    out = fp8_fused_experts(x.to(DEV).bfloat16(), w13.to(DEV), s13.to(DEV), w2.to(DEV), s2.to(DEV), weights.to(DEV),
+                            ids.to(DEV), BLOCK)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, expected) < 2e-2
+
+
 def test_gpu_fp8_grouped_experts_capture_in_a_cuda_graph_and_replay_with_new_routing():
     """Captured with uniform routing, replayed with all pairs on the first 8 experts (more blocks of some experts,
     none of the others), then uniform again: each replay equals eager on the same inputs."""
