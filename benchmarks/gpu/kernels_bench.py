@@ -109,9 +109,10 @@ def mla_prefill_rows(device: str, smoke: bool) -> list[dict]:
 
 
 def fp8_expert_rows(device: str, smoke: bool) -> list[dict]:
-    from deltaserve.kernels.moe.experts import grouped_experts
-    from deltaserve.kernels.quant import dequantize_fp8, quantize_fp8
+    from deltaserve.kernels.moe.experts import fused_experts
+    from deltaserve.kernels.quant import quantize_fp8
     from deltaserve.kernels.quant.triton_grouped import fp8_grouped_experts
+    from deltaserve.kernels.quant.triton_linear import fp8_dequantize_triton
 
     E, k, D, I = (8, 2, 256, 128) if smoke else (256, 8, 2304, 1024)
     token_counts = [4, 40] if smoke else [64, 512, 2048, 8192]
@@ -126,16 +127,16 @@ def fp8_expert_rows(device: str, smoke: bool) -> list[dict]:
         ids = torch.rand(T, E, device=device).topk(k, dim=-1).indices
         weights = torch.rand(T, k, device=device)
 
-        def dequantized():
-            w13_d = dequantize_fp8(w13, s13, BLOCK, act)
-            w2_d = dequantize_fp8(w2, s2, BLOCK, act)
-            return grouped_experts(x, w13_d, w2_d, weights, ids)
+        def dequantized():  # what kernels.quant.experts does for prefill-sized steps
+            w13_d = fp8_dequantize_triton(w13, s13, BLOCK, act)
+            w2_d = fp8_dequantize_triton(w2, s2, BLOCK, act)
+            return fused_experts(x, w13_d, w2_d, weights, ids)
 
         fp8 = fp8_grouped_experts(x, w13, s13, w2, s2, weights, ids, BLOCK)
         row = {"tokens": T, "pairs": T * k, "rel_err_dequantized": rel_err(dequantized(), fp8),
                "fp8_grouped_us": timed(lambda: fp8_grouped_experts(x, w13, s13, w2, s2, weights, ids, BLOCK), device),
                "dequantize_then_bf16_us": timed(dequantized, device),
-               "bf16_weights_us": timed(lambda: grouped_experts(x, w13_b, w2_b, weights, ids), device)}
+               "bf16_weights_us": timed(lambda: fused_experts(x, w13_b, w2_b, weights, ids), device)}
         rows.append(row)
         print("fp8_experts", json.dumps(row), flush=True)
     return rows
