@@ -5,8 +5,8 @@ outputs cross-checked (relative error against the first variant) so a fast wrong
                 twin as it ran before (every page of a 4k-wide graph table gathered, or the batch's width past 4k)
   mla_prefill   one 8k-token chunk after L cached tokens: PyTorch's fused attention as deltaserve calls it (values
                 128 wide: the memory-efficient kernel) against values zero-padded to the keys' 192 (flash may run)
-  fp8_experts   routed experts on FP8 weights: the grouped FP8 kernel against dequantizing the hit experts to bf16
-                and running the bf16 grouped GEMMs (and bf16 weights, for scale), per token count
+  fp8_experts   routed experts on FP8 weights: the grouped FP8 kernel against dequantizing the experts to bf16 a
+                chunk at a time and running the bf16 grouped GEMMs (and bf16 weights, for scale), per token count
 
 Times are CUDA-graph replays (triton.testing.do_bench_cudagraph), in microseconds per call; with the bytes each
 variant must read, the achieved bandwidth. `--smoke` runs tiny shapes on the CPU (Triton through its interpreter)
@@ -109,13 +109,14 @@ def mla_prefill_rows(device: str, smoke: bool) -> list[dict]:
 
 
 def fp8_expert_rows(device: str, smoke: bool) -> list[dict]:
-    from deltaserve.kernels.moe.experts import fused_experts
+    from deltaserve.kernels.moe.experts import fused_experts, grouped_experts_in_chunks
     from deltaserve.kernels.quant import quantize_fp8
+    from deltaserve.kernels.quant.experts import _EXPERTS_PER_CHUNK
     from deltaserve.kernels.quant.triton_grouped import fp8_grouped_experts
     from deltaserve.kernels.quant.triton_linear import fp8_dequantize_triton
 
     E, k, D, I = (8, 2, 256, 128) if smoke else (256, 8, 2304, 1024)
-    token_counts = [4, 40] if smoke else [64, 512, 2048, 8192]
+    token_counts = [4, 40] if smoke else [64, 512, 1024, 2048, 8192]  # 1024: the switch, 8192 pairs
     act = torch.float32 if smoke else torch.bfloat16  # the interpreter's bfloat16 tl.dot is not to be trusted
     w13_b = (torch.randn(E, 2 * I, D, device=device) * 0.02).to(act)
     w2_b = (torch.randn(E, D, I, device=device) * 0.02).to(act)
@@ -128,9 +129,9 @@ def fp8_expert_rows(device: str, smoke: bool) -> list[dict]:
         weights = torch.rand(T, k, device=device)
 
         def dequantized():  # what kernels.quant.experts does for prefill-sized steps
-            w13_d = fp8_dequantize_triton(w13, s13, BLOCK, act)
-            w2_d = fp8_dequantize_triton(w2, s2, BLOCK, act)
-            return fused_experts(x, w13_d, w2_d, weights, ids)
+            return grouped_experts_in_chunks(x, weights, ids, E, _EXPERTS_PER_CHUNK, lambda e0, e1: (
+                fp8_dequantize_triton(w13[e0:e1], s13[e0:e1], BLOCK, act),
+                fp8_dequantize_triton(w2[e0:e1], s2[e0:e1], BLOCK, act)))
 
         fp8 = fp8_grouped_experts(x, w13, s13, w2, s2, weights, ids, BLOCK)
         row = {"tokens": T, "pairs": T * k, "rel_err_dequantized": rel_err(dequantized(), fp8),

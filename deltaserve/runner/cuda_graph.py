@@ -42,7 +42,13 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Capture every size, largest first, sharing one memory pool."""
+        from deltaserve.kernels.quant.experts import decode_graph_capture
+
         self._pad_from(0)
+        with decode_graph_capture():
+            self._capture_all()
+
+    def _capture_all(self) -> None:
         for size in reversed(self.sizes):
             batch = self._batch(size)
             for _ in range(2):  # warm up: Triton autotuning and lazy init stay out of the graph

@@ -27,15 +27,20 @@ def test_gpu_fp8_grouped_experts_match_naive(T):
 
 
 @pytest.mark.parametrize("T", [1024, 1100])  # 8192 and 8800 (token, expert) pairs: the dequantizing path
-def test_gpu_fp8_prefill_sized_experts_dequantize_and_match_naive(T):
-    from deltaserve.kernels.quant.experts import _MIN_PAIRS_TO_DEQUANTIZE, fp8_fused_experts
+def test_gpu_fp8_prefill_sized_experts_dequantize_and_match_naive(T, monkeypatch):
+    from deltaserve.kernels.quant import experts as fp8_experts
 
-    assert T * K >= _MIN_PAIRS_TO_DEQUANTIZE
+    assert T * K >= fp8_experts._MIN_PAIRS_TO_DEQUANTIZE
     x, w13, s13, w2, s2, weights, ids, expected = fp8_expert_case(T, E, K, D, I, BLOCK, seeds=(T, 1, 2))
-    out = fp8_fused_experts(x.to(DEV).bfloat16(), w13.to(DEV), s13.to(DEV), w2.to(DEV), s2.to(DEV), weights.to(DEV),
-                            ids.to(DEV), BLOCK)
+    args = (x.to(DEV).bfloat16(), w13.to(DEV), s13.to(DEV), w2.to(DEV), s2.to(DEV), weights.to(DEV), ids.to(DEV),
+            BLOCK)
+    with fp8_experts.decode_graph_capture():  # inside decode graphs: the grouped FP8 kernel whatever the size
+        in_graphs = fp8_experts.fp8_fused_experts(*args)
+    monkeypatch.setattr("deltaserve.kernels.quant.triton_grouped.fp8_grouped_experts",
+                        lambda *a: pytest.fail("a prefill-sized bf16 step ran the grouped FP8 kernel"))
+    out = fp8_experts.fp8_fused_experts(*args)
     assert out.dtype == torch.bfloat16
-    assert rel_err(out, expected) < 2e-2
+    assert rel_err(out, expected) < 2e-2 and rel_err(in_graphs, expected) < 2e-2
 
 
 def test_gpu_fp8_grouped_experts_capture_in_a_cuda_graph_and_replay_with_new_routing():

@@ -126,3 +126,30 @@ def test_grouped_experts_match_naive_and_are_deterministic(T, E, k):
     ref = naive_experts(x, w13, w2, weights, ids)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
     assert torch.equal(out, grouped_experts(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 64])
+def test_grouped_experts_in_chunks_equal_all_at_once_bitwise(chunk):
+    """Experts a chunk at a time (FP8 prefill: each chunk's weights dequantized on the fly), experts of a chunk
+    unhit, and chunks that do not divide E: the same bits as one grouped pass over all experts."""
+    from deltaserve.kernels.moe.experts import grouped_experts, grouped_experts_in_chunks
+    from deltaserve.kernels.quant import dequantize_fp8, quantize_fp8
+
+    gen = torch.Generator().manual_seed(chunk)
+    T, E, k, D, I, block = 40, 16, 4, 64, 32, (16, 32)
+    x = torch.randn(T, D, generator=gen).bfloat16()
+    w13, s13 = quantize_fp8(torch.randn(E, 2 * I, D, generator=gen) * 0.1, block)
+    w2, s2 = quantize_fp8(torch.randn(E, D, I, generator=gen) * 0.1, block)
+    pool = torch.tensor([0, 1, 2, 3, 9, 10, 11, 15])  # experts 4-8 and 12-14 never hit
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:k]] for _ in range(T)])
+    weights = torch.rand(T, k, generator=gen)
+    made = []
+
+    def weights_of(e0, e1):
+        made.append((e0, e1))
+        return (dequantize_fp8(w13[e0:e1], s13[e0:e1], block, torch.bfloat16),
+                dequantize_fp8(w2[e0:e1], s2[e0:e1], block, torch.bfloat16))
+
+    out = grouped_experts_in_chunks(x, weights, ids, E, chunk, weights_of)
+    assert torch.equal(out, grouped_experts(x, *weights_of(0, E), weights, ids))
+    assert all(e1 - e0 <= chunk for e0, e1 in made[:-1]) and (4, 5) not in made  # unhit chunks are skipped

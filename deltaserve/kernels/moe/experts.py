@@ -70,15 +70,47 @@ def _group_by_expert(ids: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, tor
 def grouped_experts(x, w13, w2, weights, ids) -> torch.Tensor:
     """The GPU path of fused_experts: tokens sorted by expert, two grouped GEMMs (bf16), no host sync, so it
     is CUDA-graph safe. Same contract as fused_experts."""
-    T, k = ids.shape
+    order, token, ends = _sort_by_expert(ids, w13.shape[0])
+    y = _grouped_swiglu(x.index_select(0, token), w13, w2, ends.to(torch.int32))  # [T*k, D]
+    return _weighted_sum(y, order, weights, x.dtype)
+
+
+def grouped_experts_in_chunks(x, weights, ids, num_experts: int, chunk: int, weights_of) -> torch.Tensor:
+    """grouped_experts over `chunk` experts at a time, their weights made by weights_of(e0, e1) -> (w13, w2) of
+    experts e0..e1-1 (FP8 dequantized on the fly: only a chunk's high-precision copy exists at once). The chunk
+    bounds come to the host (one sync): for prefill steps, not CUDA graphs. Same contract as fused_experts."""
+    order, token, ends = _sort_by_expert(ids, num_experts)
+    bounds = [0] + ends.tolist()
+    rows = x.index_select(0, token)
+    y = torch.empty(rows.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
+    for e0 in range(0, num_experts, chunk):
+        e1 = min(e0 + chunk, num_experts)
+        lo, hi = bounds[e0], bounds[e1]
+        if lo < hi:
+            w13, w2 = weights_of(e0, e1)
+            y[lo:hi] = _grouped_swiglu(rows[lo:hi], w13, w2, (ends[e0:e1] - lo).to(torch.int32))
+    return _weighted_sum(y, order, weights, x.dtype)
+
+
+def _sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order: the flat (token, slot) pairs sorted by expert, stably; each sorted pair's token; ends [E]: where
+    each expert's run of sorted pairs ends)."""
     flat = ids.flatten()
     order = flat.argsort(stable=True)
-    token = order // k
-    counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    offsets = counts.cumsum(0).to(torch.int32)
-    gate, up = torch._grouped_mm(x.index_select(0, token), w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)  # [T*k, D]
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return order, order // ids.shape[1], counts.cumsum(0)
+
+
+def _grouped_swiglu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """rows sorted by expert, offsets [E] int32 (run ends) -> each row through its expert's SwiGLU MLP."""
+    gate, up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
+
+
+def _weighted_sum(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Sorted expert outputs [T*k, D] -> sum over each token's k slots of weight x output, [T, D] in dtype: back to
+    (token, slot) order with a permutation, then the sum, with no atomics, so deterministic."""
+    T, k = weights.shape
     y = y.float() * weights.flatten()[order, None]
-    # back to (token, slot) order with a permutation, then a sum over the k slots: no atomics, so deterministic
     unsorted = torch.empty_like(y).index_copy_(0, order, y)
-    return unsorted.view(T, k, -1).sum(1).to(x.dtype)
+    return unsorted.view(T, k, -1).sum(1).to(dtype)

@@ -1,11 +1,14 @@
 """Routed experts whose weights are block-wise FP8. On a GPU: few (token, expert) pairs run one GEMV per pair
 (kernels.moe.triton_decode, multiplying in the block scales), more run grouped by expert
 (kernels.quant.triton_grouped); both read the FP8 weights directly and neither syncs with the host, so decode
-steps capture in CUDA graphs. Prefill-sized steps (_MIN_PAIRS_TO_DEQUANTIZE pairs and up) dequantize every expert
-once and run the activations' grouped GEMMs, as FP8 linear layers do above a few rows. On the CPU: the chosen
-experts' weights are dequantized, then kernels.moe.fused_experts runs as for any dtype."""
+steps capture in CUDA graphs. Prefill-sized bf16 steps (_MIN_PAIRS_TO_DEQUANTIZE pairs and up, outside decode
+graphs) dequantize the experts a chunk at a time and run bf16 grouped GEMMs, as FP8 linear layers do above a few
+rows. On the CPU: the chosen experts' weights are dequantized, then kernels.moe.fused_experts runs as for any
+dtype."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -15,11 +18,25 @@ from deltaserve.kernels.quant.fp8 import dequantize_fp8
 # measured on an H200, the 48B shape (256 experts, top-8), one layer: a GEMV per pair 34 / 254 / 984 us at 8 / 128
 # / 512 pairs, grouped 99 / 367 / 730 us (and 834 us at 2048 pairs against 3.9 ms)
 _MAX_PAIRS_PER_PAIR_GEMV = 256
-# a prefill chunk of 1k+ tokens hits every expert many times: dequantizing all of them (E x 3 x D x I values, ~3.6 GB
-# in bf16 at the 48B shape, ~1 ms at the card's bandwidth) then tensor-core GEMMs is the shape of the bf16 path, which
-# prefilled 64 x 512 tokens at 16.3k tok/s against the grouped FP8 kernel's 2.6k (H200, bdac758). Where between 256 and
-# this the crossover lies is for benchmarks/gpu/kernels_bench.py --parts fp8_experts to measure
+# a prefill chunk of 1k+ tokens hits every expert many times: dequantizing them (E x 3 x D x I values, 3.6 GB of
+# bf16 at the 48B shape, ~1 ms at the card's bandwidth) then tensor-core GEMMs is the shape of the bf16 path, which
+# prefilled 64 x 512 tokens at 16.3k tok/s against the grouped FP8 kernel's 2.6k (H200, bdac758). Where between 256
+# and this the crossover lies is for benchmarks/gpu/kernels_bench.py --parts fp8_experts to measure
 _MIN_PAIRS_TO_DEQUANTIZE = 8192
+_EXPERTS_PER_CHUNK = 32  # dequantized 32 at a time: 0.45 GB of bf16 at the 48B shape, inside the activation reserve
+_decode_graphs = False  # set by decode_graph_capture(): warm-ups and captures of decode graphs take the FP8 kernels
+
+
+@contextlib.contextmanager
+def decode_graph_capture():
+    """Around a CUDA graph's warm-up and capture: the FP8 kernels only, whatever the step's size (a graph's pool would
+    keep dequantized weights for good, and a warm-up must compile what the capture will run)."""
+    global _decode_graphs
+    previous, _decode_graphs = _decode_graphs, True
+    try:
+        yield
+    finally:
+        _decode_graphs = previous
 
 
 def fp8_fused_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
@@ -33,12 +50,15 @@ def fp8_fused_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.T
             from deltaserve.kernels.moe.triton_decode import decode_experts
 
             return decode_experts(x, w13, w2, weights, ids, w13_scale_inv, w2_scale_inv, block)
-        if ids.numel() >= _MIN_PAIRS_TO_DEQUANTIZE and not torch.cuda.is_current_stream_capturing():
-            # (never inside a CUDA graph: its pool would keep the dequantized weights for good)
+        if ids.numel() >= _MIN_PAIRS_TO_DEQUANTIZE and x.dtype == torch.bfloat16 and not _decode_graphs:
+            from deltaserve.kernels.moe.experts import grouped_experts_in_chunks
             from deltaserve.kernels.quant.triton_linear import fp8_dequantize_triton
 
-            return fused_experts(x, fp8_dequantize_triton(w13, w13_scale_inv, block, x.dtype),
-                                 fp8_dequantize_triton(w2, w2_scale_inv, block, x.dtype), weights, ids)
+            def dequantized(e0: int, e1: int):
+                return (fp8_dequantize_triton(w13[e0:e1], w13_scale_inv[e0:e1], block, x.dtype),
+                        fp8_dequantize_triton(w2[e0:e1], w2_scale_inv[e0:e1], block, x.dtype))
+
+            return grouped_experts_in_chunks(x, weights, ids, w13.shape[0], _EXPERTS_PER_CHUNK, dequantized)
         from deltaserve.kernels.quant.triton_grouped import fp8_grouped_experts
 
         return fp8_grouped_experts(x, w13, w13_scale_inv, w2, w2_scale_inv, weights, ids, block)
