@@ -124,8 +124,9 @@ def describe_plan(plan: CachePlan) -> str:
 
 
 def format_bytes(num_bytes: int) -> str:
+    """1536 -> '1.5 KiB'; a negative count (a budget overdrawn) keeps its sign: -2 GiB -> '-2.0 GiB'."""
     for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if num_bytes >= size:
+        if abs(num_bytes) >= size:
             return f"{num_bytes / size:.1f} {unit}"
     return f"{num_bytes} B"
 
@@ -142,8 +143,8 @@ def _budget(engine: EngineConfig, budget_bytes: int | None, full_length_bytes: i
     if engine.cache_bytes is not None:
         return engine.cache_bytes
     if engine.device != "cpu":
-        raise ConfigError(f"no cache budget on device {engine.device!r}: pass the measured free memory "
-                          "(free bytes x gpu_memory_utilization) as budget_bytes, or set cache_bytes")
+        raise ConfigError(f"no cache budget on device {engine.device!r}: pass the runner's measurement "
+                          "(ModelRunner.cache_budget) as budget_bytes, or set cache_bytes")
     return min(full_length_bytes, DEFAULT_CPU_CACHE_BYTES)
 
 
@@ -155,6 +156,7 @@ def _blocks_in_budget(budget: int, num_slots: int, num_snapshots: int, bytes_per
         raise ConfigError(
             f"cache budget {budget} B ({format_bytes(budget)}) cannot hold {num_slots} KDA state slots{snapshots} "
             f"({format_bytes(bytes_per_slot)} each, {format_bytes(slots_bytes)} in all) plus one MLA page "
-            f"({format_bytes(bytes_per_block)}); raise the engine option cache_bytes (or gpu_memory_utilization "
-            "on a GPU), or lower max_num_seqs (--max-num-seqs) or num_snapshot_slots")
+            f"({format_bytes(bytes_per_block)}); raise the engine option cache_bytes (or, on a GPU, "
+            "gpu_memory_utilization, or free the memory other processes or engines hold), or lower max_num_seqs "
+            "(--max-num-seqs) or num_snapshot_slots")
     return (budget - slots_bytes) // bytes_per_block

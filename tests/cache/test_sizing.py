@@ -109,7 +109,7 @@ def test_cpu_default_is_capped(model_48b):
 
 
 def test_gpu_needs_a_budget(model_48b):
-    with pytest.raises(ConfigError, match="pass the measured free memory"):
+    with pytest.raises(ConfigError, match="pass the runner.s measurement"):
         plan_cache(model_48b, EngineConfig(device="cuda"), 4096)
 
 
@@ -124,6 +124,12 @@ def test_gpu_budget_is_the_share_less_the_weights_and_never_more_than_is_free():
     assert gpu_cache_budget(141 * GB, 20 * GB, 1 * GB, 0.9) == 20 * GB - RESERVE
     # weights past the share: negative, and plan_cache turns that into an error naming the options
     assert gpu_cache_budget(80 * GB, 2 * GB, 78 * GB, 0.9) < 0
+
+
+def test_byte_counts_print_in_binary_units_keeping_a_negative_sign():
+    from deltaserve.cache.sizing import format_bytes
+
+    assert format_bytes(1536) == "1.5 KiB" and format_bytes(-(2 << 30)) == "-2.0 GiB" and format_bytes(100) == "100 B"
 
 
 def test_model_without_mla_layers_gets_a_full_page_table_per_slot(raw_48b):
