@@ -45,6 +45,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def emit(part: str, rows: list[dict], row: dict) -> None:
+    """Keep a row and print it at once (a later row may run past the stage's time limit)."""
+    rows.append(row)
+    print(part, json.dumps(row), flush=True)
+
+
 def mla_decode_rows(device: str, smoke: bool) -> list[dict]:
     from deltaserve.kernels.mla.attention import torch_mla_decode
     from deltaserve.kernels.mla.triton_decode import triton_mla_decode
@@ -75,8 +81,7 @@ def mla_decode_rows(device: str, smoke: bool) -> list[dict]:
         row["rel_err"] = rel_err(kernel, torch_mla_decode(q, qr, cache, old, lens, scale))
         row["torch_us_as_before"] = timed(lambda: torch_mla_decode(q, qr, cache, old, lens, scale), device)
         row["triton_GBps"] = row["bytes_read"] / row["triton_us"] / 1e3
-        rows.append(row)
-        print("mla_decode", json.dumps(row), flush=True)
+        emit("mla_decode", rows, row)
     return rows
 
 
@@ -103,17 +108,15 @@ def mla_prefill_rows(device: str, smoke: bool) -> list[dict]:
                "v_padded_us": timed(padded, device)}
         row["current_TFLOPs"] = row["flops"] / row["current_us"] / 1e6
         row["v_padded_TFLOPs"] = row["flops"] / row["v_padded_us"] / 1e6
-        rows.append(row)
-        print("mla_prefill", json.dumps(row), flush=True)
+        emit("mla_prefill", rows, row)
     return rows
 
 
 def fp8_expert_rows(device: str, smoke: bool) -> list[dict]:
-    from deltaserve.kernels.moe.experts import fused_experts, grouped_experts_in_chunks
+    from deltaserve.kernels.moe.experts import fused_experts
     from deltaserve.kernels.quant import quantize_fp8
-    from deltaserve.kernels.quant.experts import _EXPERTS_PER_CHUNK
+    from deltaserve.kernels.quant.experts import dequantized_grouped_experts
     from deltaserve.kernels.quant.triton_grouped import fp8_grouped_experts
-    from deltaserve.kernels.quant.triton_linear import fp8_dequantize_triton
 
     E, k, D, I = (8, 2, 256, 128) if smoke else (256, 8, 2304, 1024)
     token_counts = [4, 40] if smoke else [64, 512, 1024, 2048, 8192]  # 1024: the switch, 8192 pairs
@@ -129,17 +132,14 @@ def fp8_expert_rows(device: str, smoke: bool) -> list[dict]:
         weights = torch.rand(T, k, device=device)
 
         def dequantized():  # what kernels.quant.experts does for prefill-sized steps
-            return grouped_experts_in_chunks(x, weights, ids, E, _EXPERTS_PER_CHUNK, lambda e0, e1: (
-                fp8_dequantize_triton(w13[e0:e1], s13[e0:e1], BLOCK, act),
-                fp8_dequantize_triton(w2[e0:e1], s2[e0:e1], BLOCK, act)))
+            return dequantized_grouped_experts(x, w13, s13, w2, s2, weights, ids, BLOCK)
 
         fp8 = fp8_grouped_experts(x, w13, s13, w2, s2, weights, ids, BLOCK)
         row = {"tokens": T, "pairs": T * k, "rel_err_dequantized": rel_err(dequantized(), fp8),
                "fp8_grouped_us": timed(lambda: fp8_grouped_experts(x, w13, s13, w2, s2, weights, ids, BLOCK), device),
                "dequantize_then_bf16_us": timed(dequantized, device),
                "bf16_weights_us": timed(lambda: fused_experts(x, w13_b, w2_b, weights, ids), device)}
-        rows.append(row)
-        print("fp8_experts", json.dumps(row), flush=True)
+        emit("fp8_experts", rows, row)
     return rows
 
 

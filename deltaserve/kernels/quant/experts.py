@@ -51,14 +51,7 @@ def fp8_fused_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.T
 
             return decode_experts(x, w13, w2, weights, ids, w13_scale_inv, w2_scale_inv, block)
         if ids.numel() >= _MIN_PAIRS_TO_DEQUANTIZE and x.dtype == torch.bfloat16 and not _decode_graphs:
-            from deltaserve.kernels.moe.experts import grouped_experts_in_chunks
-            from deltaserve.kernels.quant.triton_linear import fp8_dequantize_triton
-
-            def dequantized(e0: int, e1: int):
-                return (fp8_dequantize_triton(w13[e0:e1], w13_scale_inv[e0:e1], block, x.dtype),
-                        fp8_dequantize_triton(w2[e0:e1], w2_scale_inv[e0:e1], block, x.dtype))
-
-            return grouped_experts_in_chunks(x, weights, ids, w13.shape[0], _EXPERTS_PER_CHUNK, dequantized)
+            return dequantized_grouped_experts(x, w13, w13_scale_inv, w2, w2_scale_inv, weights, ids, block)
         from deltaserve.kernels.quant.triton_grouped import fp8_grouped_experts
 
         return fp8_grouped_experts(x, w13, w13_scale_inv, w2, w2_scale_inv, weights, ids, block)
@@ -67,3 +60,18 @@ def fp8_fused_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.T
     w13_hit = dequantize_fp8(w13[hit], w13_scale_inv[hit], block, x.dtype)
     w2_hit = dequantize_fp8(w2[hit], w2_scale_inv[hit], block, x.dtype)
     return fused_experts(x, w13_hit, w2_hit, weights, local_ids)
+
+
+def dequantized_grouped_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
+                                w2_scale_inv: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                                block: tuple[int, int]) -> torch.Tensor:
+    """fp8_fused_experts' path for prefill-sized steps on a GPU: the experts dequantized _EXPERTS_PER_CHUNK at a
+    time (Triton), each chunk through the grouped GEMMs of x's dtype. Syncs with the host once: not for graphs."""
+    from deltaserve.kernels.moe.experts import grouped_experts_in_chunks
+    from deltaserve.kernels.quant.triton_linear import fp8_dequantize_triton
+
+    def dequantized(e0: int, e1: int):
+        return (fp8_dequantize_triton(w13[e0:e1], w13_scale_inv[e0:e1], block, x.dtype),
+                fp8_dequantize_triton(w2[e0:e1], w2_scale_inv[e0:e1], block, x.dtype))
+
+    return grouped_experts_in_chunks(x, weights, ids, w13.shape[0], _EXPERTS_PER_CHUNK, dequantized)
