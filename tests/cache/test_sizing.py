@@ -97,6 +97,12 @@ def test_budget_that_cannot_hold_the_slots_and_a_page_is_an_error(model_48b):
         plan_cache(model_48b, engine, 4096)
 
 
+def test_an_overdrawn_gpu_budget_names_its_size_and_what_holds_the_memory(model_48b):
+    held = r"\(-2\.0 GiB\) cannot hold .* free the memory other processes or engines hold"
+    with pytest.raises(ConfigError, match=held):
+        plan_cache(model_48b, EngineConfig(device="cuda", max_num_seqs=4), 4096, budget_bytes=-(2 << 30))
+
+
 def test_cpu_default_fits_max_num_seqs_full_sequences(model_48b):
     engine = EngineConfig(dtype="bfloat16", max_num_seqs=2, block_size=16)
     assert plan_cache(model_48b, engine, max_model_len=1000).num_blocks == 2 * 63
