@@ -36,10 +36,20 @@ def check(name: str, fn, args: dict, num_warps: int = 4, num_stages: int = 3) ->
     return True
 
 
+def jit_of(kernel):
+    """The jitted function under autotune and heuristics wrappers."""
+    while not isinstance(kernel, triton.runtime.JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+
 def main() -> int:
     ok = check("router", triton_routing._route_kernel, dict(
         logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64", E=256, K=8, RENORMALIZE=True,
         SCALE=2.446, BLOCK_E=256, BLOCK_K=8), num_warps=1)
+    ok &= check("router logits", triton_routing._router_logits_kernel, dict(
+        x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", x_stride="i32", D=2304, E=256,
+        BLOCK_E=triton_routing._ROUTER_BLOCK_E, BLOCK_D=triton_routing._ROUTER_BLOCK_D))
     for K in (128, 48):  # the 48B model's head width; the demo model's (not a power of two)
         ok &= check(f"KDA decode, K {K}", kda_triton_decode._kda_decode_kernel, dict(
             q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", graw_ptr="*bf16", braw_ptr="*bf16", dt_bias_ptr="*fp32",
@@ -60,15 +70,20 @@ def main() -> int:
             x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", y_ptr="*fp32", M="i32", N="i32", K=4096, S_COLS=32,
             K_PER_SPLIT=256, DOT_DTYPE=tl.bfloat16, BN=128, BK=128, ALIGNED=aligned, BLOCK_M=16, BLOCK_N=64,
             BLOCK_K=128))
+    gate_up, down = jit_of(triton_decode._gate_up_kernel), jit_of(triton_decode._down_kernel)
     for scaled, aligned, w_type in ((False, True, "*bf16"), (True, True, "*fp8e4nv"), (True, False, "*fp8e4nv")):
         s_type = "*fp32" if scaled else w_type  # unscaled: the weights stand in for the scales, never read
         scales = dict(SCALED=scaled, BN=128, BK=128, ALIGNED=aligned)
-        ok &= check(f"expert gate/up, scaled {scaled}, aligned {aligned}", triton_decode._gate_up_kernel, dict(
-            x_ptr="*bf16", w13_ptr=w_type, s13_ptr=s_type, ids_ptr="*i64", act_ptr="*fp32", K_SLOTS=8, D=2304,
-            I=1024, S_ROWS=16, S_COLS=18, **scales, BLOCK_I=16, BLOCK_D=128))
-        ok &= check(f"expert down, scaled {scaled}, aligned {aligned}", triton_decode._down_kernel, dict(
-            act_ptr="*fp32", w2_ptr=w_type, s2_ptr=s_type, ids_ptr="*i64", weights_ptr="*fp32", y_ptr="*fp32",
-            D=2304, I=1024, S_ROWS=18, S_COLS=8, **scales, BLOCK_N=32, BLOCK_K=128))
+        slots = 8 if scaled else 9  # unscaled: with the shared expert as the ninth slot
+        for (bi, bd), (bn, bk) in zip(triton_decode._GATE_UP_TILES, triton_decode._DOWN_TILES):
+            ok &= check(f"expert gate/up {bi}x{bd}, scaled {scaled}, aligned {aligned}", gate_up, dict(
+                x_ptr="*bf16", w13_ptr=w_type, s13_ptr=s_type, shared13_ptr=w_type, ids_ptr="*i64", act_ptr="*fp32",
+                PAIRS="i32", K_SLOTS=8, SLOTS=slots, D=2304, I=1024, S_ROWS=16, S_COLS=18, **scales, BLOCK_I=bi,
+                BLOCK_D=bd))
+            ok &= check(f"expert down {bn}x{bk}, scaled {scaled}, aligned {aligned}", down, dict(
+                act_ptr="*fp32", w2_ptr=w_type, s2_ptr=s_type, shared2_ptr=w_type, ids_ptr="*i64",
+                weights_ptr="*fp32", y_ptr="*fp32", PAIRS="i32", K_SLOTS=8, SLOTS=slots, D=2304, I=1024, S_ROWS=18,
+                S_COLS=8, **scales, BLOCK_N=bn, BLOCK_K=bk))
     return 0 if ok else 1
 
 

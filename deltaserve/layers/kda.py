@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
@@ -25,13 +26,12 @@ class KimiDeltaAttention(nn.Module):
         # replicated; o_proj row-parallel, its partial sums all-reduced
         H, K, D = cfg.kda_num_heads // parallel.world_size, cfg.kda_head_dim, cfg.hidden_size
         self.num_heads, self.head_dim, self.eps, self.parallel = H, K, cfg.rms_norm_eps, parallel
-        self.split = [3 * H * K, K, K, H]  # in_proj's outputs: q, k, v (the conv's channel order), f_a, g_a, b
+        self.split = [3 * H * K, 2 * K, H]  # in_proj's outputs: q, k, v (the conv's channel order), f_a and g_a, b
         self.in_proj = Linear(D, sum(self.split))
         self.conv_weight = nn.Parameter(torch.empty(3 * H * K, cfg.conv_kernel_size))
-        self.f_b_proj = Linear(K, H * K)
+        self.fg_b_proj = Linear(K, 2 * H * K)  # f_b_proj's rows, then g_b_proj's: both up-projections, one launch
         self.dt_bias = nn.Parameter(torch.empty(H * K, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32))
-        self.g_b_proj = Linear(K, H * K)
         self.o_norm_weight = nn.Parameter(torch.ones(K))
         self.o_proj = Linear(H * K, D)
 
@@ -43,7 +43,7 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
         """x [N, D] -> [N, D]; reads and updates the conv and recurrent states of batch.state_slots."""
         N, nd, H, K = x.shape[0], batch.num_decodes, self.num_heads, self.head_dim
-        qkv, f_a, g_a, b = self.in_proj(x).split(self.split, dim=-1)  # [N, 3HK], [N, K], [N, K], [N, H]
+        qkv, fg_a, b = self.in_proj(x).split(self.split, dim=-1)  # [N, 3HK], [N, 2K], [N, H]
         conv_parts = []
         if nd:
             conv_parts.append(causal_conv1d_update(qkv[:nd], self.conv_weight, cache["conv"], batch.state_slots[:nd]))
@@ -51,21 +51,33 @@ class KimiDeltaAttention(nn.Module):
             conv_parts.append(causal_conv1d_varlen(
                 qkv[nd:], self.conv_weight, cache["conv"], batch.state_slot_list[nd:], batch.prefill_cu_seqlens()))
         qkv = (conv_parts[0] if len(conv_parts) == 1 else torch.cat(conv_parts)).view(N, 3, H, K)
-        o = self._delta_rule(qkv[:, 0], qkv[:, 1], qkv[:, 2], self.f_b_proj(f_a), b, batch, cache["recurrent"])
-        gate = self.g_b_proj(g_a).view(N, H, K)
+        g_raw, gate = self._gate_up_projections(fg_a)
+        o = self._delta_rule(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b, batch, cache["recurrent"])
+        gate = gate.view(N, H, K)
         return all_reduce(self.o_proj(gated_rms_norm(o, gate, self.o_norm_weight, self.eps).view(N, H * K)),
                           self.parallel)
 
+    def _gate_up_projections(self, fg_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, 2K] (f_a, g_a) -> (f_b_proj(f_a), g_b_proj(g_a)), each [N, HK]: on a GPU one batched matmul (a
+        decode step is bound by launches), on the CPU two products (the reference's bits in float32)."""
+        N, K = fg_a.shape[0], self.head_dim
+        w = self.fg_b_proj.weight.view(2, -1, K)
+        if fg_a.is_cuda:
+            out = torch.bmm(fg_a.view(N, 2, K).transpose(0, 1), w.transpose(1, 2))  # [2, N, HK]
+            return out[0], out[1]
+        return F.linear(fg_a[:, :K], w[0]), F.linear(fg_a[:, K:], w[1])
+
     def _delta_rule(self, q, k, v, g_raw, b_raw, batch: ForwardBatch, state: torch.Tensor) -> torch.Tensor:
-        """q, k, v [N, H, K] raw; g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V] in the layer's dtype."""
+        """q, k, v [N, H, K] raw; g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V] float32 (gated_rms_norm rounds it to
+        the layer's dtype)."""
         nd, scale = batch.num_decodes, self.head_dim ** -0.5
         params = (self.dt_bias, self.A_log)
         if nd == q.shape[0]:
-            return kda_decode(q, k, v, g_raw, b_raw, *params, state, batch.state_slots, scale).to(v.dtype)
+            return kda_decode(q, k, v, g_raw, b_raw, *params, state, batch.state_slots, scale)
         o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         if nd:
             o[:nd] = kda_decode(q[:nd], k[:nd], v[:nd], g_raw[:nd], b_raw[:nd], *params, state,
                                 batch.state_slots[:nd], scale)
         o[nd:] = kda_prefill(q[nd:], k[nd:], v[nd:], g_raw[nd:], b_raw[nd:], *params, state,
                              batch.state_slot_list[nd:], batch.prefill_cu_seqlens(), scale)
-        return o.to(v.dtype)
+        return o

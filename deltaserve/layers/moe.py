@@ -7,6 +7,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
 from deltaserve.kernels.moe import fused_experts, select_experts
+from deltaserve.kernels.moe.experts import FEW_ASSIGNMENTS_GPU
 from deltaserve.kernels.quant import FP8, fp8_fused_experts
 from deltaserve.layers.linear import Linear
 
@@ -48,15 +49,42 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> routed experts (scaled) + shared expert (unscaled), [N, D]."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.gate_weight.float())  # [N, E]
+        logits = self._router_logits(x)  # [N, E] float32
         weights, ids = select_experts(logits, self.e_score_correction_bias.float(), cfg.num_experts_per_token,
                                       cfg.num_expert_group, cfg.topk_group, cfg.moe_renormalize,
                                       cfg.routed_scaling_factor, exact=x.dtype == torch.float32)
+        shared = self._shared_in_decode_kernels(x, ids)
+        if shared is not None:  # the shared expert as one more slot of the routed experts' kernels
+            from deltaserve.kernels.moe.triton_decode import decode_experts
+
+            return all_reduce(decode_experts(x, self.w13, self.w2, weights, ids, shared=shared), self.parallel)
         out = self._local_experts(x, weights, ids) if self.parallel.expert_parallel else self._experts(
             x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return all_reduce(out, self.parallel)
+
+    def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> router logits [N, E], in float32 whatever x's dtype (the reference's router)."""
+        if x.is_cuda and x.dtype != torch.float32:
+            from deltaserve.kernels.moe.triton_routing import ROUTER_GEMV_MAX_TOKENS, router_logits
+
+            if x.shape[0] <= ROUTER_GEMV_MAX_TOKENS:
+                return router_logits(x, self.gate_weight)
+        return F.linear(x.float(), self.gate_weight.float())
+
+    def _shared_in_decode_kernels(self, x: torch.Tensor, ids: torch.Tensor):
+        """The shared expert's (gate_up, down) weights where the few-token GPU kernels can run it with the routed
+        experts (same shape and dtype, not FP8, every expert on this rank); None otherwise."""
+        shared = self.shared_experts
+        if (shared is None or not x.is_cuda or ids.numel() > FEW_ASSIGNMENTS_GPU or self.parallel.expert_parallel
+                or self.w13.dtype == FP8):
+            return None
+        gate_up, down = shared.gate_up_proj.weight, shared.down_proj.weight
+        if (gate_up.dtype, down.dtype) != (self.w13.dtype,) * 2 or (gate_up.shape, down.shape) != (
+                self.w13.shape[1:], self.w2.shape[1:]):
+            return None
+        return gate_up, down
 
     def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Expert parallel: the contributions of this rank's experts only, [N, D] (zero rows for tokens that chose

@@ -78,10 +78,11 @@ def _kda_options(cfg: ModelConfig, p: str) -> dict[str, list[Option]]:
                                      (p + "b_proj.weight", H)], (D,)) for gate in ("", "forget_gate.")],
         "conv_weight": [_stacked([(p + f"{c}_conv1d.weight", HK) for c in "qkv"], (1, W)),
                         [Piece(p + "conv1d.weight", (), (3 * HK, 1, W))]],
-        "f_b_proj.weight": gate_param("f_b_proj.weight", (HK, K)),
+        # both gate up-projections, in one batched matmul: f_b (on self_attn or its forget_gate), then g_b
+        "fg_b_proj.weight": [_stacked([(p + gate + "f_b_proj.weight", HK), (p + "g_b_proj.weight", HK)], (K,))
+                             for gate in ("", "forget_gate.")],
         "dt_bias": gate_param("dt_bias", (HK,)),
         "A_log": gate_param("A_log", (1, 1, H, 1)),
-        "g_b_proj.weight": _whole(p + "g_b_proj.weight", (HK, K)),
         "o_norm_weight": _whole(p + "o_norm.weight", (K,)),
         "o_proj.weight": _whole(p + "o_proj.weight", (D, HK)),
     }

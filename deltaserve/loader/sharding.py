@@ -38,8 +38,8 @@ def _kda_specs(cfg: ModelConfig, p: ParallelConfig) -> dict[str, Shard]:
     heads = _part(p, HK)
     qkv = [_part(p, HK, c * HK) for c in range(3)]
     return {"in_proj.weight": (0, qkv + [(3 * HK, 3 * HK + 2 * K), _part(p, H, 3 * HK + 2 * K)]),
-            "conv_weight": (0, qkv), "f_b_proj.weight": (0, [heads]), "dt_bias": (0, [heads]),
-            "A_log": (0, [_part(p, H)]), "g_b_proj.weight": (0, [heads]), "o_proj.weight": (1, [heads])}
+            "conv_weight": (0, qkv), "fg_b_proj.weight": (0, [heads, _part(p, HK, HK)]), "dt_bias": (0, [heads]),
+            "A_log": (0, [_part(p, H)]), "o_proj.weight": (1, [heads])}
 
 
 def _mla_specs(cfg: ModelConfig, p: ParallelConfig) -> dict[str, Shard]:

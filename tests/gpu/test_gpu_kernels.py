@@ -9,7 +9,7 @@ from deltaserve.kernels.kda.chunk import chunk_kda
 from deltaserve.kernels.mla.naive import naive_mla
 from deltaserve.kernels.moe.experts import grouped_experts
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk
-from deltaserve.kernels.moe.triton_routing import triton_topk
+from deltaserve.kernels.moe.triton_routing import router_logits, triton_topk
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEV = "cuda"
@@ -121,7 +121,9 @@ def test_triton_conv_update_matches_naive(B, dtype):
 
 
 @pytest.mark.parametrize("T,E,k", [(1, 256, 8), (3, 64, 8), (2, 16, 2)])
-def test_triton_decode_experts_match_naive(T, E, k):
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_triton_decode_experts_match_naive(T, E, k, with_shared):
+    """At the 48B shape (tiles autotuned), with and without the shared expert as one more slot."""
     from deltaserve.kernels.moe.triton_decode import decode_experts
 
     gen = torch.Generator(device=DEV).manual_seed(T + E)
@@ -131,8 +133,11 @@ def test_triton_decode_experts_match_naive(T, E, k):
     w2 = (torch.randn(E, D, I, generator=gen, device=DEV) * 0.02).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=gen, device=DEV)
-    out = decode_experts(x, w13, w2, weights, ids)
+    shared = (w13[-1].clone(), w2[-1].clone()) if with_shared else None
+    out = decode_experts(x, w13, w2, weights, ids, shared=shared)
     ref = naive_experts(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu())
+    if with_shared:  # the shared expert equals routed expert E-1 at weight 1
+        ref = ref + naive_experts(x.cpu(), w13.cpu(), w2.cpu(), torch.ones(T, 1), torch.full((T, 1), E - 1))
     assert rel_err(out.cpu(), ref) < 2e-2
 
 
@@ -167,3 +172,11 @@ def test_triton_mla_decode_matches_torch_twin(lengths, width, dtype):
     used = tables[:, : -(-max(lengths) // 16)]
     twin = torch_mla_decode(q_latent.float(), q_rope.float(), paged.cache.float(), used, lens, 192 ** -0.5)
     assert rel_err(out, twin) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_router_logits_kernel_matches_float32_linear(T):
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    x = torch.randn(T, 2304, generator=gen, device=DEV).bfloat16()
+    weight = torch.randn(256, 2304, generator=gen, device=DEV) * 0.05
+    assert rel_err(router_logits(x, weight), torch.nn.functional.linear(x.float(), weight)) < 1e-5

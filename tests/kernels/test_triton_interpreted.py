@@ -15,7 +15,7 @@ from deltaserve.kernels.mla.attention import torch_mla_decode  # noqa: E402
 from deltaserve.kernels.mla.triton_decode import triton_mla_decode  # noqa: E402
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import decode_experts  # noqa: E402
-from deltaserve.kernels.moe.triton_routing import triton_topk  # noqa: E402
+from deltaserve.kernels.moe.triton_routing import router_logits, triton_topk  # noqa: E402
 
 
 @pytest.mark.parametrize("B,H,K", [(1, 2, 16), (3, 4, 32), (5, 1, 64), (2, 4, 48)])  # 48: the demo model's
@@ -67,6 +67,21 @@ def test_decode_experts_kernel_matches_naive(T, E, k):
     assert rel_err(decode_experts(x, w13, w2, weights, ids), naive_experts(x, w13, w2, weights, ids)) < 1e-5
 
 
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (4, 16, 8)])
+def test_decode_experts_kernel_with_the_shared_expert_matches_naive(T, E, k):
+    """The shared expert as one more slot (weight 1) of each token: the routed experts' sum plus its SwiGLU."""
+    gen = torch.Generator().manual_seed(T * E + 1)
+    D, I = 96, 40
+    x = torch.randn(T, D, generator=gen)
+    w13, shared13 = torch.randn(E, 2 * I, D, generator=gen) * 0.1, torch.randn(2 * I, D, generator=gen) * 0.1
+    w2, shared2 = torch.randn(E, D, I, generator=gen) * 0.1, torch.randn(D, I, generator=gen) * 0.1
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=gen)
+    gate, up = (x @ shared13.T).chunk(2, dim=-1)
+    expected = naive_experts(x, w13, w2, weights, ids) + (torch.nn.functional.silu(gate) * up) @ shared2.T
+    assert rel_err(decode_experts(x, w13, w2, weights, ids, shared=(shared13, shared2)), expected) < 1e-5
+
+
 @pytest.mark.parametrize("T,E,k,renormalize", [(1, 256, 8, True), (5, 40, 3, False), (2, 7, 7, True)])
 def test_routing_kernel_matches_naive(T, E, k, renormalize):
     """The one-kernel router against the naive grouped top-k with every group kept; ids compared as sets per token
@@ -109,3 +124,12 @@ def test_mla_decode_kernel_matches_torch_twin(lengths, H, R, DR, page, width):
     twin = torch_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
     out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
     assert rel_err(out, twin) < 1e-5
+
+
+@pytest.mark.parametrize("T,E,D", [(1, 256, 2304), (3, 10, 100)])
+def test_router_logits_kernel_matches_float32_linear(T, E, D):
+    """bf16 activations (a strided view, as a split leaves them) against float32 weights, widened in the kernel."""
+    gen = torch.Generator().manual_seed(T * E)
+    x = torch.randn(T, 2 * D, generator=gen).bfloat16()[:, :D]
+    weight = torch.randn(E, D, generator=gen) * 0.05
+    assert rel_err(router_logits(x, weight), torch.nn.functional.linear(x.float(), weight)) < 1e-6

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 _FEW_ASSIGNMENTS = 64  # up to this many (token, expert) pairs, group on the host: fewer ops for decode steps
-_FEW_ASSIGNMENTS_GPU = 32  # up to this many pairs, one GEMV per pair beats sorting for a grouped GEMM
+FEW_ASSIGNMENTS_GPU = 32  # up to this many pairs, one GEMV per pair beats sorting for a grouped GEMM
 
 
 def fused_experts(
@@ -19,7 +19,7 @@ def fused_experts(
 
     Returns sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, D] in x's dtype.
     """
-    if x.is_cuda and ids.numel() <= _FEW_ASSIGNMENTS_GPU:
+    if x.is_cuda and ids.numel() <= FEW_ASSIGNMENTS_GPU:
         from deltaserve.kernels.moe.triton_decode import decode_experts
 
         return decode_experts(x, w13, w2, weights, ids)

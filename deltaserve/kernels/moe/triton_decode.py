@@ -1,35 +1,60 @@
-"""Routed experts for a few tokens on the GPU: one GEMV kernel per projection reading only the chosen experts.
+"""Routed experts (and the shared expert) for a few tokens on the GPU: one GEMV kernel per projection reading only
+the chosen experts.
 
 For a decode step of T tokens with k experts each, fused_experts' grouped GEMM path spends ~20 launches on
-sorting and gathering; here it is two: (1) per (token, slot) pair, silu(x W1^T) * (x W3^T); (2) per pair, the
-weighted down projection; the k rows of a token are then summed. Each pair reads its expert's weights, so this
-pays off only while pairs rarely share an expert (small T): the caller picks.
+sorting and gathering; here it is three: (1) per (token, slot) pair, silu(x W1^T) * (x W3^T); (2) per pair, the
+weighted down projection; (3) the sum of each token's slots, in x's dtype. Given the MoE's shared expert (same
+intermediate size), each token gets one more slot, weight 1, in the same launches: the shared expert as its own
+SwiGLU was four more launches and an add a layer. Each pair reads its expert's weights, so this pays off only
+while pairs rarely share an expert (small T): the caller picks.
 
 The same kernels read FP8 weights with block scales (SCALED): each weight element is multiplied by its block's
-scale, one scalar per tile where the tile lies inside one scale block (ALIGNED). Twin: kernels.moe.naive.naive_experts
-(on the dequantized weights for FP8).
+scale, one scalar per tile where the tile lies inside one scale block (ALIGNED).
+
+Tile shapes are autotuned per (D, I, pairs) at first use; a CUDA graph's sizes are each run eagerly before their
+capture, so tuning never runs inside one. Twin: kernels.moe.naive.naive_experts (on the dequantized weights for
+FP8), plus the shared expert's SwiGLU.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-_BLOCK_I, _BLOCK_D = 16, 128  # gate/up: 16 rows of gate and of up a program
-_BLOCK_N, _BLOCK_K = 32, 128  # down
+from deltaserve.kernels.fusion import fused_on_gpu
+
+# (rows, columns) of a program's tile. At batch 1 of the 48B shape (8 pairs, D 2304, I 1024) the gate/up kernel
+# with 16 x 128 tiles ran at 2.05 TB/s (36.8 us a layer on an H200) against 3.3 TB/s for the down kernel's
+# 32 x 128: the candidates trade rows (programs) for columns (bytes in flight per load).
+_GATE_UP_TILES = ((4, 512), (8, 256), (8, 512), (16, 128), (16, 256), (32, 128))
+_DOWN_TILES = ((8, 512), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128))
 
 
+def _configs(tiles, rows: str, cols: str) -> list[triton.Config]:
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter (CI) checks values, not speed: one config
+        return [triton.Config({rows: tiles[3][0], cols: tiles[3][1]}, num_warps=4)]
+    return [triton.Config({rows: r, cols: c}, num_warps=w) for r, c in tiles for w in (4, 8)]
+
+
+@triton.autotune(configs=_configs(_GATE_UP_TILES, "BLOCK_I", "BLOCK_D"), key=["D", "I", "PAIRS", "SCALED"])
+@triton.heuristics({"ALIGNED": lambda a: a["BN"] % a["BLOCK_I"] == 0 and a["BK"] % a["BLOCK_D"] == 0
+                    and a["I"] % a["BN"] == 0})
 @triton.jit
-def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, ids_ptr, act_ptr, K_SLOTS: tl.constexpr, D: tl.constexpr,
-                    I: tl.constexpr, SCALED: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr,
-                    BN: tl.constexpr, BK: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_I: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
+def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, shared13_ptr, ids_ptr, act_ptr, PAIRS, K_SLOTS: tl.constexpr,
+                    SLOTS: tl.constexpr, D: tl.constexpr, I: tl.constexpr, SCALED: tl.constexpr,
+                    S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    ALIGNED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_i, pair = tl.program_id(0), tl.program_id(1)
-    token = pair // K_SLOTS
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    rows = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    token, slot = pair // SLOTS, pair % SLOTS
+    expert = tl.load(ids_ptr + token * K_SLOTS + tl.minimum(slot, K_SLOTS - 1)).to(tl.int64)
     base, s_base = w13_ptr + expert * (2 * I * D), s13_ptr + expert * (S_ROWS * S_COLS)
+    if SLOTS > K_SLOTS:  # the last slot is the shared expert (never SCALED)
+        if slot == K_SLOTS:
+            base = shared13_ptr
+    rows = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
     acc_gate = tl.zeros([BLOCK_I], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_I], dtype=tl.float32)
     for d0 in range(0, D, BLOCK_D):
@@ -52,57 +77,77 @@ def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, ids_ptr, act_ptr, K_SLOTS: tl.const
     tl.store(act_ptr + pair * I + rows, act, mask=rows < I)
 
 
+@triton.autotune(configs=_configs(_DOWN_TILES, "BLOCK_N", "BLOCK_K"), key=["D", "I", "PAIRS", "SCALED"])
+@triton.heuristics({"ALIGNED": lambda a: a["BN"] % a["BLOCK_N"] == 0 and a["BK"] % a["BLOCK_K"] == 0})
 @triton.jit
-def _down_kernel(act_ptr, w2_ptr, s2_ptr, ids_ptr, weights_ptr, y_ptr, D: tl.constexpr, I: tl.constexpr,
-                 SCALED: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_kernel(act_ptr, w2_ptr, s2_ptr, shared2_ptr, ids_ptr, weights_ptr, y_ptr, PAIRS, K_SLOTS: tl.constexpr,
+                 SLOTS: tl.constexpr, D: tl.constexpr, I: tl.constexpr, SCALED: tl.constexpr, S_ROWS: tl.constexpr,
+                 S_COLS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGNED: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pair = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    token, slot = pair // SLOTS, pair % SLOTS
+    routed = token * K_SLOTS + tl.minimum(slot, K_SLOTS - 1)
+    expert = tl.load(ids_ptr + routed).to(tl.int64)
+    weight = tl.load(weights_ptr + routed)
+    base, s_base = w2_ptr + expert * (D * I), s2_ptr + expert * (S_ROWS * S_COLS)
+    if SLOTS > K_SLOTS:  # the shared expert: weight 1
+        weight = tl.where(slot == K_SLOTS, 1.0, weight)
+        if slot == K_SLOTS:
+            base = shared2_ptr
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    s_base = s2_ptr + expert * (S_ROWS * S_COLS)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(act_ptr + pair * I + cols, mask=cols < I, other=0.0)
         mask = (rows[:, None] < D) & (cols[None, :] < I)
-        w = tl.load(w2_ptr + expert * (D * I) + rows[:, None] * I + cols[None, :], mask=mask, other=0.0)
-        w = w.to(tl.float32)
+        w = tl.load(base + rows[:, None] * I + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if SCALED:
             if ALIGNED:
                 w *= tl.load(s_base + (pid_n * BLOCK_N // BN) * S_COLS + k0 // BK)
             else:
                 w *= tl.load(s_base + (rows[:, None] // BN) * S_COLS + cols[None, :] // BK, mask=mask, other=0.0)
         acc += tl.sum(w * a[None, :], axis=1)
-    tl.store(y_ptr + pair * D + rows, acc * tl.load(weights_ptr + pair), mask=rows < D)
+    tl.store(y_ptr + pair * D + rows, acc * weight, mask=rows < D)
+
+
+@fused_on_gpu
+def _sum_slots(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, slots, D] float32 -> [T, D] in dtype: one kernel."""
+    return y.sum(1).to(dtype)
 
 
 def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    w13_scale_inv: torch.Tensor | None = None, w2_scale_inv: torch.Tensor | None = None,
-                   block: tuple[int, int] | None = None) -> torch.Tensor:
+                   block: tuple[int, int] | None = None,
+                   shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Same contract as fused_experts: x [T, D], w13 [E, 2I, D], w2 [E, D, I], weights [T, k] f32, ids [T, k] ->
     [T, D] in x's dtype. With block scales (FP8 weights: float8_e4m3fn w13 and w2, scales [E, nb, kb], `block`
     (bn, bk)), the weights are multiplied by their scales as they are read: kernels.quant.experts'
-    fp8_fused_experts contract."""
+    fp8_fused_experts contract. shared: a shared expert's (gate_up [2I, D], down [D, I]) in w13's dtype, unscaled,
+    added with weight 1 (its contribution summed in float32 with the routed ones)."""
     T, k = ids.shape
     D, I = x.shape[1], w2.shape[2]
-    pairs = T * k
     scaled = w13_scale_inv is not None
+    if shared is not None:
+        assert not scaled and shared[0].shape == w13.shape[1:] and shared[1].shape == w2.shape[1:], \
+            "the shared expert must match the routed experts' shape, unscaled"
+        shared13, shared2 = shared[0].contiguous(), shared[1].contiguous()
+    else:  # never read
+        shared13, shared2 = w13, w2
+    slots = k + (shared is not None)
+    pairs = T * slots
     if scaled:
         s13, s2 = w13_scale_inv.float().contiguous(), w2_scale_inv.float().contiguous()
         bn, bk = block
     else:  # the scale arguments are never read
         s13, s2, bn, bk = w13, w2, 1, 1
+    ids, weights = ids.contiguous(), weights.float().contiguous()
     act = torch.empty(pairs, I, dtype=torch.float32, device=x.device)
-    # 16 rows of gate and of up a program: 512 programs for the 48B shape's 8 pairs (32 rows gave 256, measured
-    # 46 us a call on an H200, 1.6 TB/s; the down kernel's 576 programs ran at 3.4 TB/s)
-    _gate_up_kernel[(triton.cdiv(I, _BLOCK_I), pairs)](
-        x.contiguous(), w13.contiguous(), s13, ids.contiguous(), act, K_SLOTS=k, D=D, I=I, SCALED=scaled,
-        S_ROWS=s13.shape[1], S_COLS=s13.shape[2], BN=bn, BK=bk,
-        ALIGNED=bn % _BLOCK_I == 0 and bk % _BLOCK_D == 0 and I % bn == 0, BLOCK_I=_BLOCK_I, BLOCK_D=_BLOCK_D,
-        num_warps=4)
-    y = torch.empty(pairs, D, dtype=torch.float32, device=x.device)
-    _down_kernel[(triton.cdiv(D, _BLOCK_N), pairs)](
-        act, w2.contiguous(), s2, ids.contiguous(), weights.float().contiguous(), y, D=D, I=I, SCALED=scaled,
-        S_ROWS=s2.shape[1], S_COLS=s2.shape[2], BN=bn, BK=bk, ALIGNED=bn % _BLOCK_N == 0 and bk % _BLOCK_K == 0,
-        BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, num_warps=4)
-    return y.view(T, k, D).sum(1).to(x.dtype)
+    _gate_up_kernel[lambda meta: (triton.cdiv(I, meta["BLOCK_I"]), pairs)](
+        x.contiguous(), w13.contiguous(), s13, shared13, ids, act, pairs, K_SLOTS=k, SLOTS=slots, D=D, I=I,
+        SCALED=scaled, S_ROWS=s13.shape[1], S_COLS=s13.shape[2], BN=bn, BK=bk)
+    y = torch.empty(T, slots, D, dtype=torch.float32, device=x.device)
+    _down_kernel[lambda meta: (triton.cdiv(D, meta["BLOCK_N"]), pairs)](
+        act, w2.contiguous(), s2, shared2, ids, weights, y, pairs, K_SLOTS=k, SLOTS=slots, D=D, I=I, SCALED=scaled,
+        S_ROWS=s2.shape[1], S_COLS=s2.shape[2], BN=bn, BK=bk)
+    return _sum_slots(y, x.dtype)

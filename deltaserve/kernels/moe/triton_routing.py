@@ -50,3 +50,37 @@ def triton_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_
                             E=E, K=top_k, RENORMALIZE=renormalize, SCALE=float(scaling_factor),
                             BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
     return weights, ids
+
+
+_ROUTER_BLOCK_E, _ROUTER_BLOCK_D = 4, 256
+ROUTER_GEMV_MAX_TOKENS = 16  # beyond this many tokens cuBLAS's matmul (after a float32 copy of x) is the better fit
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, x_stride, D: tl.constexpr, E: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_e, token = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(x_ptr + token * x_stride + cols, mask=cols < D, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + experts[:, None] * D + cols[None, :], mask=(experts[:, None] < E) & (cols[None, :] < D),
+                    other=0.0)
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(out_ptr + token * E + experts, acc, mask=experts < E)
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [T, D] (any float dtype), weight [E, D] float32 -> x @ weight^T [T, E] float32, x read in its own dtype
+    and widened in registers: a decode step's router in one launch (it was a float32 copy of x, then cuBLAS's
+    GEMV). Twin: F.linear(x.float(), weight)."""
+    T, D = x.shape
+    E = weight.shape[0]
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if T:
+        x = x if x.stride(1) == 1 else x.contiguous()
+        _router_logits_kernel[(triton.cdiv(E, _ROUTER_BLOCK_E), T)](
+            x, weight.float().contiguous(), out, x.stride(0), D=D, E=E, BLOCK_E=_ROUTER_BLOCK_E,
+            BLOCK_D=_ROUTER_BLOCK_D, num_warps=4)
+    return out
