@@ -47,9 +47,10 @@ def main() -> int:
     ok = check("router", triton_routing._route_kernel, dict(
         logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64", E=256, K=8, RENORMALIZE=True,
         SCALE=2.446, BLOCK_E=256, BLOCK_K=8), num_warps=1)
-    ok &= check("router logits", triton_routing._router_logits_kernel, dict(
-        x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", x_stride="i32", D=2304, E=256,
-        BLOCK_E=triton_routing._ROUTER_BLOCK_E, BLOCK_D=triton_routing._ROUTER_BLOCK_D))
+    for block_e, block_d in triton_routing._ROUTER_TILES:
+        ok &= check(f"router logits {block_e}x{block_d}", jit_of(triton_routing._router_logits_kernel), dict(
+            x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", x_stride="i32", T="i32", D=2304, E=256, BLOCK_E=block_e,
+            BLOCK_D=block_d))
     for K in (128, 48):  # the 48B model's head width; the demo model's (not a power of two)
         ok &= check(f"KDA decode, K {K}", kda_triton_decode._kda_decode_kernel, dict(
             q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", graw_ptr="*bf16", braw_ptr="*bf16", dt_bias_ptr="*fp32",
