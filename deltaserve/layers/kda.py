@@ -51,25 +51,27 @@ class KimiDeltaAttention(nn.Module):
             conv_parts.append(causal_conv1d_varlen(
                 qkv[nd:], self.conv_weight, cache["conv"], batch.state_slot_list[nd:], batch.prefill_cu_seqlens()))
         qkv = (conv_parts[0] if len(conv_parts) == 1 else torch.cat(conv_parts)).view(N, 3, H, K)
-        g_raw, gate = self._gate_up_projections(fg_a)
+        g_raw, gate = self._gate_up_projections(fg_a, batched=x.is_cuda and nd == N)
         o = self._delta_rule(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b, batch, cache["recurrent"])
         gate = gate.view(N, H, K)
         return all_reduce(self.o_proj(gated_rms_norm(o, gate, self.o_norm_weight, self.eps).view(N, H * K)),
                           self.parallel)
 
-    def _gate_up_projections(self, fg_a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N, 2K] (f_a, g_a) -> (f_b_proj(f_a), g_b_proj(g_a)), each [N, HK]: on a GPU one batched matmul (a
-        decode step is bound by launches), on the CPU two products (the reference's bits in float32)."""
+    def _gate_up_projections(self, fg_a: torch.Tensor, batched: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, 2K] (f_a, g_a) -> (f_b_proj(f_a), g_b_proj(g_a)), each [N, HK]. batched (GPU decode steps, bound by
+        launches): one batched matmul. Otherwise two products: on the CPU they give the reference's bits in float32;
+        steps with prefill keep them as measured (BENCHMARKS.md: an A/B on the H200 left prefill's slowdown with the
+        decode-step changes unexplained, so prefill runs the code it ran before)."""
         N, K = fg_a.shape[0], self.head_dim
         w = self.fg_b_proj.weight.view(2, -1, K)
-        if fg_a.is_cuda:
+        if batched:
             out = torch.bmm(fg_a.view(N, 2, K).transpose(0, 1), w.transpose(1, 2))  # [2, N, HK]
             return out[0], out[1]
         return F.linear(fg_a[:, :K], w[0]), F.linear(fg_a[:, K:], w[1])
 
     def _delta_rule(self, q, k, v, g_raw, b_raw, batch: ForwardBatch, state: torch.Tensor) -> torch.Tensor:
-        """q, k, v [N, H, K] raw; g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V] float32 (gated_rms_norm rounds it to
-        the layer's dtype)."""
+        """q, k, v [N, H, K] raw; g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V]: float32 for decode-only steps
+        (gated_rms_norm rounds it to the layer's dtype in its own kernel, a launch fewer), else the layer's dtype."""
         nd, scale = batch.num_decodes, self.head_dim ** -0.5
         params = (self.dt_bias, self.A_log)
         if nd == q.shape[0]:
@@ -80,4 +82,4 @@ class KimiDeltaAttention(nn.Module):
                                 batch.state_slots[:nd], scale)
         o[nd:] = kda_prefill(q[nd:], k[nd:], v[nd:], g_raw[nd:], b_raw[nd:], *params, state,
                              batch.state_slot_list[nd:], batch.prefill_cu_seqlens(), scale)
-        return o
+        return o.to(v.dtype)
