@@ -75,14 +75,14 @@ def main() -> int:
     for scaled, aligned, w_type in ((False, True, "*bf16"), (True, True, "*fp8e4nv"), (True, False, "*fp8e4nv")):
         s_type = "*fp32" if scaled else w_type  # unscaled: the weights stand in for the scales, never read
         scales = dict(SCALED=scaled, BN=128, BK=128, ALIGNED=aligned)
-        slots = 8 if scaled else 9  # unscaled: with the shared expert as the ninth slot
+        slots = 9  # with the shared expert as the ninth slot (a variant without it only drops that branch)
         for (bi, bd), (bn, bk) in zip(triton_decode._GATE_UP_TILES, triton_decode._DOWN_TILES):
             ok &= check(f"expert gate/up {bi}x{bd}, scaled {scaled}, aligned {aligned}", gate_up, dict(
-                x_ptr="*bf16", w13_ptr=w_type, s13_ptr=s_type, shared13_ptr=w_type, ids_ptr="*i64", act_ptr="*fp32",
-                PAIRS="i32", K_SLOTS=8, SLOTS=slots, D=2304, I=1024, S_ROWS=16, S_COLS=18, **scales, BLOCK_I=bi,
-                BLOCK_D=bd))
+                x_ptr="*bf16", w13_ptr=w_type, s13_ptr=s_type, shared13_ptr=w_type, shared_s13_ptr=s_type,
+                ids_ptr="*i64", act_ptr="*fp32", PAIRS="i32", K_SLOTS=8, SLOTS=slots, D=2304, I=1024, S_ROWS=16,
+                S_COLS=18, **scales, BLOCK_I=bi, BLOCK_D=bd))
             ok &= check(f"expert down {bn}x{bk}, scaled {scaled}, aligned {aligned}", down, dict(
-                act_ptr="*fp32", w2_ptr=w_type, s2_ptr=s_type, shared2_ptr=w_type, ids_ptr="*i64",
+                act_ptr="*fp32", w2_ptr=w_type, s2_ptr=s_type, shared2_ptr=w_type, shared_s2_ptr=s_type, ids_ptr="*i64",
                 weights_ptr="*fp32", y_ptr="*fp32", PAIRS="i32", K_SLOTS=8, SLOTS=slots, D=2304, I=1024, S_ROWS=18,
                 S_COLS=8, **scales, BLOCK_N=bn, BLOCK_K=bk))
     return 0 if ok else 1

@@ -9,6 +9,7 @@ from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
 from deltaserve.kernels.moe import fused_experts, select_experts
 from deltaserve.kernels.moe.experts import FEW_ASSIGNMENTS_GPU
 from deltaserve.kernels.quant import FP8, fp8_fused_experts
+from deltaserve.kernels.quant.experts import MAX_PAIRS_PER_PAIR_GEMV
 from deltaserve.layers.linear import Linear
 
 
@@ -57,7 +58,9 @@ class MoE(nn.Module):
         if shared is not None:  # the shared expert as one more slot of the routed experts' kernels
             from deltaserve.kernels.moe.triton_decode import decode_experts
 
-            return all_reduce(decode_experts(x, self.w13, self.w2, weights, ids, shared=shared), self.parallel)
+            scales = (self.w13_scale_inv, self.w2_scale_inv, self.block) if self.w13.dtype == FP8 else ()
+            return all_reduce(decode_experts(x, self.w13, self.w2, weights, ids, *scales, shared=shared),
+                              self.parallel)
         out = self._local_experts(x, weights, ids) if self.parallel.expert_parallel else self._experts(
             x, weights, ids)
         if self.shared_experts is not None:
@@ -73,18 +76,23 @@ class MoE(nn.Module):
                 return router_logits(x, self.gate_weight)
         return F.linear(x.float(), self.gate_weight.float())
 
-    def _shared_in_decode_kernels(self, x: torch.Tensor, ids: torch.Tensor):
-        """The shared expert's (gate_up, down) weights where the few-token GPU kernels can run it with the routed
-        experts (same shape and dtype, not FP8, every expert on this rank); None otherwise."""
-        shared = self.shared_experts
-        if (shared is None or not x.is_cuda or ids.numel() > FEW_ASSIGNMENTS_GPU or self.parallel.expert_parallel
-                or self.w13.dtype == FP8):
+    def _shared_in_decode_kernels(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """The shared expert's weights (gate_up, down; with FP8, then their block scales) where the few-token GPU
+        kernels can run it with the routed experts: a step of few enough pairs, the same shapes, dtypes and blocks,
+        every expert on this rank. None otherwise."""
+        shared, fp8 = self.shared_experts, self.w13.dtype == FP8
+        most_pairs = MAX_PAIRS_PER_PAIR_GEMV if fp8 else FEW_ASSIGNMENTS_GPU
+        if shared is None or not x.is_cuda or ids.numel() > most_pairs or self.parallel.expert_parallel:
             return None
-        gate_up, down = shared.gate_up_proj.weight, shared.down_proj.weight
-        if (gate_up.dtype, down.dtype) != (self.w13.dtype,) * 2 or (gate_up.shape, down.shape) != (
-                self.w13.shape[1:], self.w2.shape[1:]):
+        gate_up, down = shared.gate_up_proj, shared.down_proj
+        if ((gate_up.weight.dtype, down.weight.dtype) != (self.w13.dtype, self.w2.dtype)
+                or (gate_up.weight.shape, down.weight.shape) != (self.w13.shape[1:], self.w2.shape[1:])):
             return None
-        return gate_up, down
+        if not fp8:
+            return gate_up.weight, down.weight
+        if (gate_up.block, down.block) != (self.block, self.block):
+            return None
+        return gate_up.weight, down.weight, gate_up.weight_scale_inv, down.weight_scale_inv
 
     def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Expert parallel: the contributions of this rank's experts only, [N, D] (zero rows for tokens that chose

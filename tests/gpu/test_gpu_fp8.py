@@ -44,6 +44,24 @@ def test_gpu_fp8_experts_match_naive(T):
     assert rel_err(out, expected) < 2e-2
 
 
+@pytest.mark.parametrize("T", [1, 4])
+def test_gpu_fp8_decode_experts_with_the_shared_expert_match_naive(T):
+    """The FP8 shared expert as a ninth slot (expert 0's weights and scales, which no token routes to)."""
+    from deltaserve.kernels.moe.naive import naive_experts
+    from deltaserve.kernels.moe.triton_decode import decode_experts
+    from deltaserve.kernels.quant import dequantize_fp8
+
+    E, k, D, I, block = 32, 8, 512, 256, (128, 128)
+    x, w13, s13, w2, s2, weights, ids, expected = fp8_expert_case(T, E, k, D, I, block, seeds=(T, 7, 8),
+                                                                  experts=list(range(1, E)))
+    expected = expected + naive_experts(x, dequantize_fp8(w13, s13, block), dequantize_fp8(w2, s2, block),
+                                        torch.ones(T, 1), torch.zeros(T, 1, dtype=torch.int64))
+    on = [t.to(DEV) for t in (w13, s13, w2, s2)]
+    out = decode_experts(x.to(DEV).bfloat16(), on[0], on[2], weights.to(DEV), ids.to(DEV), on[1], on[3], block,
+                         shared=(on[0][0], on[2][0], on[1][0], on[3][0]))
+    assert rel_err(out, expected) < 2e-2
+
+
 def test_gpu_engine_runs_fp8_and_agrees_with_the_cpu_fallback(tiny_model):
     """float32 activations: the GPU's kernels and the CPU's dequantize-then-matmul compute the same model."""
     from deltaserve import LLM, SamplingParams

@@ -8,6 +8,7 @@ from helpers.kernels import fp8_expert_case, quantized, rel_err, require_triton_
 
 require_triton_interpreter()
 
+from deltaserve.kernels.moe.naive import naive_experts  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import decode_experts  # noqa: E402
 from deltaserve.kernels.quant import FP8, dequantize_fp8  # noqa: E402
 from deltaserve.kernels.quant.naive import naive_fp8_linear  # noqa: E402
@@ -57,3 +58,15 @@ def test_weight_only_matmul_never_reads_past_the_scales():
 def test_fp8_decode_experts_kernel_matches_naive(T, E, k, D, I, block):
     x, w13, s13, w2, s2, weights, ids, expected = fp8_expert_case(T, E, k, D, I, block, seeds=(T * E, T, E))
     assert rel_err(decode_experts(x, w13, w2, weights, ids, s13, s2, block), expected) < 1e-5
+
+
+@pytest.mark.parametrize("T,block", [(1, (16, 32)), (3, (128, 128))])
+def test_fp8_decode_experts_kernel_with_the_shared_expert_matches_naive(T, block):
+    """The FP8 shared expert (its own block scales) as one more slot: expert 0's weights and scales at weight 1."""
+    D, I = (96, 40) if block == (16, 32) else (256, 256)
+    x, w13, s13, w2, s2, weights, ids, expected = fp8_expert_case(T, 8, 2, D, I, block, seeds=(T, 1, 2),
+                                                                  experts=list(range(1, 8)))
+    shared = (w13[0], w2[0], s13[0], s2[0])
+    expected = expected + naive_experts(x, dequantize_fp8(w13, s13, block), dequantize_fp8(w2, s2, block),
+                                        torch.ones(T, 1), torch.zeros(T, 1, dtype=torch.int64))
+    assert rel_err(decode_experts(x, w13, w2, weights, ids, s13, s2, block, shared=shared), expected) < 1e-5

@@ -43,17 +43,17 @@ def _configs(tiles, rows: str, cols: str) -> list[triton.Config]:
 @triton.heuristics({"ALIGNED": lambda a: a["BN"] % a["BLOCK_I"] == 0 and a["BK"] % a["BLOCK_D"] == 0
                     and a["I"] % a["BN"] == 0})
 @triton.jit
-def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, shared13_ptr, ids_ptr, act_ptr, PAIRS, K_SLOTS: tl.constexpr,
-                    SLOTS: tl.constexpr, D: tl.constexpr, I: tl.constexpr, SCALED: tl.constexpr,
+def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, shared13_ptr, shared_s13_ptr, ids_ptr, act_ptr, PAIRS,
+                    K_SLOTS: tl.constexpr, SLOTS: tl.constexpr, D: tl.constexpr, I: tl.constexpr, SCALED: tl.constexpr,
                     S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     ALIGNED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_i, pair = tl.program_id(0), tl.program_id(1)
     token, slot = pair // SLOTS, pair % SLOTS
     expert = tl.load(ids_ptr + token * K_SLOTS + tl.minimum(slot, K_SLOTS - 1)).to(tl.int64)
     base, s_base = w13_ptr + expert * (2 * I * D), s13_ptr + expert * (S_ROWS * S_COLS)
-    if SLOTS > K_SLOTS:  # the last slot is the shared expert (never SCALED)
+    if SLOTS > K_SLOTS:  # the last slot is the shared expert
         if slot == K_SLOTS:
-            base = shared13_ptr
+            base, s_base = shared13_ptr, shared_s13_ptr
     rows = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
     acc_gate = tl.zeros([BLOCK_I], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_I], dtype=tl.float32)
@@ -80,10 +80,10 @@ def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, shared13_ptr, ids_ptr, act_ptr, PAI
 @triton.autotune(configs=_configs(_DOWN_TILES, "BLOCK_N", "BLOCK_K"), key=["D", "I", "PAIRS", "SCALED"])
 @triton.heuristics({"ALIGNED": lambda a: a["BN"] % a["BLOCK_N"] == 0 and a["BK"] % a["BLOCK_K"] == 0})
 @triton.jit
-def _down_kernel(act_ptr, w2_ptr, s2_ptr, shared2_ptr, ids_ptr, weights_ptr, y_ptr, PAIRS, K_SLOTS: tl.constexpr,
-                 SLOTS: tl.constexpr, D: tl.constexpr, I: tl.constexpr, SCALED: tl.constexpr, S_ROWS: tl.constexpr,
-                 S_COLS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ALIGNED: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_kernel(act_ptr, w2_ptr, s2_ptr, shared2_ptr, shared_s2_ptr, ids_ptr, weights_ptr, y_ptr, PAIRS,
+                 K_SLOTS: tl.constexpr, SLOTS: tl.constexpr, D: tl.constexpr, I: tl.constexpr, SCALED: tl.constexpr,
+                 S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 ALIGNED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pair = tl.program_id(0), tl.program_id(1)
     token, slot = pair // SLOTS, pair % SLOTS
     routed = token * K_SLOTS + tl.minimum(slot, K_SLOTS - 1)
@@ -93,7 +93,7 @@ def _down_kernel(act_ptr, w2_ptr, s2_ptr, shared2_ptr, ids_ptr, weights_ptr, y_p
     if SLOTS > K_SLOTS:  # the shared expert: weight 1
         weight = tl.where(slot == K_SLOTS, 1.0, weight)
         if slot == K_SLOTS:
-            base = shared2_ptr
+            base, s_base = shared2_ptr, shared_s2_ptr
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
@@ -110,6 +110,20 @@ def _down_kernel(act_ptr, w2_ptr, s2_ptr, shared2_ptr, ids_ptr, weights_ptr, y_p
     tl.store(y_ptr + pair * D + rows, acc * weight, mask=rows < D)
 
 
+def _shared_slot(shared, w13, w2, s13, s2, scaled: bool) -> tuple[torch.Tensor, ...]:
+    """The shared expert's (gate_up, down, gate_up scales, down scales) as the kernels take them, checked against
+    one routed expert; without a shared expert, stand-ins that are never read."""
+    if shared is None:
+        return w13, w2, s13, s2
+    assert len(shared) == (4 if scaled else 2), "a shared expert has block scales exactly when the experts do"
+    weights = shared[0].contiguous(), shared[1].contiguous()
+    scales = (shared[2].float().contiguous(), shared[3].float().contiguous()) if scaled else ()
+    for got, routed in zip(weights + scales, (w13, w2, s13, s2)):
+        assert got.shape == routed.shape[1:] and got.dtype == routed.dtype, \
+            f"the shared expert's {tuple(got.shape)} {got.dtype} does not match a routed expert's {routed.shape[1:]}"
+    return (*weights, *(scales or (s13, s2)))
+
+
 @fused_on_gpu
 def _sum_slots(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[T, slots, D] float32 -> [T, D] in dtype: one kernel."""
@@ -119,35 +133,31 @@ def _sum_slots(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    w13_scale_inv: torch.Tensor | None = None, w2_scale_inv: torch.Tensor | None = None,
                    block: tuple[int, int] | None = None,
-                   shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   shared: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """Same contract as fused_experts: x [T, D], w13 [E, 2I, D], w2 [E, D, I], weights [T, k] f32, ids [T, k] ->
     [T, D] in x's dtype. With block scales (FP8 weights: float8_e4m3fn w13 and w2, scales [E, nb, kb], `block`
     (bn, bk)), the weights are multiplied by their scales as they are read: kernels.quant.experts'
-    fp8_fused_experts contract. shared: a shared expert's (gate_up [2I, D], down [D, I]) in w13's dtype, unscaled,
-    added with weight 1 (its contribution summed in float32 with the routed ones)."""
+    fp8_fused_experts contract. shared: a shared expert's (gate_up [2I, D], down [D, I]) in w13's dtype, and with
+    block scales their (gate_up_scale_inv, down_scale_inv) shaped as one expert's; added with weight 1 (its
+    contribution summed in float32 with the routed ones)."""
     T, k = ids.shape
     D, I = x.shape[1], w2.shape[2]
     scaled = w13_scale_inv is not None
-    if shared is not None:
-        assert not scaled and shared[0].shape == w13.shape[1:] and shared[1].shape == w2.shape[1:], \
-            "the shared expert must match the routed experts' shape, unscaled"
-        shared13, shared2 = shared[0].contiguous(), shared[1].contiguous()
-    else:  # never read
-        shared13, shared2 = w13, w2
-    slots = k + (shared is not None)
-    pairs = T * slots
     if scaled:
         s13, s2 = w13_scale_inv.float().contiguous(), w2_scale_inv.float().contiguous()
         bn, bk = block
     else:  # the scale arguments are never read
         s13, s2, bn, bk = w13, w2, 1, 1
+    shared13, shared2, shared_s13, shared_s2 = _shared_slot(shared, w13, w2, s13, s2, scaled)
+    slots = k + (shared is not None)
+    pairs = T * slots
     ids, weights = ids.contiguous(), weights.float().contiguous()
     act = torch.empty(pairs, I, dtype=torch.float32, device=x.device)
     _gate_up_kernel[lambda meta: (triton.cdiv(I, meta["BLOCK_I"]), pairs)](
-        x.contiguous(), w13.contiguous(), s13, shared13, ids, act, pairs, K_SLOTS=k, SLOTS=slots, D=D, I=I,
+        x.contiguous(), w13.contiguous(), s13, shared13, shared_s13, ids, act, pairs, K_SLOTS=k, SLOTS=slots, D=D, I=I,
         SCALED=scaled, S_ROWS=s13.shape[1], S_COLS=s13.shape[2], BN=bn, BK=bk)
     y = torch.empty(T, slots, D, dtype=torch.float32, device=x.device)
     _down_kernel[lambda meta: (triton.cdiv(D, meta["BLOCK_N"]), pairs)](
-        act, w2.contiguous(), s2, shared2, ids, weights, y, pairs, K_SLOTS=k, SLOTS=slots, D=D, I=I, SCALED=scaled,
-        S_ROWS=s2.shape[1], S_COLS=s2.shape[2], BN=bn, BK=bk)
+        act, w2.contiguous(), s2, shared2, shared_s2, ids, weights, y, pairs, K_SLOTS=k, SLOTS=slots, D=D, I=I,
+        SCALED=scaled, S_ROWS=s2.shape[1], S_COLS=s2.shape[2], BN=bn, BK=bk)
     return _sum_slots(y, x.dtype)

@@ -17,7 +17,7 @@ from deltaserve.kernels.quant.fp8 import dequantize_fp8
 
 # measured on an H200, the 48B shape (256 experts, top-8), one layer: a GEMV per pair 34 / 254 / 984 us at 8 / 128
 # / 512 pairs, grouped 99 / 367 / 730 us (and 834 us at 2048 pairs against 3.9 ms)
-_MAX_PAIRS_PER_PAIR_GEMV = 256
+MAX_PAIRS_PER_PAIR_GEMV = 256
 # a prefill chunk of 1k+ tokens hits every expert many times: dequantizing them (E x 3 x D x I values, 3.6 GB of
 # bf16 at the 48B shape, ~1 ms at the card's bandwidth) then tensor-core GEMMs is the shape of the bf16 path, which
 # prefilled 64 x 512 tokens at 16.3k tok/s against the grouped FP8 kernel's 2.6k (H200, bdac758). Where between 256
@@ -46,7 +46,7 @@ def fp8_fused_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.T
     ceil(cols/bk)]; weights [T, k] float32; ids [T, k]. Same result as fused_experts on the dequantized weights,
     [T, D] in x's dtype."""
     if x.is_cuda:
-        if ids.numel() <= _MAX_PAIRS_PER_PAIR_GEMV:
+        if ids.numel() <= MAX_PAIRS_PER_PAIR_GEMV:
             from deltaserve.kernels.moe.triton_decode import decode_experts
 
             return decode_experts(x, w13, w2, weights, ids, w13_scale_inv, w2_scale_inv, block)
