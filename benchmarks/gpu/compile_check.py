@@ -49,12 +49,12 @@ def main() -> int:
         SCALE=2.446, BLOCK_E=256, BLOCK_K=8), num_warps=1)
     for block_e, block_d in triton_routing._ROUTER_TILES:
         ok &= check(f"router logits {block_e}x{block_d}", jit_of(triton_routing._router_logits_kernel), dict(
-            x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", x_stride="i32", T="i32", D=2304, E=256, BLOCK_E=block_e,
-            BLOCK_D=block_d))
+            x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", x_stride="i32", T_BUCKET="i32", D=2304, E=256,
+            BLOCK_E=block_e, BLOCK_D=block_d))
     for K in (128, 48):  # the 48B model's head width; the demo model's (not a power of two)
         ok &= check(f"KDA decode, K {K}", kda_triton_decode._kda_decode_kernel, dict(
             q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", graw_ptr="*bf16", braw_ptr="*bf16", dt_bias_ptr="*fp32",
-            a_log_ptr="*fp32", state_ptr="*fp32", slots_ptr="*i64", o_ptr="*fp32", qkv_stride="i32", g_stride="i32",
+            a_log_ptr="*fp32", state_ptr="*fp32", slots_ptr="*i64", o_ptr="*bf16", qkv_stride="i32", g_stride="i32",
             b_stride="i32", scale="fp32", H=32, K=K, V=K, BK=triton.next_power_of_2(K),
             BV=min(triton.next_power_of_2(K), 32)))
     for dtype in ("bf16", "fp32"):
@@ -79,12 +79,12 @@ def main() -> int:
         for (bi, bd), (bn, bk) in zip(triton_decode._GATE_UP_TILES, triton_decode._DOWN_TILES):
             ok &= check(f"expert gate/up {bi}x{bd}, scaled {scaled}, aligned {aligned}", gate_up, dict(
                 x_ptr="*bf16", w13_ptr=w_type, s13_ptr=s_type, shared13_ptr=w_type, shared_s13_ptr=s_type,
-                ids_ptr="*i64", act_ptr="*fp32", PAIRS="i32", K_SLOTS=8, SLOTS=slots, D=2304, I=1024, S_ROWS=16,
+                ids_ptr="*i64", act_ptr="*fp32", PAIRS_BUCKET="i32", K_SLOTS=8, SLOTS=slots, D=2304, I=1024, S_ROWS=16,
                 S_COLS=18, **scales, BLOCK_I=bi, BLOCK_D=bd))
             ok &= check(f"expert down {bn}x{bk}, scaled {scaled}, aligned {aligned}", down, dict(
                 act_ptr="*fp32", w2_ptr=w_type, s2_ptr=s_type, shared2_ptr=w_type, shared_s2_ptr=s_type, ids_ptr="*i64",
-                weights_ptr="*fp32", y_ptr="*fp32", PAIRS="i32", K_SLOTS=8, SLOTS=slots, D=2304, I=1024, S_ROWS=18,
-                S_COLS=8, **scales, BLOCK_N=bn, BLOCK_K=bk))
+                weights_ptr="*fp32", y_ptr="*fp32", PAIRS_BUCKET="i32", K_SLOTS=8, SLOTS=slots, D=2304, I=1024,
+                S_ROWS=18, S_COLS=8, **scales, BLOCK_N=bn, BLOCK_K=bk))
     return 0 if ok else 1
 
 

@@ -29,13 +29,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 @fused_on_gpu
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x, gate [..., D], weight [D] -> rmsnorm(x) * weight * sigmoid(gate), all in float32, cast to gate's dtype.
-    x may come wider than gate (KDA's float32 output): it is first rounded to gate's dtype, as the reference's
-    attention kernel rounds its output, here inside the same fused kernel instead of a launch of its own."""
+    """x, gate [..., D], weight [D] -> rmsnorm(x) * weight * sigmoid(gate), all in float32, cast to x's dtype."""
     if _cpu_float32(x, gate, weight):
         return F.rms_norm(x, x.shape[-1:], weight, eps) * torch.sigmoid(gate)
-    dtype = gate.dtype
-    xf = x.to(dtype).float()
+    dtype = x.dtype
+    xf = x.float()
     variance = xf.pow(2).mean(-1, keepdim=True)
     y = weight.float() * (xf * torch.rsqrt(variance + eps))
     return (y * torch.sigmoid(gate.float())).to(dtype)

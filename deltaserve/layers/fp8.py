@@ -4,9 +4,9 @@ file stays clean).
 
 Quantized: the projections of KDA (in_proj: q, k, v, f_a, g_a, b; o_proj) and MLA (in_proj: q and kv_a; o_proj),
 the dense MLP, the shared experts and the routed experts: all but ~1% of the weights. High precision: the
-embedding, lm_head, norms, the router, KDA's conv, A_log, dt_bias and its gate up-projections f_b_proj and
-g_b_proj (K x HK, small, feeding the decay exponent), and MLA's kv_b_proj (small; its decode folds the matrix into
-the query and output: "weight absorption").
+embedding, lm_head, norms, the router, KDA's conv, A_log, dt_bias and its gate up-projections fg_b_proj (the
+checkpoint's f_b_proj and g_b_proj, K x HK each, small, feeding the decay exponent), and MLA's kv_b_proj (small;
+its decode folds the matrix into the query and output: "weight absorption").
 """
 
 from __future__ import annotations

@@ -70,12 +70,11 @@ class KimiDeltaAttention(nn.Module):
         return F.linear(fg_a[:, :K], w[0]), F.linear(fg_a[:, K:], w[1])
 
     def _delta_rule(self, q, k, v, g_raw, b_raw, batch: ForwardBatch, state: torch.Tensor) -> torch.Tensor:
-        """q, k, v [N, H, K] raw; g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V]: float32 for decode-only steps
-        (gated_rms_norm rounds it to the layer's dtype in its own kernel, a launch fewer), else the layer's dtype."""
+        """q, k, v [N, H, K] raw; g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V] in the layer's dtype."""
         nd, scale = batch.num_decodes, self.head_dim ** -0.5
         params = (self.dt_bias, self.A_log)
         if nd == q.shape[0]:
-            return kda_decode(q, k, v, g_raw, b_raw, *params, state, batch.state_slots, scale)
+            return kda_decode(q, k, v, g_raw, b_raw, *params, state, batch.state_slots, scale).to(v.dtype)
         o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         if nd:
             o[:nd] = kda_decode(q[:nd], k[:nd], v[:nd], g_raw[:nd], b_raw[:nd], *params, state,

@@ -69,7 +69,9 @@ class MoE(nn.Module):
 
     def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> router logits [N, E], in float32 whatever x's dtype (the reference's router)."""
-        if x.is_cuda and x.dtype != torch.float32:
+        # one process only: ranks autotune the kernel apart, and a different summation order could tip a near-tie
+        # of the top-k one way on one rank and the other way on another
+        if x.is_cuda and x.dtype != torch.float32 and self.parallel.world_size == 1:
             from deltaserve.kernels.moe.triton_routing import ROUTER_GEMV_MAX_TOKENS, router_logits
 
             if x.shape[0] <= ROUTER_GEMV_MAX_TOKENS:
@@ -78,11 +80,12 @@ class MoE(nn.Module):
 
     def _shared_in_decode_kernels(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """The shared expert's weights (gate_up, down; with FP8, then their block scales) where the few-token GPU
-        kernels can run it with the routed experts: a step of few enough pairs, the same shapes, dtypes and blocks,
-        every expert on this rank. None otherwise."""
+        kernels can run it with the routed experts: a step of few enough pairs, in half precision (float32 keeps its
+        own products), the same shapes, dtypes and blocks, every expert on this rank. None otherwise."""
         shared, fp8 = self.shared_experts, self.w13.dtype == FP8
         most_pairs = MAX_PAIRS_PER_PAIR_GEMV if fp8 else FEW_ASSIGNMENTS_GPU
-        if shared is None or not x.is_cuda or ids.numel() > most_pairs or self.parallel.expert_parallel:
+        if (shared is None or not x.is_cuda or x.dtype == torch.float32 or ids.numel() > most_pairs
+                or self.parallel.expert_parallel):
             return None
         gate_up, down = shared.gate_up_proj, shared.down_proj
         if ((gate_up.weight.dtype, down.weight.dtype) != (self.w13.dtype, self.w2.dtype)

@@ -14,7 +14,7 @@ __all__ = ["chunk_kda", "fused_recurrent_kda", "kda_decode", "kda_gate", "kda_pr
 def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: torch.Tensor, scale: float):
     """One token per sequence. q, k, v: [B, H, K] (post conv + SiLU); g_raw [B, H*K] (f_b_proj output);
     b_raw [B, H] (before sigmoid); state [S, H, K, V] float32 updated in place at state_slots [B].
-    Returns o [B, H, V] float32."""
+    Returns o [B, H, V]: float32 from the torch path, v's dtype from the GPU kernel (which rounds it)."""
     if q.is_cuda:
         from deltaserve.kernels.kda.triton_decode import kda_decode as triton_kda_decode
 

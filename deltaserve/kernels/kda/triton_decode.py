@@ -39,18 +39,21 @@ def _kda_decode_kernel(
     delta = (v - tl.sum(S * k[:, None], axis=0)) * beta
     S = S + k[:, None] * delta[None, :]
     tl.store(s_ptrs, S, mask=s_mask)
-    tl.store(o_ptr + (row * H + i_h) * V + offs_v, tl.sum(S * q[:, None], axis=0), mask=mv)
+    o = tl.sum(S * q[:, None], axis=0)
+    tl.store(o_ptr + (row * H + i_h) * V + offs_v, o.to(o_ptr.dtype.element_ty), mask=mv)
 
 
 def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots, scale: float) -> torch.Tensor:
     """q, k, v: [B, H*K] views (after conv + SiLU, any float dtype; rows may be strided);
     g_raw: [B, H*K] (f_b_proj output, before dt_bias); b_raw: [B, H] (b_proj output, before sigmoid);
     dt_bias [H*K] f32; a_log [H] f32; state [S, H, K, V] f32 (in place); state_slots [B] int64.
-    Returns o [B, H, V] float32."""
+    Returns o [B, H, V] in v's dtype: rounded in the kernel, as the reference's kernel rounds its output (a cast
+    of a float32 result was a launch of its own, and torch.compile may drop a round-trip cast fused into the next
+    kernel)."""
     B = q.shape[0]
     S_, H, K, V = state.shape
     BV = min(triton.next_power_of_2(V), 32)
-    o = torch.empty(B, H, V, dtype=torch.float32, device=q.device)
+    o = torch.empty(B, H, V, dtype=v.dtype, device=q.device)
     assert q.stride(2) == 1 and q.stride(1) == K and k.stride(0) == q.stride(0) == v.stride(0)  # rows of one qkv
     assert g_raw.stride(1) == 1
     _kda_decode_kernel[(triton.cdiv(V, BV), H, B)](

@@ -11,8 +11,9 @@ while pairs rarely share an expert (small T): the caller picks.
 The same kernels read FP8 weights with block scales (SCALED): each weight element is multiplied by its block's
 scale, one scalar per tile where the tile lies inside one scale block (ALIGNED).
 
-Tile shapes are autotuned per (D, I, pairs) at first use; a CUDA graph's sizes are each run eagerly before their
-capture, so tuning never runs inside one. Twin: kernels.moe.naive.naive_experts (on the dequantized weights for
+Tile shapes are autotuned per (D, I, pairs rounded up to a power of two) at first use, so a server tunes a handful
+of sizes (~1.5 s each), not every batch size; a CUDA graph's sizes are each run eagerly before their capture, so
+tuning never runs inside one. Twin: kernels.moe.naive.naive_experts (on the dequantized weights for
 FP8), plus the shared expert's SwiGLU.
 """
 
@@ -39,11 +40,11 @@ def _configs(tiles, rows: str, cols: str) -> list[triton.Config]:
     return [triton.Config({rows: r, cols: c}, num_warps=w) for r, c in tiles for w in (4, 8)]
 
 
-@triton.autotune(configs=_configs(_GATE_UP_TILES, "BLOCK_I", "BLOCK_D"), key=["D", "I", "PAIRS", "SCALED"])
+@triton.autotune(configs=_configs(_GATE_UP_TILES, "BLOCK_I", "BLOCK_D"), key=["D", "I", "PAIRS_BUCKET", "SCALED"])
 @triton.heuristics({"ALIGNED": lambda a: a["BN"] % a["BLOCK_I"] == 0 and a["BK"] % a["BLOCK_D"] == 0
                     and a["I"] % a["BN"] == 0})
 @triton.jit
-def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, shared13_ptr, shared_s13_ptr, ids_ptr, act_ptr, PAIRS,
+def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, shared13_ptr, shared_s13_ptr, ids_ptr, act_ptr, PAIRS_BUCKET,
                     K_SLOTS: tl.constexpr, SLOTS: tl.constexpr, D: tl.constexpr, I: tl.constexpr, SCALED: tl.constexpr,
                     S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     ALIGNED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -77,10 +78,10 @@ def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, shared13_ptr, shared_s13_ptr, ids_p
     tl.store(act_ptr + pair * I + rows, act, mask=rows < I)
 
 
-@triton.autotune(configs=_configs(_DOWN_TILES, "BLOCK_N", "BLOCK_K"), key=["D", "I", "PAIRS", "SCALED"])
+@triton.autotune(configs=_configs(_DOWN_TILES, "BLOCK_N", "BLOCK_K"), key=["D", "I", "PAIRS_BUCKET", "SCALED"])
 @triton.heuristics({"ALIGNED": lambda a: a["BN"] % a["BLOCK_N"] == 0 and a["BK"] % a["BLOCK_K"] == 0})
 @triton.jit
-def _down_kernel(act_ptr, w2_ptr, s2_ptr, shared2_ptr, shared_s2_ptr, ids_ptr, weights_ptr, y_ptr, PAIRS,
+def _down_kernel(act_ptr, w2_ptr, s2_ptr, shared2_ptr, shared_s2_ptr, ids_ptr, weights_ptr, y_ptr, PAIRS_BUCKET,
                  K_SLOTS: tl.constexpr, SLOTS: tl.constexpr, D: tl.constexpr, I: tl.constexpr, SCALED: tl.constexpr,
                  S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  ALIGNED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -152,12 +153,13 @@ def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     slots = k + (shared is not None)
     pairs = T * slots
     ids, weights = ids.contiguous(), weights.float().contiguous()
+    bucket = triton.next_power_of_2(pairs)
     act = torch.empty(pairs, I, dtype=torch.float32, device=x.device)
     _gate_up_kernel[lambda meta: (triton.cdiv(I, meta["BLOCK_I"]), pairs)](
-        x.contiguous(), w13.contiguous(), s13, shared13, shared_s13, ids, act, pairs, K_SLOTS=k, SLOTS=slots, D=D, I=I,
+        x.contiguous(), w13.contiguous(), s13, shared13, shared_s13, ids, act, bucket, K_SLOTS=k, SLOTS=slots, D=D, I=I,
         SCALED=scaled, S_ROWS=s13.shape[1], S_COLS=s13.shape[2], BN=bn, BK=bk)
     y = torch.empty(T, slots, D, dtype=torch.float32, device=x.device)
     _down_kernel[lambda meta: (triton.cdiv(D, meta["BLOCK_N"]), pairs)](
-        act, w2.contiguous(), s2, shared2, shared_s2, ids, weights, y, pairs, K_SLOTS=k, SLOTS=slots, D=D, I=I,
+        act, w2.contiguous(), s2, shared2, shared_s2, ids, weights, y, bucket, K_SLOTS=k, SLOTS=slots, D=D, I=I,
         SCALED=scaled, S_ROWS=s2.shape[1], S_COLS=s2.shape[2], BN=bn, BK=bk)
     return _sum_slots(y, x.dtype)

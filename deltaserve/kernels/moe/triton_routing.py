@@ -1,6 +1,8 @@
-"""The router in one kernel for GPUs, where every group stays (topk_group >= num_groups, as in Kimi-Linear-48B):
-sigmoid scores, bias-corrected top-k, unbiased weights, renormalised and scaled. torch's top-k of 256 scores took
-6.6 us a layer at batch 1 on an H200, the whole router here one launch. Twin: kernels.moe.routing.grouped_topk.
+"""The router on GPUs. Its logits for a few tokens in one GEMV kernel (router_logits: bf16 activations against the
+float32 weights, widened in registers; twin F.linear(x.float(), weight)). The choice in one kernel where every
+group stays (topk_group >= num_groups, as in Kimi-Linear-48B): sigmoid scores, bias-corrected top-k, unbiased
+weights, renormalised and scaled. torch's top-k of 256 scores took 6.6 us a layer at batch 1 on an H200, the whole
+choice here one launch. Twin: kernels.moe.routing.grouped_topk.
 
 Ids come out in descending biased score (ties: the lower expert id), weights in the same order."""
 
@@ -66,9 +68,9 @@ def _router_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_E": e, "BLOCK_D": d}, num_warps=w) for e, d in _ROUTER_TILES for w in (2, 4)]
 
 
-@triton.autotune(configs=_router_configs(), key=["D", "E", "T"])
+@triton.autotune(configs=_router_configs(), key=["D", "E", "T_BUCKET"])
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, x_stride, T, D: tl.constexpr, E: tl.constexpr,
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, x_stride, T_BUCKET, D: tl.constexpr, E: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_e, token = tl.program_id(0), tl.program_id(1).to(tl.int64)
     experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -92,5 +94,5 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if T:
         x = x if x.stride(1) == 1 else x.contiguous()
         _router_logits_kernel[lambda meta: (triton.cdiv(E, meta["BLOCK_E"]), T)](
-            x, weight.float().contiguous(), out, x.stride(0), T, D=D, E=E)
+            x, weight.float().contiguous(), out, x.stride(0), triton.next_power_of_2(T), D=D, E=E)
     return out
