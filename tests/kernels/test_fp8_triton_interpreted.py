@@ -9,7 +9,7 @@ from helpers.kernels import fp8_expert_case, quantized, rel_err, require_triton_
 require_triton_interpreter()
 
 from deltaserve.kernels.moe.naive import naive_experts  # noqa: E402
-from deltaserve.kernels.moe.triton_decode import decode_experts  # noqa: E402
+from deltaserve.kernels.moe.triton_decode import _DOWN_TILES, _GATE_UP_TILES, decode_experts  # noqa: E402
 from deltaserve.kernels.quant import FP8, dequantize_fp8  # noqa: E402
 from deltaserve.kernels.quant.naive import naive_fp8_linear  # noqa: E402
 from deltaserve.kernels.quant.triton_linear import fp8_dequantize_triton, fp8_matmul  # noqa: E402
@@ -70,3 +70,18 @@ def test_fp8_decode_experts_kernel_with_the_shared_expert_matches_naive(T, block
     expected = expected + naive_experts(x, dequantize_fp8(w13, s13, block), dequantize_fp8(w2, s2, block),
                                         torch.ones(T, 1), torch.zeros(T, 1, dtype=torch.int64))
     assert rel_err(decode_experts(x, w13, w2, weights, ids, s13, s2, block, shared=shared), expected) < 1e-5
+
+
+@pytest.mark.parametrize("tiles", list(zip(_GATE_UP_TILES, _DOWN_TILES)))
+@pytest.mark.parametrize("block,D,I", [((16, 32), 160, 72), ((128, 128), 160, 72), ((128, 128), 256, 256)])
+def test_every_autotuned_expert_tile_gives_the_naive_values(tiles, block, D, I):
+    """The interpreter autotunes nothing (one config): each candidate tile, run directly, at ragged and at aligned
+    shapes, with block scales (one per tile or per element: the heuristic decides) and without, with the shared
+    expert's slot."""
+    x, w13, s13, w2, s2, weights, ids, expected = fp8_expert_case(2, 8, 2, D, I, block, seeds=(3, 4, 5),
+                                                                  experts=list(range(1, 8)))
+    assert rel_err(decode_experts(x, w13, w2, weights, ids, s13, s2, block, tiles=tiles), expected) < 1e-5
+    w13_hp, w2_hp = dequantize_fp8(w13, s13, block), dequantize_fp8(w2, s2, block)
+    with_shared = expected + naive_experts(x, w13_hp, w2_hp, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int64))
+    out = decode_experts(x, w13_hp, w2_hp, weights, ids, shared=(w13_hp[0], w2_hp[0]), tiles=tiles)
+    assert rel_err(out, with_shared) < 1e-5

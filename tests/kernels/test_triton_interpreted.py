@@ -15,7 +15,7 @@ from deltaserve.kernels.mla.attention import torch_mla_decode  # noqa: E402
 from deltaserve.kernels.mla.triton_decode import triton_mla_decode  # noqa: E402
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import decode_experts  # noqa: E402
-from deltaserve.kernels.moe.triton_routing import router_logits, triton_topk  # noqa: E402
+from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, router_logits, triton_topk  # noqa: E402
 
 
 @pytest.mark.parametrize("B,H,K", [(1, 2, 16), (3, 4, 32), (5, 1, 64), (2, 4, 48)])  # 48: the demo model's
@@ -126,10 +126,11 @@ def test_mla_decode_kernel_matches_torch_twin(lengths, H, R, DR, page, width):
     assert rel_err(out, twin) < 1e-5
 
 
+@pytest.mark.parametrize("tile", [None, *_ROUTER_TILES])  # None: the (interpreter's one) autotuned config
 @pytest.mark.parametrize("T,E,D", [(1, 256, 2304), (3, 10, 100)])
-def test_router_logits_kernel_matches_float32_linear(T, E, D):
+def test_router_logits_kernel_matches_float32_linear(T, E, D, tile):
     """bf16 activations (a strided view, as a split leaves them) against float32 weights, widened in the kernel."""
     gen = torch.Generator().manual_seed(T * E)
     x = torch.randn(T, 2 * D, generator=gen).bfloat16()[:, :D]
     weight = torch.randn(E, D, generator=gen) * 0.05
-    assert rel_err(router_logits(x, weight), torch.nn.functional.linear(x.float(), weight)) < 1e-6
+    assert rel_err(router_logits(x, weight, tile), torch.nn.functional.linear(x.float(), weight)) < 1e-6

@@ -134,13 +134,15 @@ def _sum_slots(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    w13_scale_inv: torch.Tensor | None = None, w2_scale_inv: torch.Tensor | None = None,
                    block: tuple[int, int] | None = None,
-                   shared: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+                   shared: tuple[torch.Tensor, ...] | None = None,
+                   tiles: tuple[tuple[int, int], tuple[int, int]] | None = None) -> torch.Tensor:
     """Same contract as fused_experts: x [T, D], w13 [E, 2I, D], w2 [E, D, I], weights [T, k] f32, ids [T, k] ->
     [T, D] in x's dtype. With block scales (FP8 weights: float8_e4m3fn w13 and w2, scales [E, nb, kb], `block`
     (bn, bk)), the weights are multiplied by their scales as they are read: kernels.quant.experts'
     fp8_fused_experts contract. shared: a shared expert's (gate_up [2I, D], down [D, I]) in w13's dtype, and with
     block scales their (gate_up_scale_inv, down_scale_inv) shaped as one expert's; added with weight 1 (its
-    contribution summed in float32 with the routed ones)."""
+    contribution summed in float32 with the routed ones). tiles: ((BLOCK_I, BLOCK_D), (BLOCK_N, BLOCK_K)) instead of
+    the autotuned choice (tests check every candidate's values; benchmarks time them)."""
     T, k = ids.shape
     D, I = x.shape[1], w2.shape[2]
     scaled = w13_scale_inv is not None
@@ -154,12 +156,17 @@ def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     pairs = T * slots
     ids, weights = ids.contiguous(), weights.float().contiguous()
     bucket = triton.next_power_of_2(pairs)
+    gate_up, down, gate_up_tile, down_tile = _gate_up_kernel, _down_kernel, {}, {}
+    if tiles is not None:  # the kernels under the autotuner, which still derive ALIGNED from the tiles
+        gate_up, down = _gate_up_kernel.fn, _down_kernel.fn
+        gate_up_tile = dict(zip(("BLOCK_I", "BLOCK_D"), tiles[0]))
+        down_tile = dict(zip(("BLOCK_N", "BLOCK_K"), tiles[1]))
     act = torch.empty(pairs, I, dtype=torch.float32, device=x.device)
-    _gate_up_kernel[lambda meta: (triton.cdiv(I, meta["BLOCK_I"]), pairs)](
+    gate_up[lambda meta: (triton.cdiv(I, meta["BLOCK_I"]), pairs)](
         x.contiguous(), w13.contiguous(), s13, shared13, shared_s13, ids, act, bucket, K_SLOTS=k, SLOTS=slots, D=D, I=I,
-        SCALED=scaled, S_ROWS=s13.shape[1], S_COLS=s13.shape[2], BN=bn, BK=bk)
+        SCALED=scaled, S_ROWS=s13.shape[1], S_COLS=s13.shape[2], BN=bn, BK=bk, **gate_up_tile)
     y = torch.empty(T, slots, D, dtype=torch.float32, device=x.device)
-    _down_kernel[lambda meta: (triton.cdiv(D, meta["BLOCK_N"]), pairs)](
+    down[lambda meta: (triton.cdiv(D, meta["BLOCK_N"]), pairs)](
         act, w2.contiguous(), s2, shared2, shared_s2, ids, weights, y, bucket, K_SLOTS=k, SLOTS=slots, D=D, I=I,
-        SCALED=scaled, S_ROWS=s2.shape[1], S_COLS=s2.shape[2], BN=bn, BK=bk)
+        SCALED=scaled, S_ROWS=s2.shape[1], S_COLS=s2.shape[2], BN=bn, BK=bk, **down_tile)
     return _sum_slots(y, x.dtype)

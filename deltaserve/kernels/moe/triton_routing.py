@@ -84,15 +84,18 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, x_stride, T_BUCKET, D: tl.const
     tl.store(out_ptr + token * E + experts, acc, mask=experts < E)
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = None) -> torch.Tensor:
     """x [T, D] (any float dtype), weight [E, D] float32 -> x @ weight^T [T, E] float32, x read in its own dtype
     and widened in registers: a decode step's router in one launch (it was a float32 copy of x, then cuBLAS's
-    GEMV). Twin: F.linear(x.float(), weight)."""
+    GEMV). Twin: F.linear(x.float(), weight). tile: (BLOCK_E, BLOCK_D) instead of the autotuned choice."""
     T, D = x.shape
     E = weight.shape[0]
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T:
         x = x if x.stride(1) == 1 else x.contiguous()
-        _router_logits_kernel[lambda meta: (triton.cdiv(E, meta["BLOCK_E"]), T)](
-            x, weight.float().contiguous(), out, x.stride(0), triton.next_power_of_2(T), D=D, E=E)
+        kernel, chosen = _router_logits_kernel, {}
+        if tile is not None:  # the kernel under the autotuner
+            kernel, chosen = _router_logits_kernel.fn, dict(BLOCK_E=tile[0], BLOCK_D=tile[1])
+        kernel[lambda meta: (triton.cdiv(E, meta["BLOCK_E"]), T)](
+            x, weight.float().contiguous(), out, x.stride(0), triton.next_power_of_2(T), D=D, E=E, **chosen)
     return out
