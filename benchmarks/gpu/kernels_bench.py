@@ -7,6 +7,8 @@ outputs cross-checked (relative error against the first variant) so a fast wrong
                 128 wide: the memory-efficient kernel) against values zero-padded to the keys' 192 (flash may run)
   fp8_experts   routed experts on FP8 weights: the grouped FP8 kernel against dequantizing the experts to bf16 a
                 chunk at a time and running the bf16 grouped GEMMs (and bf16 weights, for scale), per token count
+  decode_experts  the few-token expert GEMVs with the shared expert as a slot: autotuned, every candidate tile, and
+                the shared expert run on its own as before
 
 Times are CUDA-graph replays (triton.testing.do_bench_cudagraph), in microseconds per call; with the bytes each
 variant must read, the achieved bandwidth. `--smoke` runs tiny shapes on the CPU (Triton through its interpreter)
@@ -143,7 +145,42 @@ def fp8_expert_rows(device: str, smoke: bool) -> list[dict]:
     return rows
 
 
-PARTS = {"mla_decode": mla_decode_rows, "mla_prefill": mla_prefill_rows, "fp8_experts": fp8_expert_rows}
+def decode_expert_rows(device: str, smoke: bool) -> list[dict]:
+    """The few-token experts with the shared expert as a ninth slot: the autotuned tiles, each candidate tile pair,
+    and the path before (routed GEMVs, then the shared expert's own SwiGLU and an add)."""
+    from deltaserve.kernels.moe.triton_decode import _DOWN_TILES, _GATE_UP_TILES, decode_experts
+
+    E, k, D, I = (8, 2, 160, 72) if smoke else (256, 8, 2304, 1024)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    w13 = (torch.randn(E + 1, 2 * I, D, device=device) * 0.02).to(dtype)  # the last one serves as the shared expert
+    w2 = (torch.randn(E + 1, D, I, device=device) * 0.02).to(dtype)
+    shared = (w13[E], w2[E])
+    rows = []
+    for T in (1, 2) if smoke else (1, 4):
+        x = torch.randn(T, D, device=device).to(dtype)
+        ids = torch.rand(T, E, device=device).topk(k, dim=-1).indices
+        weights = torch.rand(T, k, device=device)
+        weight_bytes = T * (k + 1) * 3 * D * I * w13.element_size()
+
+        def before():
+            gate, up = F.linear(x, shared[0]).chunk(2, dim=-1)
+            return decode_experts(x, w13[:E], w2[:E], weights, ids) + F.linear(F.silu(gate) * up, shared[1])
+
+        tuned = decode_experts(x, w13[:E], w2[:E], weights, ids, shared=shared)
+        variants = {"autotuned": lambda: decode_experts(x, w13[:E], w2[:E], weights, ids, shared=shared),
+                    "before": before}
+        for tiles in zip(_GATE_UP_TILES, _DOWN_TILES):
+            variants["x".join(map(str, tiles[0])) + "," + "x".join(map(str, tiles[1]))] = (
+                lambda tiles=tiles: decode_experts(x, w13[:E], w2[:E], weights, ids, shared=shared, tiles=tiles))
+        for name, fn in variants.items():
+            us = timed(fn, device)
+            emit("decode_experts", rows, {"tokens": T, "variant": name, "us": us, "rel_err": rel_err(fn(), tuned),
+                                          "GBps": weight_bytes / us / 1e3})
+    return rows
+
+
+PARTS = {"mla_decode": mla_decode_rows, "mla_prefill": mla_prefill_rows, "fp8_experts": fp8_expert_rows,
+         "decode_experts": decode_expert_rows}
 
 
 def main() -> None:
