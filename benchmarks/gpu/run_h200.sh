@@ -3,7 +3,7 @@
 # its log under $OUT:
 #   tests     tests/gpu (kernels against their twins, float32 GPU = CPU, FP8 GPU = CPU fallback)
 #   (in this order:) tests, kernels, bench, fp8, parity, profile, prefill, baseline
-#   kernels   benchmarks/gpu/kernels_bench.py: MLA decode, MLA prefill and FP8 experts against their alternatives
+#   kernels   benchmarks/gpu/kernels_bench.py: MLA decode, MLA prefill, FP8 experts and the decode experts' tiles
 #   parity    the demo model: bfloat16 on the GPU against a float32 golden captured on the GPU, 8 prompts x 64
 #             tokens, and 4 random prompts of 32k tokens x 128 (the demo's config.json raised past its 4k limit)
 #   bench     the 48B shape (dummy weights), bf16: batch 1, 64, 256 at prompt 512, and one 8k-token prompt
