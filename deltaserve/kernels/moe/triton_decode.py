@@ -19,12 +19,11 @@ FP8), plus the shared expert's SwiGLU.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.autotune import tile_configs, with_tile
 from deltaserve.kernels.fusion import fused_on_gpu
 
 # (rows, columns) of a program's tile. At batch 1 of the 48B shape (8 pairs, D 2304, I 1024) the gate/up kernel
@@ -35,13 +34,11 @@ _GATE_UP_TILES = ((4, 512), (8, 256), (8, 512), (16, 128), (16, 256), (32, 128))
 _DOWN_TILES = ((8, 512), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128))
 
 
-def _configs(tiles, rows: str, cols: str) -> list[triton.Config]:
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter (CI) checks values, not speed: one config
-        return [triton.Config({rows: tiles[3][0], cols: tiles[3][1]}, num_warps=4)]
-    return [triton.Config({rows: r, cols: c}, num_warps=w) for r, c in tiles for w in (4, 8)]
+_GATE_UP_NAMES, _DOWN_NAMES = ("BLOCK_I", "BLOCK_D"), ("BLOCK_N", "BLOCK_K")
 
 
-@triton.autotune(configs=_configs(_GATE_UP_TILES, "BLOCK_I", "BLOCK_D"), key=["D", "I", "PAIRS_BUCKET", "SCALED"])
+@triton.autotune(configs=tile_configs(_GATE_UP_NAMES, _GATE_UP_TILES, _GATE_UP_TILES[3], warps=(4, 8)),
+                 key=["D", "I", "PAIRS_BUCKET", "SCALED"])
 @triton.heuristics({"ALIGNED": lambda a: a["BN"] % a["BLOCK_I"] == 0 and a["BK"] % a["BLOCK_D"] == 0
                     and a["I"] % a["BN"] == 0})
 @triton.jit
@@ -79,7 +76,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, shared13_ptr, shared_s13_ptr, ids_p
     tl.store(act_ptr + pair * I + rows, act, mask=rows < I)
 
 
-@triton.autotune(configs=_configs(_DOWN_TILES, "BLOCK_N", "BLOCK_K"), key=["D", "I", "PAIRS_BUCKET", "SCALED"])
+@triton.autotune(configs=tile_configs(_DOWN_NAMES, _DOWN_TILES, _DOWN_TILES[3], warps=(4, 8)),
+                 key=["D", "I", "PAIRS_BUCKET", "SCALED"])
 @triton.heuristics({"ALIGNED": lambda a: a["BN"] % a["BLOCK_N"] == 0 and a["BK"] % a["BLOCK_K"] == 0})
 @triton.jit
 def _down_kernel(act_ptr, w2_ptr, s2_ptr, shared2_ptr, shared_s2_ptr, ids_ptr, weights_ptr, y_ptr, PAIRS_BUCKET,
@@ -157,11 +155,8 @@ def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     pairs = T * slots
     ids, weights = ids.contiguous(), weights.float().contiguous()
     bucket = triton.next_power_of_2(pairs)
-    gate_up, down, gate_up_tile, down_tile = _gate_up_kernel, _down_kernel, {}, {}
-    if tiles is not None:  # the kernels under the autotuner, which still derive ALIGNED from the tiles
-        gate_up, down = _gate_up_kernel.fn, _down_kernel.fn
-        gate_up_tile = dict(zip(("BLOCK_I", "BLOCK_D"), tiles[0]))
-        down_tile = dict(zip(("BLOCK_N", "BLOCK_K"), tiles[1]))
+    gate_up, gate_up_tile = with_tile(_gate_up_kernel, _GATE_UP_NAMES, None if tiles is None else tiles[0])
+    down, down_tile = with_tile(_down_kernel, _DOWN_NAMES, None if tiles is None else tiles[1])
     act = torch.empty(pairs, I, dtype=torch.float32, device=x.device)
     gate_up[lambda meta: (triton.cdiv(I, meta["BLOCK_I"]), pairs)](
         x.contiguous(), w13.contiguous(), s13, shared13, shared_s13, ids, act, bucket, K_SLOTS=k, SLOTS=slots, D=D, I=I,

@@ -8,11 +8,11 @@ Ids come out in descending biased score (ties: the lower expert id), weights in 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from deltaserve.kernels.autotune import tile_configs, with_tile
 
 
 @triton.jit
@@ -60,15 +60,11 @@ ROUTER_GEMV_MAX_TOKENS = 16  # beyond this many tokens cuBLAS's matmul (after a 
 # (experts, columns) of a program's tile, autotuned per shape: at 4 x 256 (64 programs for 256 experts) the kernel
 # took 11.2 us a call on an H200, slower than the float32 copy and cuBLAS GEMV it replaced (2.4 + 4.2 us)
 _ROUTER_TILES = ((1, 1024), (1, 2048), (2, 512), (2, 1024), (4, 512), (8, 256))
+_ROUTER_NAMES = ("BLOCK_E", "BLOCK_D")
 
 
-def _router_configs() -> list[triton.Config]:
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter (CI) checks values, not speed: one config
-        return [triton.Config({"BLOCK_E": 2, "BLOCK_D": 512}, num_warps=4)]
-    return [triton.Config({"BLOCK_E": e, "BLOCK_D": d}, num_warps=w) for e, d in _ROUTER_TILES for w in (2, 4)]
-
-
-@triton.autotune(configs=_router_configs(), key=["D", "E", "T_BUCKET"])
+@triton.autotune(configs=tile_configs(_ROUTER_NAMES, _ROUTER_TILES, (2, 512), warps=(2, 4)),
+                 key=["D", "E", "T_BUCKET"])
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, x_stride, T_BUCKET, D: tl.constexpr, E: tl.constexpr,
                           BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -93,9 +89,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] |
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T:
         x = x if x.stride(1) == 1 else x.contiguous()
-        kernel, chosen = _router_logits_kernel, {}
-        if tile is not None:  # the kernel under the autotuner
-            kernel, chosen = _router_logits_kernel.fn, dict(BLOCK_E=tile[0], BLOCK_D=tile[1])
+        kernel, chosen = with_tile(_router_logits_kernel, _ROUTER_NAMES, tile)
         kernel[lambda meta: (triton.cdiv(E, meta["BLOCK_E"]), T)](
             x, weight.float().contiguous(), out, x.stride(0), triton.next_power_of_2(T), D=D, E=E, **chosen)
     return out
