@@ -12,6 +12,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from deltaserve.kernels import gemv
 from deltaserve.kernels.kda import triton_decode as kda_triton_decode
 from deltaserve.kernels.mla import triton_decode as mla_triton_decode
 from deltaserve.kernels.moe import triton_decode, triton_routing
@@ -51,6 +52,11 @@ def main() -> int:
         ok &= check(f"router logits {block_e}x{block_d}", jit_of(triton_routing._router_logits_kernel), dict(
             x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", x_stride="i32", T_BUCKET="i32", D=2304, E=256,
             BLOCK_E=block_e, BLOCK_D=block_d))
+    for block_n, block_k in gemv.GEMV_TILES:
+        for N, K in ((2304, 4096), (12576, 2304)):  # o_proj, KDA's in_proj
+            ok &= check(f"gemv {block_n}x{block_k}, {N}x{K}", jit_of(gemv._gemv_kernel), dict(
+                x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", x_stride="i32", y_stride="i32", N=N, K=K,
+                BLOCK_N=block_n, BLOCK_K=block_k))
     for K in (128, 48):  # the 48B model's head width; the demo model's (not a power of two)
         ok &= check(f"KDA decode, K {K}", kda_triton_decode._kda_decode_kernel, dict(
             q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", graw_ptr="*bf16", braw_ptr="*bf16", dt_bias_ptr="*fp32",

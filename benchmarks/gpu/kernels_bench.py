@@ -9,6 +9,10 @@ outputs cross-checked (relative error against the first variant) so a fast wrong
                 chunk at a time and running the bf16 grouped GEMMs (and bf16 weights, for scale), per token count
   decode_experts  the few-token expert GEMVs with the shared expert as a slot: autotuned, every candidate tile, and
                 the shared expert run on its own as before
+  gemv          the few-token dense projections (o_proj, in_proj, ...): our GEMV, autotuned and each tile, against
+                cuBLAS
+  router        the router's logits for a few tokens: our GEMV, autotuned and each tile, against the float32 copy
+                and cuBLAS GEMV
 
 Times are CUDA-graph replays (triton.testing.do_bench_cudagraph), in microseconds per call; with the bytes each
 variant must read, the achieved bandwidth. `--smoke` runs tiny shapes on the CPU (Triton through its interpreter)
@@ -179,8 +183,54 @@ def decode_expert_rows(device: str, smoke: bool) -> list[dict]:
     return rows
 
 
+def gemv_rows(device: str, smoke: bool) -> list[dict]:
+    """The few-token dense projections: cuBLAS (F.linear, which Linear ran before), our GEMV autotuned, and each
+    candidate tile, at the 48B model's projection shapes."""
+    from deltaserve.kernels.gemv import GEMV_TILES, gemv
+
+    shapes = {"small": (70, 300)} if smoke else {"o_proj": (2304, 4096), "mla in_proj": (6720, 2304),
+                                                  "kda in_proj": (12576, 2304), "dense down": (2304, 9216)}
+    dtype = torch.float32 if smoke else torch.bfloat16
+    rows = []
+    for name, (N, K) in shapes.items():
+        weight = (torch.randn(N, K, device=device) * 0.02).to(dtype)
+        weight_bytes = N * K * weight.element_size()
+        for T in (1, 3) if smoke else (1, 4):
+            x = torch.randn(T, K, device=device).to(dtype)
+            variants = {"cublas": lambda: F.linear(x, weight), "autotuned": lambda: gemv(x, weight)}
+            variants.update({"x".join(map(str, tile)): (lambda tile=tile: gemv(x, weight, tile))
+                             for tile in GEMV_TILES})
+            expected = F.linear(x.float(), weight.float())
+            for variant, fn in variants.items():
+                us = timed(fn, device)
+                emit("gemv", rows, {"shape": name, "tokens": T, "variant": variant, "us": us,
+                                    "rel_err": rel_err(fn(), expected), "GBps": weight_bytes / us / 1e3})
+    return rows
+
+
+def router_rows(device: str, smoke: bool) -> list[dict]:
+    """The router's logits for a few tokens: the float32 copy and cuBLAS GEMV (before), our GEMV autotuned, and
+    each candidate tile."""
+    from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, router_logits
+
+    E, D = (10, 100) if smoke else (256, 2304)
+    weight = torch.randn(E, D, device=device) * 0.05
+    rows = []
+    for T in (1, 3) if smoke else (1, 4):
+        x = torch.randn(T, D, device=device).to(torch.float32 if smoke else torch.bfloat16)
+        variants = {"before": lambda: F.linear(x.float(), weight), "autotuned": lambda: router_logits(x, weight)}
+        variants.update({"x".join(map(str, tile)): (lambda tile=tile: router_logits(x, weight, tile))
+                         for tile in _ROUTER_TILES})
+        expected = F.linear(x.float(), weight)
+        for variant, fn in variants.items():
+            us = timed(fn, device)
+            emit("router", rows, {"tokens": T, "variant": variant, "us": us, "rel_err": rel_err(fn(), expected),
+                                  "GBps": E * D * 4 / us / 1e3})
+    return rows
+
+
 PARTS = {"mla_decode": mla_decode_rows, "mla_prefill": mla_prefill_rows, "fp8_experts": fp8_expert_rows,
-         "decode_experts": decode_expert_rows}
+         "decode_experts": decode_expert_rows, "gemv": gemv_rows, "router": router_rows}
 
 
 def main() -> None:

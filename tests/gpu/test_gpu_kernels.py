@@ -180,3 +180,35 @@ def test_router_logits_kernel_matches_float32_linear(T):
     x = torch.randn(T, 2304, generator=gen, device=DEV).bfloat16()
     weight = torch.randn(256, 2304, generator=gen, device=DEV) * 0.05
     assert rel_err(router_logits(x, weight), torch.nn.functional.linear(x.float(), weight)) < 1e-5
+
+
+@pytest.mark.parametrize("T", [1, 2, 4])
+@pytest.mark.parametrize("N,K", [(2304, 4096), (6720, 2304), (12576, 2304), (1000, 4200)])  # the 48B's, a ragged
+def test_gemv_kernel_matches_linear(T, N, K):
+    from deltaserve.kernels.gemv import gemv
+
+    gen = torch.Generator(device=DEV).manual_seed(T * N)
+    x = torch.randn(T, 2 * K, generator=gen, device=DEV).bfloat16()[:, :K]
+    weight = (torch.randn(N, K, generator=gen, device=DEV) * 0.02).bfloat16()
+    y = gemv(x, weight)
+    assert y.dtype == torch.bfloat16
+    assert rel_err(y, torch.nn.functional.linear(x.float(), weight.float())) < 5e-3
+
+
+def test_linear_takes_the_gemv_for_a_few_tokens_only(monkeypatch):
+    """Linear runs gemv() for <= GEMV_MAX_TOKENS tokens of a large bf16 weight, cuBLAS otherwise and for lm_head."""
+    import deltaserve.kernels.gemv as gemv_module
+    from deltaserve.layers.linear import Linear
+
+    calls = []
+    real = gemv_module.gemv
+    monkeypatch.setattr(gemv_module, "gemv", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    layer = Linear(2304, 4096, dtype=torch.bfloat16).to(DEV)
+    torch.nn.init.normal_(layer.weight, std=0.02)
+    for T in (1, 4, 5):
+        x = torch.randn(T, 2304, device=DEV).bfloat16()
+        assert rel_err(layer(x), torch.nn.functional.linear(x, layer.weight)) < 5e-3
+    assert calls == [1, 4]
+    layer.gemv = False
+    layer(torch.randn(1, 2304, device=DEV).bfloat16())
+    assert calls == [1, 4]

@@ -8,6 +8,7 @@ from helpers.kernels import PagedLatents, rel_err, require_triton_interpreter
 require_triton_interpreter()
 
 from deltaserve.kernels.conv1d_triton import conv1d_update  # noqa: E402
+from deltaserve.kernels.gemv import GEMV_TILES, gemv  # noqa: E402
 from deltaserve.kernels.kda import fused_recurrent_kda, kda_gate, l2norm  # noqa: E402
 from deltaserve.kernels.kda.naive import naive_causal_conv1d  # noqa: E402
 from deltaserve.kernels.kda.triton_decode import kda_decode  # noqa: E402
@@ -134,3 +135,16 @@ def test_router_logits_kernel_matches_float32_linear(T, E, D, tile):
     x = torch.randn(T, 2 * D, generator=gen).bfloat16()[:, :D]
     weight = torch.randn(E, D, generator=gen) * 0.05
     assert rel_err(router_logits(x, weight, tile), torch.nn.functional.linear(x.float(), weight)) < 1e-6
+
+
+@pytest.mark.parametrize("tile", [None, *GEMV_TILES])  # None: the (interpreter's one) autotuned config
+@pytest.mark.parametrize("T,N,K", [(1, 70, 300), (3, 129, 1100), (4, 16, 48)])
+def test_gemv_kernel_matches_linear(T, N, K, tile):
+    """bf16 activations (a strided view, as a split leaves them) and weights at ragged shapes, against the float32
+    product rounded once to bf16."""
+    gen = torch.Generator().manual_seed(T * N + K)
+    x = torch.randn(T, 2 * K, generator=gen).bfloat16()[:, :K]
+    weight = (torch.randn(N, K, generator=gen) * 0.05).bfloat16()
+    y = gemv(x, weight, tile)
+    assert y.dtype == torch.bfloat16 and y.shape == (T, N)
+    assert rel_err(y, torch.nn.functional.linear(x.float(), weight.float())) < 5e-3

@@ -1,0 +1,67 @@
+"""A dense projection for a few tokens on the GPU: y = x W^T in one GEMV kernel, autotuned per weight shape.
+
+At batch 1 of the 48B shape cuBLAS picks a split-K GEMM for o_proj ([2304, 4096]: 7.5 us plus a 1.6 us reduce
+kernel, 2.1 TB/s, for 4.7 us of bytes at 4 TB/s on an H200) and reaches 2.7-3.4 TB/s on the other projections.
+This kernel gives each program BLOCK_N output rows of every token (grid: row blocks x tokens; a token's programs
+re-read the same weight tile, which for a few tokens comes from L2) and sums over the input in BLOCK_K steps, in
+float32, rounding once to x's dtype like cuBLAS. Used by layers.linear.Linear for bf16/fp16 weights of at least
+GEMV_MIN_WEIGHT elements and at most GEMV_MAX_TOKENS tokens; the caller keeps lm_head on cuBLAS, which streams it
+at 4.4 TB/s. Twin: F.linear.
+
+Tiles are autotuned per (N, K) at first use, not per token count (the grid grows with the tokens, the tile's
+trade of programs against bytes in flight does not); a CUDA graph's sizes are each run eagerly before capture,
+so tuning never runs inside one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.kernels.autotune import tile_configs, with_tile
+
+GEMV_MAX_TOKENS = 4  # beyond this many tokens the weight tile's re-reads cost more than cuBLAS's GEMM
+GEMV_MIN_WEIGHT = 1 << 22  # elements (8 MB in bf16): smaller projections stay on cuBLAS (launch-bound either way)
+# (rows, columns) of a program's tile: fewer rows give more programs, more columns more bytes in flight per load
+GEMV_TILES = ((4, 1024), (8, 256), (8, 512), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128))
+_NAMES = ("BLOCK_N", "BLOCK_K")
+
+
+@triton.autotune(configs=tile_configs(_NAMES, GEMV_TILES, (16, 256), warps=(4, 8)), key=["N", "K"])
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, x_stride, y_stride, N: tl.constexpr, K: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n, token = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + token * x_stride + cols, mask=cols < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
+                    mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(y_ptr + token * y_stride + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [T, K], weight [N, K] (contiguous, x's dtype) -> x @ weight^T [T, N] in x's dtype, summed in float32.
+    x's rows may be strided (a split's view); its columns must be contiguous. tile: (BLOCK_N, BLOCK_K) instead of
+    the autotuned choice (tests check every candidate's values; benchmarks time them)."""
+    T, K = x.shape
+    N = weight.shape[0]
+    assert weight.shape[1] == K and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T:
+        kernel, chosen = with_tile(_gemv_kernel, _NAMES, tile)
+        kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), T)](x, weight, y, x.stride(0), y.stride(0), N=N, K=K,
+                                                                  **chosen)
+    return y
+
+
+def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether gemv() serves y = x W^T here: a GPU, half-precision weights of x's dtype and at least
+    GEMV_MIN_WEIGHT elements, at most GEMV_MAX_TOKENS tokens, contiguous columns."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and weight.numel() >= GEMV_MIN_WEIGHT and x.numel() <= GEMV_MAX_TOKENS * x.shape[-1]
+            and x.stride(-1) == 1 and weight.is_contiguous())
