@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.runner.forward_batch import ForwardBatch
+from deltaserve.runner.forward_batch import ForwardBatch, HostBatch
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MAX_TABLE_BYTES = 256 << 20  # the static block table: 134 MB for 256 requests of 1M tokens in pages of 16
@@ -27,15 +27,31 @@ def graph_width(max_model_len: int, block_size: int, max_batch: int) -> int:
 
 
 class DecodeGraphs:
+    # rows of the static input block: token id, position, MLA cache slot, KDA state slot, context length
+    FIELDS = ("input_ids", "positions", "slot_mapping", "state_slots", "context_lens")
+
     def __init__(self, model, caches, max_batch: int, max_blocks: int, block_size: int, scratch_slot: int,
                  scratch_block: int, device: torch.device):
         self.model, self.caches, self.max_blocks, self.block_size = model, caches, max_blocks, block_size
         self.sizes = [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
         n = self.sizes[-1]
-        new = lambda *shape: torch.zeros(*shape, dtype=torch.int64, device=device)  # noqa: E731
-        self.input_ids, self.positions, self.slot_mapping = new(n), new(n), new(n)
-        self.state_slots, self.context_lens, self.block_tables = new(n), new(n), new(n, max_blocks)
-        self.scratch_slot, self.scratch_block = scratch_slot, scratch_block
+        # a step's inputs reach the graph as one copy of this block (a padding row's values in every column past
+        # the batch), staged in pinned host memory; plus one copy of the batch's block tables
+        self.inputs = torch.zeros(len(self.FIELDS), n, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.state_slots, self.context_lens = self.inputs.unbind(0)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int64, device=device)
+        pin = device.type == "cuda"
+        self.staging = torch.zeros(len(self.FIELDS), n, dtype=torch.int64, pin_memory=pin)
+        self.table_staging = torch.zeros(0, dtype=torch.int64, pin_memory=pin)
+        # a padding row: one token into the scratch page, state in the scratch slot, a context of that one token,
+        # so only its first table entry is read (whatever page that names: any page id in the table is valid, and
+        # the row's output is dropped)
+        self.padding = torch.tensor([0, 0, scratch_block * block_size, scratch_slot, 1], dtype=torch.int64)
+        self.staging[:] = self.padding[:, None]
+        self.block_tables[:, 0] = scratch_block
+        self.inputs.copy_(self.staging)
+        self.staged = 0  # staging's columns from here on hold the padding row
+        self.scratch_slot = scratch_slot
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -44,7 +60,6 @@ class DecodeGraphs:
         """Capture every size, largest first, sharing one memory pool."""
         from deltaserve.kernels.quant.experts import decode_graph_capture
 
-        self._pad_from(0)
         with decode_graph_capture():
             self._capture_all()
 
@@ -59,33 +74,31 @@ class DecodeGraphs:
             self.pool = graph.pool()
             self.graphs[size] = graph
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return (batch.num_decodes == batch.num_seqs <= self.sizes[-1]
-                and batch.block_tables.shape[1] <= self.max_blocks)
+    def can_run(self, host: HostBatch) -> bool:
+        return (all(n == 1 for n in host.query_lens) and host.num_seqs <= self.sizes[-1]
+                and host.table_width <= self.max_blocks)
 
-    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Replay for a decode-only batch; returns logits [B, V] float32 (a view of a static buffer)."""
-        B, width = batch.num_seqs, batch.block_tables.shape[1]
+    def run(self, host: HostBatch) -> torch.Tensor:
+        """Replay for a decode-only batch; returns logits [B, V] float32 (a view of a static buffer).
+
+        The staging buffers are rewritten only here, and the caller reads this step's logits (a sync) before the
+        next call, so the previous step's asynchronous copies out of them have completed."""
+        B, width = host.num_seqs, host.table_width
         size = next(s for s in self.sizes if s >= B)
-        self.input_ids[:B].copy_(input_ids)
-        self.positions[:B].copy_(batch.positions)
-        self.slot_mapping[:B].copy_(batch.slot_mapping)
-        self.state_slots[:B].copy_(batch.state_slots)
-        self.context_lens[:B].copy_(batch.context_lens)
-        self.block_tables[:B, :width].copy_(batch.block_tables)  # entries past a context are never read
-        self._pad_from(B)
+        values = (host.input_ids, host.positions, host.slot_mapping, host.state_slots, host.context_lens)
+        self.staging[:, :B] = torch.tensor(values, dtype=torch.int64)
+        if self.staged > B:  # columns a larger batch used: back to the padding row
+            self.staging[:, B:self.staged] = self.padding[:, None]
+        self.staged = B
+        self.inputs.copy_(self.staging, non_blocking=True)
+        if self.table_staging.numel() < B * width:
+            self.table_staging = torch.zeros(max(B * width, 2 * self.table_staging.numel()), dtype=torch.int64,
+                                             pin_memory=self.staging.is_pinned())
+        tables = self.table_staging[:B * width].view(B, width)
+        tables.copy_(torch.tensor(host.padded_tables(), dtype=torch.int64))
+        self.block_tables[:B, :width].copy_(tables, non_blocking=True)  # entries past a context are never read
         self.graphs[size].replay()
         return self.logits[size][:B]
-
-    def _pad_from(self, start: int) -> None:
-        """Rows from `start` on: one token into the scratch page, state in the scratch slot. Their context is that
-        one token, so only the first table entry is read (a row is as wide as the model length: 512 KB at 1M)."""
-        self.input_ids[start:].zero_()
-        self.positions[start:].zero_()
-        self.slot_mapping[start:].fill_(self.scratch_block * self.block_size)
-        self.state_slots[start:].fill_(self.scratch_slot)
-        self.context_lens[start:].fill_(1)
-        self.block_tables[start:, 0].fill_(self.scratch_block)
 
     def _batch(self, size: int) -> ForwardBatch:
         return ForwardBatch(

@@ -35,3 +35,43 @@ class ForwardBatch:
         for n in self.query_lens[self.num_decodes:]:
             cu.append(cu[-1] + n)
         return cu
+
+
+@dataclass
+class HostBatch:
+    """A step's inputs as host lists, before they go to the device: the eager path turns them into a ForwardBatch
+    (to_device), a CUDA graph copies them into its static buffers (runner/cuda_graph.py)."""
+
+    input_ids: list[int]  # [N]
+    positions: list[int]  # [N]
+    slot_mapping: list[int]  # [N]
+    query_lens: list[int]  # [B]
+    start_positions: list[int]  # [B]
+    state_slots: list[int]  # [B]
+    block_tables: list[list[int]]  # [B][pages of that sequence]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def context_lens(self) -> list[int]:
+        return [start + n for start, n in zip(self.start_positions, self.query_lens)]
+
+    @property
+    def table_width(self) -> int:
+        return max(len(table) for table in self.block_tables)
+
+    def padded_tables(self) -> list[list[int]]:
+        """The block tables as rows of table_width, padded with page 0 (never read: past each context)."""
+        width = self.table_width
+        return [table + [0] * (width - len(table)) for table in self.block_tables]
+
+    def to_device(self, device: torch.device) -> tuple[torch.Tensor, ForwardBatch]:
+        """(input_ids [N] int64, ForwardBatch) on device."""
+        tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+        return tensor(self.input_ids), ForwardBatch(
+            positions=tensor(self.positions), slot_mapping=tensor(self.slot_mapping),
+            state_slots=tensor(self.state_slots), block_tables=tensor(self.padded_tables()),
+            context_lens=tensor(self.context_lens), num_decodes=sum(n == 1 for n in self.query_lens),
+            query_lens=self.query_lens, start_positions=self.start_positions, state_slot_list=self.state_slots)

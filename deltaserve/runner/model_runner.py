@@ -21,7 +21,7 @@ from deltaserve.distributed import SINGLE, ParallelConfig, check_divisible
 from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, sample
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
 from deltaserve.runner.cuda_graph import DecodeGraphs, graph_width
-from deltaserve.runner.forward_batch import ForwardBatch
+from deltaserve.runner.forward_batch import HostBatch
 from deltaserve.runner.logprobs import prompt_logprobs, sampled_logprobs
 from deltaserve.sampling_params import SamplingParams
 
@@ -117,18 +117,20 @@ class ModelRunner:
         order = sorted(sched.num_scheduled_tokens, key=lambda r: sched.num_scheduled_tokens[r] != 1)
         if not order:
             return RunnerOutput([], {})
-        input_ids, batch = self._prepare(order, sched.num_scheduled_tokens)
+        host = self._host_batch(order, sched.num_scheduled_tokens)
         if self.cpu_threads is not None:
             # a step of a few tokens is bound by memory bandwidth, which one core already saturates here, and
             # per-op overhead, which more threads only raise (and a busy machine multiplies): one thread for those
-            few = len(input_ids) <= _ONE_THREAD_MAX_TOKENS
+            few = len(host.input_ids) <= _ONE_THREAD_MAX_TOKENS
             torch.set_num_threads(1 if few else self.cpu_threads)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(input_ids, batch)
-            out = self._sample(order, batch, lambda rows: logits[rows])
+        if self.graphs is not None and self.graphs.can_run(host):
+            logits = self.graphs.run(host)
+            out = self._sample(order, host.query_lens, lambda rows: logits[rows])
         else:
+            input_ids, batch = host.to_device(self.device)
             hidden = self.model(input_ids, batch, self.caches)
-            out = self._sample(order, batch, lambda rows: self.model.compute_logits(_rows(hidden, rows)))
+            out = self._sample(order, host.query_lens,
+                               lambda rows: self.model.compute_logits(_rows(hidden, rows)))
         self._copy_states(sched.snapshot_saves, to_snapshots=True)  # the states after this step's tokens
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)  # the process's setting, as the caller left it
@@ -177,7 +179,7 @@ class ModelRunner:
                 if name in layer:
                     layer[name][slot].zero_()
 
-    def _prepare(self, order: list[str], num_tokens: dict[str, int]) -> tuple[torch.Tensor, ForwardBatch]:
+    def _host_batch(self, order: list[str], num_tokens: dict[str, int]) -> HostBatch:
         ids, positions, slots, query_lens, starts = [], [], [], [], []
         bs = self.plan.block_size
         for req_id in order:
@@ -189,24 +191,16 @@ class ModelRunner:
             query_lens.append(n)
             starts.append(start)
         states = [self.requests[r] for r in order]
-        width = max(len(s.block_ids) for s in states)
-        tables = [s.block_ids + [0] * (width - len(s.block_ids)) for s in states]
-        tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
-        state_slot_list = [s.state_slot for s in states]
-        batch = ForwardBatch(
-            positions=tensor(positions), slot_mapping=tensor(slots), state_slots=tensor(state_slot_list),
-            block_tables=tensor(tables), context_lens=tensor([a + n for a, n in zip(starts, query_lens)]),
-            num_decodes=sum(n == 1 for n in query_lens), query_lens=query_lens, start_positions=starts,
-            state_slot_list=state_slot_list)
-        return tensor(ids), batch
+        return HostBatch(ids, positions, slots, query_lens, starts, [s.state_slot for s in states],
+                         [s.block_ids for s in states])
 
-    def _sample(self, order: list[str], batch: ForwardBatch, logits_at) -> RunnerOutput:
+    def _sample(self, order: list[str], query_lens: list[int], logits_at) -> RunnerOutput:
         """logits_at(rows) -> logits [len(rows), V] float32 at those token rows of this step."""
         from deltaserve.core.outputs import RunnerOutput
 
         out = RunnerOutput(req_ids=list(order), sampled_token_ids={r: [] for r in order})
         sampling = []  # (state, row of its last token)
-        for req_id, end, n in zip(order, itertools.accumulate(batch.query_lens), batch.query_lens):
+        for req_id, end, n in zip(order, itertools.accumulate(query_lens), query_lens):
             state = self.requests[req_id]
             state.num_computed_tokens += n
             if state.sampling_params.prompt_logprobs is not None:
