@@ -58,8 +58,9 @@ def triton_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_
 
 ROUTER_GEMV_MAX_TOKENS = 16  # beyond this many tokens cuBLAS's matmul (after a float32 copy of x) is the better fit
 # (experts, columns) of a program's tile, autotuned per shape: at 4 x 256 (64 programs for 256 experts) the kernel
-# took 11.2 us a call on an H200, slower than the float32 copy and cuBLAS GEMV it replaced (2.4 + 4.2 us)
-_ROUTER_TILES = ((1, 1024), (1, 2048), (2, 512), (2, 1024), (4, 512), (8, 256))
+# took 11.2 us a call on an H200, slower than the float32 copy and cuBLAS GEMV it replaced (2.4 + 4.2 us). A program
+# reads a row of 2304 float32 in D / BLOCK_D loop steps; the wide tiles (one step) are candidates too
+_ROUTER_TILES = ((1, 1024), (1, 2048), (1, 4096), (2, 512), (2, 1024), (2, 4096), (4, 512), (8, 256))
 _ROUTER_NAMES = ("BLOCK_E", "BLOCK_D")
 
 
