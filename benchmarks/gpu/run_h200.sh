@@ -3,7 +3,8 @@
 # its log under $OUT:
 #   tests     tests/gpu (kernels against their twins, float32 GPU = CPU, FP8 GPU = CPU fallback)
 #   (in this order:) tests, kernels, bench, fp8, parity, profile, prefill, baseline
-#   kernels   benchmarks/gpu/kernels_bench.py: MLA decode, MLA prefill, FP8 experts and the decode experts' tiles
+#   kernels   benchmarks/gpu/kernels_bench.py: MLA decode, MLA prefill, FP8 experts, the decode experts' tiles, the
+#             dense GEMV and the router (KPARTS: a comma-separated subset of those parts)
 #   parity    the demo model: bfloat16 on the GPU against a float32 golden captured on the GPU, 8 prompts x 64
 #             tokens, and 4 random prompts of 32k tokens x 128 (the demo's config.json raised past its 4k limit)
 #   bench     the 48B shape (dummy weights), bf16: batch 1, 64, 256 at prompt 512, and one 8k-token prompt
@@ -43,7 +44,7 @@ if has tests; then
 fi
 
 if has kernels; then
-  timeout ${T_KERNELS:-240} python3 benchmarks/gpu/kernels_bench.py --json-out "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1
+  timeout ${T_KERNELS:-240} python3 benchmarks/gpu/kernels_bench.py ${KPARTS:+--parts $KPARTS} --json-out "$OUT/kernels.json" > "$OUT/kernels.txt" 2>&1
   cut -c1-300 "$OUT/kernels.txt" | tail -20
 fi
 if has bench; then
