@@ -31,13 +31,17 @@ GPU_TESTS="tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_fp8.py tests/gpu/tes
            tests/gpu/test_gpu_engine.py tests/gpu/test_gpu_prefix_caching.py"
 has() { [[ " $STAGES " == *" $1 "* ]] && echo "== $1 $(date +%T)"; }
 
+# -p no:faulthandler: the image's pytest ends the whole run when one test passes 100 s (a faulthandler watchdog:
+# "Timeout (0:01:40)!"), and fla-core's first chunked prefill compiles for longer than that
+PYTEST="python3 -m pytest -q -p no:logging -p no:cacheprovider -p no:faulthandler"
 if has tests; then
+  env | grep -i pytest
   # TESTS_BACKGROUND=1: kernel-only tests (no engine, little memory) alongside the next stage's weight loading
   if [ "${TESTS_BACKGROUND:-}" = 1 ]; then
-    (timeout ${T_TESTS:-600} python3 -m pytest -q -p no:logging -p no:cacheprovider ${TESTS:-$GPU_TESTS} \
+    (timeout ${T_TESTS:-600} $PYTEST ${TESTS:-$GPU_TESTS} \
         > "$OUT/gpu_tests.txt" 2>&1) &
   else
-    timeout ${T_TESTS:-600} python3 -m pytest -q -p no:logging -p no:cacheprovider --durations=10 ${TESTS:-$GPU_TESTS} \
+    timeout ${T_TESTS:-600} $PYTEST --durations=10 ${TESTS:-$GPU_TESTS} \
         > "$OUT/gpu_tests.txt" 2>&1
     tail -14 "$OUT/gpu_tests.txt"
   fi
