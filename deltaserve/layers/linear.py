@@ -7,7 +7,7 @@ class Linear(nn.Module):
     """A bias-free projection y = x W^T; W [out_features, in_features]. Merged projections are several
     checkpoint tensors stacked along out_features (the loader fills the rows).
 
-    On a GPU, a few tokens against a large half-precision weight run through our GEMV kernel (kernels.gemv: one
+    On a GPU, one token against a large half-precision weight runs through our GEMV kernel (kernels.gemv: one
     launch at near the copy bandwidth, where cuBLAS splits K over two kernels); gemv=False keeps cuBLAS (lm_head,
     which cuBLAS streams faster)."""
 

@@ -41,7 +41,8 @@ def test_triton_kda_decode_matches_torch_twin(B, dtype, K):
     beta = torch.sigmoid(b_raw.float())  # the fused kernel takes the sigmoid in float32
     o_twin = fused_recurrent_kda(l2norm(qkv[:, 0]), l2norm(qkv[:, 1]), qkv[:, 2].float(),
                                  kda_gate(g_raw, dt_bias, a_log), beta, K ** -0.5, twin_state, slots)
-    assert rel_err(o, o_twin) < 1e-5
+    # the kernel writes o in v's dtype (the reference's kernel rounds its output): bf16's rounding, 2^-9 at most
+    assert o.dtype == dtype and rel_err(o, o_twin) < (1e-5 if dtype == torch.float32 else 4e-3)
     assert rel_err(state[slots], twin_state[slots]) < 1e-5
     assert torch.all(state[untouched] == 1e30)
 
@@ -205,10 +206,10 @@ def test_linear_takes_the_gemv_for_a_few_tokens_only(monkeypatch):
     monkeypatch.setattr(gemv_module, "gemv", lambda x, w: calls.append(x.shape[0]) or real(x, w))
     layer = Linear(2304, 4096, dtype=torch.bfloat16).to(DEV)
     torch.nn.init.normal_(layer.weight, std=0.02)
-    for T in (1, 4, 5):
+    for T in (1, 2, 5):
         x = torch.randn(T, 2304, device=DEV).bfloat16()
         assert rel_err(layer(x), torch.nn.functional.linear(x, layer.weight)) < 5e-3
-    assert calls == [1, 4]
+    assert calls == [1]
     layer.gemv = False
     layer(torch.randn(1, 2304, device=DEV).bfloat16())
-    assert calls == [1, 4]
+    assert calls == [1]
