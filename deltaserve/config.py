@@ -295,6 +295,7 @@ def _mlp_types(raw: dict, num_layers: int) -> tuple[str, ...]:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_DECODE_STEPS = 64
 
 
 @dataclass(frozen=True)
@@ -324,11 +325,16 @@ class EngineConfig:
     # None: weights in dtype (or as the checkpoint stores them); "fp8": linear layers and experts quantized at
     # load to float8_e4m3fn with 128 x 128 block scales (README, "FP8 weights")
     quantization: str | None = None
+    # decode steps a scheduler step may run back to back when every running request decodes greedily (README,
+    # "Decode bursts"): the host schedules, syncs and detokenizes once per burst, not once per token; 1 turns it off
+    num_decode_steps: int = 8
 
     def __post_init__(self):
         def bad(name, value, expectation):
             raise ConfigError(f"engine option {name} = {value!r}: {expectation}")
 
+        if not isinstance(self.num_decode_steps, int) or not 1 <= self.num_decode_steps <= MAX_DECODE_STEPS:
+            bad("num_decode_steps", self.num_decode_steps, f"must be an integer in [1, {MAX_DECODE_STEPS}]")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

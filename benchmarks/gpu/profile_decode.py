@@ -31,13 +31,14 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
+    # one decode step per engine step (no bursts): the kernels and the host time of one token's step
     config = EngineConfig(dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=max(args.batch, 1),
-                          max_model_len=args.prompt_len + args.steps + 16, max_num_batched_tokens=8192,
-                          quantization=args.quantization)
+                          max_model_len=args.prompt_len + 2 * args.steps + 32, max_num_batched_tokens=8192,
+                          quantization=args.quantization, num_decode_steps=1)
     engine, workers = start_engine(args.config, config)
     try:
         run_batch(engine, args.batch, args.prompt_len, 4, seed=1)  # warm-up: compiles, autotunes
-        params = SamplingParams(max_tokens=args.steps + 8, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=2 * args.steps + 16, temperature=0, ignore_eos=True)
         gen = torch.Generator().manual_seed(0)
         for _ in range(args.batch):
             engine.add_request(torch.randint(0, engine.model_config.vocab_size, (args.prompt_len,),

@@ -180,6 +180,15 @@ class CacheManager:
         self._writes[req.req_id] = _SnapshotWrite(slot, end, shared)
         return req.state_slot, slot
 
+    def decode_burst_limit(self, req: Request, num_steps: int) -> int:
+        """Decode steps (at most num_steps) that req, decoding, may run in one burst: all of them without prefix
+        caching; with it, only steps before the one whose token completes a block (that single step saves the rolling
+        snapshot, as it always has), so that a burst fills no block: its tokens are appended only after it, and the
+        page index hashes full blocks of known tokens. 0: req's next step is that step."""
+        if self.prefix_cache is None:
+            return num_steps
+        return min(num_steps, -(req.num_computed_tokens + 1) % self.block_size)
+
     def cache_computed(self, req: Request) -> None:
         """After a step: enter req's newly full pages in the page index and publish the snapshot it saved."""
         if self.prefix_cache is None:

@@ -25,6 +25,14 @@ preempted request's full pages stay cached, so its recompute usually starts from
 
 Length limits (as vLLM): a prompt of max_model_len tokens or more is rejected; generation is capped by
 finishing with 'length' when the request reaches max_model_len tokens (or max_tokens outputs).
+
+Decode bursts. When every running request decodes (one token left to compute), greedily, without logprobs or stop
+strings, and nothing waits, the step may be a burst of up to num_decode_steps decode steps: each request gets the
+pages for all of them now, the runner feeds each step's greedy token to the next on the device and returns them
+all after one sync, and update_from_output appends them as if they came one step at a time (a stop token or the
+length limit finishes the request there; the tokens computed after it are dropped with its cache). A burst never
+runs past a request's max_tokens or max_model_len, nor across a prefix-caching snapshot step
+(CacheManager.decode_burst_limit); a burst whose pages cannot all be had is one step.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ class Scheduler:
         self.max_num_seqs = engine_config.max_num_seqs
         self.max_num_batched_tokens = engine_config.max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.num_decode_steps = engine_config.num_decode_steps
         self.cache = cache_manager
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.waiting: deque[Request] = deque()
@@ -96,6 +105,7 @@ class Scheduler:
         budget, preempted = self._schedule_running(out, budget)
         if not preempted:
             self._schedule_waiting(out, budget)
+            out.num_decode_steps = self._decode_burst(out)
         out.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = set()
         return out
@@ -112,7 +122,7 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += num_tokens
+            req.num_computed_tokens += num_tokens * scheduler_output.num_decode_steps  # a burst: one token a step
             self.cache.cache_computed(req)  # before a finish can release its pages
             sampled = runner_output.sampled_token_ids.get(req_id) or []
             if not sampled:
@@ -174,6 +184,30 @@ class Scheduler:
             ))
             self._schedule_tokens(out, req, num_tokens)
             budget -= num_tokens
+
+    def _decode_burst(self, out: SchedulerOutput) -> int:
+        """Decode steps for this scheduler step (module docstring, Decode bursts); their pages allocated here."""
+        steps = self.num_decode_steps
+        if steps == 1 or self.waiting or out.new_reqs or out.snapshot_saves:
+            return 1
+        for req in self.running:
+            params = req.sampling_params
+            if (out.num_scheduled_tokens.get(req.req_id) != 1 or req.num_computed_tokens + 1 != req.num_tokens
+                    or not params.greedy or params.logprobs is not None or params.stop
+                    or params.repetition_penalty != 1 or params.presence_penalty != 0
+                    or params.frequency_penalty != 0):
+                return 1
+            steps = min(steps, params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens,
+                        self.cache.decode_burst_limit(req, steps))
+        if steps <= 1:
+            return 1
+        new_pages = {data.req_id: data.new_block_ids for data in out.cached_reqs}
+        for req in self.running:
+            block_ids = self.cache.allocate_slots(req, steps)
+            if block_ids is None:
+                return 1  # pages taken for the others stay theirs (sent to the runner below), used by later steps
+            new_pages[req.req_id].extend(block_ids)
+        return steps
 
     def _num_new_tokens(self, req: Request, start: int, budget: int) -> int:
         """Tokens to compute from `start`: all left, within the budget, cut to end at a snapshot position."""

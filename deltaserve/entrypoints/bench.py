@@ -63,7 +63,8 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, output_len: int, seed
     """Submit `batch` random prompts at once and run them to the end.
 
     Prefill phase: until every request has its first token (steps may mix decodes in). Decode phase: from then
-    on every step is decode only, so its tokens over its time are the decode throughput and its steps the TPOT.
+    on every step is decode only, so its tokens over its time are the decode throughput, and its time over the
+    tokens each request got in it the TPOT (a step may be a burst of several decode steps).
     """
     gen = torch.Generator().manual_seed(seed)
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
@@ -86,7 +87,7 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, output_len: int, seed
     tokens = batch * output_len - tokens_at_prefill_done
     ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in finished]
     return {"batch": batch, "ttft_ms": 1000 * sum(ttft) / batch,
-            "tpot_ms": 1000 * (end - prefill_done) / max(steps, 1),
+            "tpot_ms": 1000 * (end - prefill_done) * batch / max(tokens, 1),
             "prefill_tok_s": batch * prompt_len / (prefill_done - start),
             "output_tok_s": tokens / (end - prefill_done) if steps else float("nan"), "total_s": end - start}
 

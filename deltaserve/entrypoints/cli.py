@@ -40,6 +40,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                    help="fp8: linear layers and experts quantized at load to float8_e4m3fn with 128x128 block "
                         "scales (an FP8 checkpoint runs in FP8 without it)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
+    g.add_argument("--num-decode-steps", type=int, default=EngineConfig.num_decode_steps,
+                   help="decode steps run back to back, one sync each burst, while every request decodes greedily "
+                        "(1: one step at a time; streams then get one token a step)")
 
 
 def _token_ids(text: str) -> list[int]:
@@ -98,7 +101,8 @@ def _make_llm(args, progress=None):
                block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                threads=args.threads, load_format=args.load_format,
                enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
-               enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization)
+               enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
+               num_decode_steps=args.num_decode_steps)
 
 
 def cmd_generate(args) -> None:
@@ -150,7 +154,8 @@ def cmd_bench(args) -> None:
                           threads=args.threads, load_format=args.load_format,
                           enable_prefix_caching=args.enable_prefix_caching,
                           tensor_parallel_size=args.tensor_parallel_size,
-                          enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization)
+                          enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
+                          num_decode_steps=args.num_decode_steps)
     result = bench(args.config or args.model or str(BUNDLED_MODEL), engine, args.batch_sizes, args.prompt_len,
                    args.output_len, args.long_prompt_len)
     print_report(result)

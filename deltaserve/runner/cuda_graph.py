@@ -31,17 +31,18 @@ class DecodeGraphs:
     FIELDS = ("input_ids", "positions", "slot_mapping", "state_slots", "context_lens")
 
     def __init__(self, model, caches, max_batch: int, max_blocks: int, block_size: int, scratch_slot: int,
-                 scratch_block: int, device: torch.device):
+                 scratch_block: int, device: torch.device, num_stages: int = 1):
         self.model, self.caches, self.max_blocks, self.block_size = model, caches, max_blocks, block_size
         self.sizes = [b for b in BATCH_SIZES if b < max_batch] + [max_batch]
         n = self.sizes[-1]
         # a step's inputs reach the graph as one copy of this block (a padding row's values in every column past
-        # the batch), staged in pinned host memory; plus one copy of the batch's block tables
+        # the batch), staged in pinned host memory; plus one copy of the batch's block tables. num_stages staging
+        # blocks: the steps of a decode burst are queued without a sync, so each needs its own
         self.inputs = torch.zeros(len(self.FIELDS), n, dtype=torch.int64, device=device)
         self.input_ids, self.positions, self.slot_mapping, self.state_slots, self.context_lens = self.inputs.unbind(0)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
-        self.staging = torch.zeros(len(self.FIELDS), n, dtype=torch.int64, pin_memory=pin)
+        self.staging = torch.zeros(num_stages, len(self.FIELDS), n, dtype=torch.int64, pin_memory=pin)
         self.table_staging = torch.zeros(0, dtype=torch.int64, pin_memory=pin)
         # a padding row: one token into the scratch page, state in the scratch slot, a context of that one token,
         # so only its first table entry is read (whatever page that names: any page id in the table is valid, and
@@ -49,8 +50,8 @@ class DecodeGraphs:
         self.padding = torch.tensor([0, 0, scratch_block * block_size, scratch_slot, 1], dtype=torch.int64)
         self.staging[:] = self.padding[:, None]
         self.block_tables[:, 0] = scratch_block
-        self.inputs.copy_(self.staging)
-        self.staged = 0  # staging's columns from here on hold the padding row
+        self.inputs.copy_(self.staging[0])
+        self.staged = [0] * num_stages  # per staging block, its columns from here on hold the padding row
         self.scratch_slot = scratch_slot
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -78,25 +79,31 @@ class DecodeGraphs:
         return (all(n == 1 for n in host.query_lens) and host.num_seqs <= self.sizes[-1]
                 and host.table_width <= self.max_blocks)
 
-    def run(self, host: HostBatch) -> torch.Tensor:
+    def run(self, host: HostBatch, input_ids: torch.Tensor | None = None, stage: int = 0) -> torch.Tensor:
         """Replay for a decode-only batch; returns logits [B, V] float32 (a view of a static buffer).
 
-        The staging buffers are rewritten only here, and the caller reads this step's logits (a sync) before the
-        next call, so the previous step's asynchronous copies out of them have completed."""
+        input_ids: [B] on the device, instead of host.input_ids (a decode burst's previous greedy tokens).
+        stage: which staging block to fill; a burst's step number, whose block tables are step 0's (not copied
+        again). A staging block is rewritten only by the next call with its stage, after the caller has read that
+        call's logits (a sync), so its asynchronous copy has completed."""
         B, width = host.num_seqs, host.table_width
         size = next(s for s in self.sizes if s >= B)
+        staging = self.staging[stage]
         values = (host.input_ids, host.positions, host.slot_mapping, host.state_slots, host.context_lens)
-        self.staging[:, :B] = torch.tensor(values, dtype=torch.int64)
-        if self.staged > B:  # columns a larger batch used: back to the padding row
-            self.staging[:, B:self.staged] = self.padding[:, None]
-        self.staged = B
-        self.inputs.copy_(self.staging, non_blocking=True)
-        if self.table_staging.numel() < B * width:
-            self.table_staging = torch.zeros(max(B * width, 2 * self.table_staging.numel()), dtype=torch.int64,
-                                             pin_memory=self.staging.is_pinned())
-        tables = self.table_staging[:B * width].view(B, width)
-        tables.copy_(torch.tensor(host.padded_tables(), dtype=torch.int64))
-        self.block_tables[:B, :width].copy_(tables, non_blocking=True)  # entries past a context are never read
+        staging[:, :B] = torch.tensor(values, dtype=torch.int64)
+        if self.staged[stage] > B:  # columns a larger batch used: back to the padding row
+            staging[:, B:self.staged[stage]] = self.padding[:, None]
+        self.staged[stage] = B
+        self.inputs.copy_(staging, non_blocking=True)
+        if input_ids is not None:
+            self.input_ids[:B].copy_(input_ids)
+        if stage == 0:
+            if self.table_staging.numel() < B * width:
+                self.table_staging = torch.zeros(max(B * width, 2 * self.table_staging.numel()), dtype=torch.int64,
+                                                 pin_memory=self.staging.is_pinned())
+            tables = self.table_staging[:B * width].view(B, width)
+            tables.copy_(torch.tensor(host.padded_tables(), dtype=torch.int64))
+            self.block_tables[:B, :width].copy_(tables, non_blocking=True)  # entries past a context are never read
         self.graphs[size].replay()
         return self.logits[size][:B]
 

@@ -67,6 +67,16 @@ class HostBatch:
         width = self.table_width
         return [table + [0] * (width - len(table)) for table in self.block_tables]
 
+    def advanced(self, steps: int, block_size: int) -> HostBatch:
+        """This batch of decodes `steps` tokens later (a decode burst): positions, cache slots and contexts moved on,
+        the same pages (allocated for the whole burst) and state slots; the input ids are the device's to fill
+        (zeros here)."""
+        positions = [p + steps for p in self.positions]
+        return HostBatch(
+            [0] * len(positions), positions,
+            [table[p // block_size] * block_size + p % block_size for table, p in zip(self.block_tables, positions)],
+            self.query_lens, [s + steps for s in self.start_positions], self.state_slots, self.block_tables)
+
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, ForwardBatch]:
         """(input_ids [N] int64, ForwardBatch) on device."""
         tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731

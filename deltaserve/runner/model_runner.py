@@ -53,7 +53,8 @@ _ONE_THREAD_MAX_TOKENS = 4  # measured on 2 cores: 1 thread as fast at 4 decode 
 
 class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, plan: CachePlan, dtype: torch.dtype, device: str,
-                 seed: int = 0, cuda_graphs: bool = True, graph_max_context: int | None = None):
+                 seed: int = 0, cuda_graphs: bool = True, graph_max_context: int | None = None,
+                 num_decode_steps: int = 1):
         self.model, self.cfg, self.plan, self.device = model, model_config, plan, torch.device(device)
         if self.device.type == "cuda" and dtype == torch.float32:
             # float32 is the exact regime: no TF32 in matmuls, nor in cuDNN's convolutions (PyTorch allows it there
@@ -75,7 +76,7 @@ class ModelRunner:
             longest = min(graph_max_context or cache_tokens, cache_tokens)
             width = graph_width(longest, plan.block_size, plan.num_slots)
             self.graphs = DecodeGraphs(model, self.caches, plan.num_slots, width, plan.block_size, plan.num_slots,
-                                       plan.num_blocks, self.device)
+                                       plan.num_blocks, self.device, num_stages=num_decode_steps)
             with torch.inference_mode():
                 self.graphs.capture()
 
@@ -123,7 +124,9 @@ class ModelRunner:
             # per-op overhead, which more threads only raise (and a busy machine multiplies): one thread for those
             few = len(host.input_ids) <= _ONE_THREAD_MAX_TOKENS
             torch.set_num_threads(1 if few else self.cpu_threads)
-        if self.graphs is not None and self.graphs.can_run(host):
+        if sched.num_decode_steps > 1:
+            out = self._decode_burst(order, host, sched.num_decode_steps)
+        elif self.graphs is not None and self.graphs.can_run(host):
             logits = self.graphs.run(host)
             out = self._sample(order, host.query_lens, lambda rows: logits[rows])
         else:
@@ -193,6 +196,32 @@ class ModelRunner:
         states = [self.requests[r] for r in order]
         return HostBatch(ids, positions, slots, query_lens, starts, [s.state_slot for s in states],
                          [s.block_ids for s in states])
+
+    def _decode_burst(self, order: list[str], host: HostBatch, num_steps: int) -> RunnerOutput:
+        """num_steps greedy decode steps of every request in `order` (all decodes; the scheduler allocated their
+        pages): each step's argmax is the next one's input, kept on the device, so the host waits once, at the end.
+        Each step runs exactly what a step of its own would (its CUDA graph, or the eager model)."""
+        from deltaserve.core.outputs import RunnerOutput
+
+        tokens = []  # per step, [B] int64 on the device
+        for step in range(num_steps):
+            batch_host = host if step == 0 else host.advanced(step, self.plan.block_size)
+            previous = tokens[-1] if tokens else None
+            if self.graphs is not None and self.graphs.can_run(batch_host):
+                logits = self.graphs.run(batch_host, input_ids=previous, stage=step)
+            else:
+                input_ids, batch = batch_host.to_device(self.device)
+                hidden = self.model(input_ids if previous is None else previous, batch, self.caches)
+                logits = self.model.compute_logits(hidden)
+            tokens.append(logits.argmax(dim=-1))
+        sampled = torch.stack(tokens, dim=1).tolist()  # [B, num_steps]: the one sync
+        out = RunnerOutput(req_ids=list(order), sampled_token_ids={})
+        for req_id, row in zip(order, sampled):
+            state = self.requests[req_id]
+            state.num_computed_tokens += num_steps
+            state.token_ids.extend(row)
+            out.sampled_token_ids[req_id] = row
+        return out
 
     def _sample(self, order: list[str], query_lens: list[int], logits_at) -> RunnerOutput:
         """logits_at(rows) -> logits [len(rows), V] float32 at those token rows of this step."""

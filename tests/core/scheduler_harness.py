@@ -12,10 +12,12 @@ from deltaserve.sampling_params import SamplingParams
 EOS = 99
 
 
-def new_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256):
+def new_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                  num_decode_steps=1, num_snapshot_slots=0):
+    """num_decode_steps 1 (no decode bursts) unless a test is about them: the others count steps."""
     engine = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          block_size=block_size, num_cache_blocks=num_blocks)
-    return Scheduler(engine, CacheManager(num_blocks, max_num_seqs, block_size), max_model_len)
+                          block_size=block_size, num_cache_blocks=num_blocks, num_decode_steps=num_decode_steps)
+    return Scheduler(engine, CacheManager(num_blocks, max_num_seqs, block_size, num_snapshot_slots), max_model_len)
 
 
 def assert_pools_full(sched: Scheduler) -> None:
@@ -36,13 +38,14 @@ def next_output_token(req: Request) -> int:
 
 
 def step(sched: Scheduler, sample=next_output_token):
-    """schedule() then a fake runner: one sampled token for each request whose scheduled chunk ends its tokens."""
+    """schedule() then a fake runner: one sampled token for each request whose scheduled chunk ends its tokens (in a
+    decode burst, one a step: sample(req) + i for step i)."""
     out = sched.schedule()
     sampled = {}
     for req_id, num_tokens in out.num_scheduled_tokens.items():
         req = sched.requests[req_id]
         done = req.num_computed_tokens + num_tokens == req.num_tokens
-        sampled[req_id] = [sample(req)] if done else []
+        sampled[req_id] = [sample(req) + i for i in range(out.num_decode_steps)] if done else []
     updates = sched.update_from_output(out, RunnerOutput(list(out.num_scheduled_tokens), sampled))
     return out, updates
 

@@ -19,8 +19,9 @@ class Recorder:
         self.seen.append((self.size, self.graphs.inputs.clone(), self.graphs.block_tables.clone()))
 
 
-def staged_graphs(max_batch: int, max_blocks: int) -> tuple[DecodeGraphs, list]:
-    graphs = DecodeGraphs(None, None, max_batch, max_blocks, PAGE, SCRATCH_SLOT, SCRATCH_BLOCK, torch.device("cpu"))
+def staged_graphs(max_batch: int, max_blocks: int, num_stages: int = 1) -> tuple[DecodeGraphs, list]:
+    graphs = DecodeGraphs(None, None, max_batch, max_blocks, PAGE, SCRATCH_SLOT, SCRATCH_BLOCK, torch.device("cpu"),
+                          num_stages=num_stages)
     seen = []
     for size in graphs.sizes:
         graphs.graphs[size] = Recorder(graphs, size, seen)
@@ -30,7 +31,8 @@ def staged_graphs(max_batch: int, max_blocks: int) -> tuple[DecodeGraphs, list]:
 
 def decode_batch(gen: torch.Generator, B: int) -> HostBatch:
     starts = torch.randint(0, 40, (B,), generator=gen).tolist()
-    tables = [torch.randint(0, SCRATCH_BLOCK, (s // PAGE + 1,), generator=gen).tolist() for s in starts]
+    # a page more than the context needs: a decode burst of up to PAGE steps has its pages already
+    tables = [torch.randint(0, SCRATCH_BLOCK, (s // PAGE + 2,), generator=gen).tolist() for s in starts]
     return HostBatch(input_ids=torch.randint(0, 100, (B,), generator=gen).tolist(), positions=starts,
                      slot_mapping=[t[s // PAGE] * PAGE + s % PAGE for t, s in zip(tables, starts)],
                      query_lens=[1] * B, start_positions=starts,
@@ -64,3 +66,22 @@ def test_graphs_decline_prefill_more_rows_and_tables_wider_than_captured():
     assert not graphs.can_run(host)
     assert not graphs.can_run(HostBatch([1, 2, 3], [0, 1, 2], [0, 1, 2], [1, 2], [0, 0], [0, 1], [[1], [2]]))
     assert not graphs.can_run(HostBatch([1] * 5, [0] * 5, [0] * 5, [1] * 5, [0] * 5, list(range(5)), [[1]] * 5))
+
+
+def test_a_burst_step_takes_its_input_ids_from_the_device_and_keeps_step_zeros_tables():
+    graphs, seen = staged_graphs(max_batch=8, max_blocks=12, num_stages=3)
+    gen = torch.Generator().manual_seed(2)
+    host = decode_batch(gen, 3)
+    graphs.run(host)
+    tables = seen[-1][2]
+    for step in (1, 2):
+        later = host.advanced(step, PAGE)
+        ids = torch.tensor([7, 8, 9])
+        graphs.run(later, input_ids=ids, stage=step)
+        _, inputs, step_tables = seen[-1]
+        assert inputs[0, :3].tolist() == [7, 8, 9]
+        assert inputs[1:, :3].tolist() == [later.positions, later.slot_mapping, later.state_slots, later.context_lens]
+        assert torch.equal(step_tables, tables)
+        assert later.context_lens == [p + step + 1 for p in host.positions]
+        assert later.slot_mapping == [t[(p + step) // PAGE] * PAGE + (p + step) % PAGE
+                                      for t, p in zip(host.block_tables, host.positions)]

@@ -130,7 +130,7 @@ def test_a_hit_skips_the_prefill_of_the_cached_prefix(make_llm):
     assert second.num_cached_tokens == 64 == (70 + 9 - 1) // BS * BS
     new = steps[0].new_reqs[0]
     assert new.num_computed_tokens == 64 and new.restore_snapshot_slot is not None
-    scheduled = sum(s.num_scheduled_tokens[second.request_id] for s in steps)
+    scheduled = sum(s.num_scheduled_tokens[second.request_id] * s.num_decode_steps for s in steps)
     assert scheduled == len(follow_up) - 64 + 5 - 1, "only the uncached tokens and the decodes were computed"
 
 
@@ -202,7 +202,7 @@ def test_scheduler_cuts_the_prompt_at_its_last_full_block_and_saves_at_each_boun
     """No model: a 37-token prompt on 16-token pages is computed as 32 + 5 (state saved at 32); decoding saves the
     rolling state at 48 and 64, and finishing publishes the last one."""
     cache = CacheManager(num_blocks=16, num_slots=2, block_size=BS, num_snapshot_slots=4)
-    scheduler = Scheduler(EngineConfig(block_size=BS, max_num_seqs=2), cache, max_model_len=256)
+    scheduler = Scheduler(EngineConfig(block_size=BS, max_num_seqs=2, num_decode_steps=1), cache, max_model_len=256)
     scheduler.add_request(Request("a", list(range(1, 38)), greedy(30)))
     steps = [step(scheduler)[0] for _ in range(31)]
     assert [s.num_scheduled_tokens["a"] for s in steps[:3]] == [32, 5, 1]

@@ -138,7 +138,7 @@ def test_max_tokens_finishes_with_length(greedy_text):
 
 
 def test_stream_yields_cumulative_outputs_that_end_as_generate(make_llm):
-    llm = make_llm()
+    llm = make_llm(num_decode_steps=1)  # one token a step (bursts stream several: test_engine_bursts.py)
     prompts = [TEXT_PROMPT, "Once upon a time"]
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=9, temperature=0.9, seed=3, ignore_eos=True)]

@@ -23,8 +23,10 @@ REQUEST = dict(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=32, temp
 
 @pytest.fixture(scope="module")
 def rigged_server(tmp_path_factory):
+    # byte-level ranks: about one token a character; one decode step at a time (no bursts), so that a stream's
+    # deltas are single tokens, which the arguments test counts
     srv = start_server(write_rigged_model(tmp_path_factory.mktemp("rigged") / "model", OUTPUT_PIECES),
-                       max_model_len=1024)  # byte-level ranks: about one token a character
+                       max_model_len=1024, num_decode_steps=1)
     yield srv
     srv.stop()
 

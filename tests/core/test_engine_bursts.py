@@ -1,0 +1,63 @@
+"""Decode bursts give the tokens of one decode step at a time: in float32 on the CPU, greedy requests (alone and
+together, with eos and stop tokens inside a burst, with and without prefix caching) produce the same outputs with
+num_decode_steps 1, 3 and 8, and the bursts did run."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.engine import as_inputs, assert_same_outputs, random_prompts, token_ids
+
+from deltaserve import SamplingParams
+
+LENGTHS = (1, 5, 16, 17, 40, 63, 100)
+
+
+def burst_steps(llm) -> list[int]:
+    """Wrap the scheduler to record each step's num_decode_steps."""
+    scheduler = llm.engine.scheduler
+    seen, schedule = [], scheduler.schedule
+
+    def recording():
+        out = schedule()
+        seen.append(out.num_decode_steps)
+        return out
+
+    scheduler.schedule = recording
+    return seen
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_bursts_give_the_tokens_of_single_steps(make_llm, prefix_caching):
+    prompts = random_prompts(LENGTHS, seed=3)
+    params = [SamplingParams(max_tokens=9 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    outputs = {}
+    for steps in (1, 3, 8):
+        llm = make_llm(num_decode_steps=steps, enable_prefix_caching=prefix_caching, max_num_seqs=8)
+        seen = burst_steps(llm)
+        outputs[steps] = llm.generate(as_inputs(prompts), params, use_tqdm=False)
+        # with prefix caching a burst ends before the nearest request's block-filling step: shorter ones here
+        assert max(seen) == steps if not prefix_caching else max(seen) > 1 or steps == 1
+        assert [len(t) for t in token_ids(outputs[steps])] == [p.max_tokens for p in params]
+    assert_same_outputs(outputs[3], outputs[1], "bursts of 3 vs single steps")
+    assert_same_outputs(outputs[8], outputs[1], "bursts of 8 vs single steps")
+
+
+def test_a_stop_token_inside_a_burst_ends_the_request_there(make_llm):
+    (prompt,) = random_prompts((30,), seed=5)
+    single = make_llm(num_decode_steps=1).generate(
+        as_inputs([prompt]), SamplingParams(max_tokens=20, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    stop = single.outputs[0].token_ids[5]  # the 6th token: inside the first burst of 8
+    first = single.outputs[0].token_ids.index(stop)
+    params = SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop])
+    for steps in (1, 8):
+        out = make_llm(num_decode_steps=steps).generate(as_inputs([prompt]), params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == single.outputs[0].token_ids[:first + 1]
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+
+
+def test_streaming_a_burst_yields_its_tokens_together(make_llm):
+    (prompt,) = random_prompts((12,), seed=6)
+    llm = make_llm(num_decode_steps=4, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    counts = [len(o.outputs[0].token_ids) for o in llm.stream(as_inputs([prompt]), params)]
+    assert counts == [1, 5, 9]  # the prefill's token, then two bursts of 4
