@@ -180,14 +180,21 @@ class CacheManager:
         self._writes[req.req_id] = _SnapshotWrite(slot, end, shared)
         return req.state_slot, slot
 
-    def decode_burst_limit(self, req: Request, num_steps: int) -> int:
-        """Decode steps (at most num_steps) that req, decoding, may run in one burst: all of them without prefix
-        caching; with it, only steps before the one whose token completes a block (that single step saves the rolling
-        snapshot, as it always has), so that a burst fills no block: its tokens are appended only after it, and the
-        page index hashes full blocks of known tokens. 0: req's next step is that step."""
+    def plan_burst_snapshot_save(self, req: Request, num_steps: int) -> tuple[int, int, int] | None:
+        """For req decoding num_steps tokens in one burst: where single steps would have saved its rolling snapshot
+        (after a step whose token fills a block), the last such place in the burst, as (state slot, snapshot slot,
+        burst step after which the runner copies the state); None without one. It takes the place of a save that
+        plan_snapshot_save planned for the burst's first step (same slot)."""
         if self.prefix_cache is None:
-            return num_steps
-        return min(num_steps, -(req.num_computed_tokens + 1) % self.block_size)
+            return None
+        start = req.num_computed_tokens
+        end = (start + num_steps) // self.block_size * self.block_size  # the last block boundary reached
+        planned, rolling = self._writes.get(req.req_id), self._rolling.get(req.req_id)
+        if end <= start or (planned is None and not self._wants_snapshot(req, end)):
+            return None
+        slot = planned.slot if planned else rolling.slot if rolling else self.snapshots.allocate()
+        self._writes[req.req_id] = _SnapshotWrite(slot, end, False)
+        return req.state_slot, slot, end - start - 1
 
     def cache_computed(self, req: Request) -> None:
         """After a step: enter req's newly full pages in the page index and publish the snapshot it saved."""
@@ -199,9 +206,13 @@ class CacheManager:
             for i in range(req.num_indexed_blocks, num_full):
                 self.prefix_cache.insert(block_hashes[i], req.block_ids[i])
             req.num_indexed_blocks = num_full
-        write = self._writes.pop(req.req_id, None)
+        write = self._writes.get(req.req_id)
         if write is None:
             return
+        if write.position > req.num_computed_tokens:  # a burst's save past a stop token: from dropped inputs
+            self._drop_write(req.req_id)
+            return
+        del self._writes[req.req_id]
         if write.shared:
             self.snapshots.commit(write.slot, self._block_hashes(req)[write.position // self.block_size - 1])
         else:

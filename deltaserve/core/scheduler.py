@@ -31,8 +31,10 @@ strings, and nothing waits, the step may be a burst of up to num_decode_steps de
 pages for all of them now, the runner feeds each step's greedy token to the next on the device and returns them
 all after one sync, and update_from_output appends them as if they came one step at a time (a stop token or the
 length limit finishes the request there; the tokens computed after it are dropped with its cache). A burst never
-runs past a request's max_tokens or max_model_len, nor across a prefix-caching snapshot step
-(CacheManager.decode_burst_limit); a burst whose pages cannot all be had is one step.
+runs past a request's max_tokens or max_model_len; a burst whose pages cannot all be had is one step. With prefix
+caching, a request's rolling snapshot is saved inside the burst, after the step where single steps would have
+saved it last (CacheManager.plan_burst_snapshot_save), and the burst's full blocks enter the page index once its
+tokens are appended.
 """
 
 from __future__ import annotations
@@ -122,7 +124,11 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += num_tokens * scheduler_output.num_decode_steps  # a burst: one token a step
+            if scheduler_output.num_decode_steps > 1:
+                sampled = runner_output.sampled_token_ids[req_id]
+                updates.append((req, self._append_burst(req, num_tokens * scheduler_output.num_decode_steps, sampled)))
+                continue
+            req.num_computed_tokens += num_tokens
             self.cache.cache_computed(req)  # before a finish can release its pages
             sampled = runner_output.sampled_token_ids.get(req_id) or []
             if not sampled:
@@ -188,7 +194,7 @@ class Scheduler:
     def _decode_burst(self, out: SchedulerOutput) -> int:
         """Decode steps for this scheduler step (module docstring, Decode bursts); their pages allocated here."""
         steps = self.num_decode_steps
-        if steps == 1 or self.waiting or out.new_reqs or out.snapshot_saves:
+        if steps == 1 or self.waiting or out.new_reqs:
             return 1
         for req in self.running:
             params = req.sampling_params
@@ -197,8 +203,7 @@ class Scheduler:
                     or params.repetition_penalty != 1 or params.presence_penalty != 0
                     or params.frequency_penalty != 0):
                 return 1
-            steps = min(steps, params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens,
-                        self.cache.decode_burst_limit(req, steps))
+            steps = min(steps, params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
         if steps <= 1:
             return 1
         new_pages = {data.req_id: data.new_block_ids for data in out.cached_reqs}
@@ -207,6 +212,13 @@ class Scheduler:
             if block_ids is None:
                 return 1  # pages taken for the others stay theirs (sent to the runner below), used by later steps
             new_pages[req.req_id].extend(block_ids)
+        # snapshot saves: the first step's (planned by _schedule_tokens) give way to the burst's own
+        out.snapshot_saves.clear()
+        for req in self.running:
+            save = self.cache.plan_burst_snapshot_save(req, steps)
+            if save is not None:
+                out.snapshot_saves.append(save[:2])
+                out.snapshot_save_steps.append(save[2])
         return steps
 
     def _num_new_tokens(self, req: Request, start: int, budget: int) -> int:
@@ -238,6 +250,23 @@ class Scheduler:
         self.cache.free(req)
         req.status = status
         del self.requests[req.req_id]
+
+    def _append_burst(self, req: Request, num_computed: int, sampled: list[int]) -> list[int]:
+        """A decode burst's tokens for req: appended up to the first that ends it, then its new full blocks indexed
+        (the tokens are known only now), then the finish. The tokens the burst computed past a stop count as never
+        computed."""
+        new_token_ids, status = [], None
+        for token_id in sampled:
+            req.output_token_ids.append(token_id)
+            new_token_ids.append(token_id)
+            status = self._stop_status(req, token_id)
+            if status is not None:
+                break
+        req.num_computed_tokens = min(req.num_computed_tokens + num_computed, req.num_tokens - 1)
+        self.cache.cache_computed(req)
+        if status is not None:
+            self._finish(req, status)
+        return new_token_ids
 
     def _append_tokens(self, req: Request, sampled: list[int]) -> list[int]:
         """Append sampled tokens until one ends the request; returns those appended."""

@@ -125,7 +125,8 @@ class ModelRunner:
             few = len(host.input_ids) <= _ONE_THREAD_MAX_TOKENS
             torch.set_num_threads(1 if few else self.cpu_threads)
         if sched.num_decode_steps > 1:
-            out = self._decode_burst(order, host, sched.num_decode_steps)
+            out = self._decode_burst(order, host, sched.num_decode_steps, sched.snapshot_saves,
+                                     sched.snapshot_save_steps)
         elif self.graphs is not None and self.graphs.can_run(host):
             logits = self.graphs.run(host)
             out = self._sample(order, host.query_lens, lambda rows: logits[rows])
@@ -134,7 +135,8 @@ class ModelRunner:
             hidden = self.model(input_ids, batch, self.caches)
             out = self._sample(order, host.query_lens,
                                lambda rows: self.model.compute_logits(_rows(hidden, rows)))
-        self._copy_states(sched.snapshot_saves, to_snapshots=True)  # the states after this step's tokens
+        if sched.num_decode_steps == 1:
+            self._copy_states(sched.snapshot_saves, to_snapshots=True)  # the states after this step's tokens
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)  # the process's setting, as the caller left it
         return out
@@ -197,10 +199,12 @@ class ModelRunner:
         return HostBatch(ids, positions, slots, query_lens, starts, [s.state_slot for s in states],
                          [s.block_ids for s in states])
 
-    def _decode_burst(self, order: list[str], host: HostBatch, num_steps: int) -> RunnerOutput:
+    def _decode_burst(self, order: list[str], host: HostBatch, num_steps: int, saves: list[tuple[int, int]],
+                      save_steps: list[int]) -> RunnerOutput:
         """num_steps greedy decode steps of every request in `order` (all decodes; the scheduler allocated their
         pages): each step's argmax is the next one's input, kept on the device, so the host waits once, at the end.
-        Each step runs exactly what a step of its own would (its CUDA graph, or the eager model)."""
+        Each step runs exactly what a step of its own would (its CUDA graph, or the eager model). saves: KDA states
+        copied to snapshot slots after the burst step given in save_steps."""
         from deltaserve.core.outputs import RunnerOutput
 
         tokens = []  # per step, [B] int64 on the device
@@ -214,6 +218,7 @@ class ModelRunner:
                 hidden = self.model(input_ids if previous is None else previous, batch, self.caches)
                 logits = self.model.compute_logits(hidden)
             tokens.append(logits.argmax(dim=-1))
+            self._copy_states([pair for pair, at in zip(saves, save_steps) if at == step], to_snapshots=True)
         sampled = torch.stack(tokens, dim=1).tolist()  # [B, num_steps]: the one sync
         out = RunnerOutput(req_ids=list(order), sampled_token_ids={})
         for req_id, row in zip(order, sampled):

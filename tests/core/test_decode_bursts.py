@@ -90,13 +90,24 @@ def test_every_request_of_a_burst_stops_at_its_own_limit():
     assert b.num_tokens == 12 and b.finish_reason == "length"  # max_model_len
 
 
-def test_with_prefix_caching_a_burst_ends_before_the_step_that_fills_a_block():
+def test_with_prefix_caching_a_burst_saves_the_rolling_snapshot_where_single_steps_last_would():
     sched = new_scheduler(num_decode_steps=8, block_size=4, num_snapshot_slots=4)
     req = greedy_request("a", prompt_len=4, max_tokens=14, ignore_eos=True)
     outs = run(sched, [req], {"a": stream(14)})
-    # computed 4 after the prompt; a single step whenever the next token completes a block (positions 7, 11, 15)
-    assert [o.num_decode_steps for o in outs] == [1, 3, 1, 3, 1, 3, 1, 1]
+    assert [o.num_decode_steps for o in outs] == [1, 8, 5]
+    # computed 4 -> 12: the last boundary is 12, after burst step 7; computed 12 -> 17: boundary 16, after step 3
+    assert [o.snapshot_save_steps for o in outs[1:]] == [[7], [3]]
+    assert outs[1].snapshot_saves[0][1] == outs[2].snapshot_saves[0][1], "one rolling slot, rewritten"
     assert req.output_token_ids == stream(14)
+    assert sched.cache.snapshots.num_committed == 2  # the prompt-end one, and the rolling one at the finish
+
+
+def test_a_burst_save_past_a_stop_token_is_dropped():
+    sched = new_scheduler(num_decode_steps=8, block_size=4, num_snapshot_slots=4)
+    req = greedy_request("a", prompt_len=4, max_tokens=14)
+    outs = run(sched, [req], {"a": [1000, EOS] + stream(12, 2000)})
+    assert outs[1].snapshot_save_steps == [7] and req.output_token_ids == [1000, EOS]
+    assert sched.cache.snapshots.num_committed == 1  # the prompt-end one only: the save at 12 came after the stop
 
 
 def test_pools_refill_after_bursts_aborts_and_tight_pages():

@@ -29,14 +29,13 @@ def burst_steps(llm) -> list[int]:
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_bursts_give_the_tokens_of_single_steps(make_llm, prefix_caching):
     prompts = random_prompts(LENGTHS, seed=3)
-    params = [SamplingParams(max_tokens=9 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=20 + 3 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
     outputs = {}
     for steps in (1, 3, 8):
         llm = make_llm(num_decode_steps=steps, enable_prefix_caching=prefix_caching, max_num_seqs=8)
         seen = burst_steps(llm)
         outputs[steps] = llm.generate(as_inputs(prompts), params, use_tqdm=False)
-        # with prefix caching a burst ends before the nearest request's block-filling step: shorter ones here
-        assert max(seen) == steps if not prefix_caching else max(seen) > 1 or steps == 1
+        assert max(seen) == steps
         assert [len(t) for t in token_ids(outputs[steps])] == [p.max_tokens for p in params]
     assert_same_outputs(outputs[3], outputs[1], "bursts of 3 vs single steps")
     assert_same_outputs(outputs[8], outputs[1], "bursts of 8 vs single steps")
@@ -61,3 +60,20 @@ def test_streaming_a_burst_yields_its_tokens_together(make_llm):
     params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
     counts = [len(o.outputs[0].token_ids) for o in llm.stream(as_inputs([prompt]), params)]
     assert counts == [1, 5, 9]  # the prefill's token, then two bursts of 4
+
+
+def test_a_follow_up_finds_the_rolling_snapshot_a_burst_saved(make_llm):
+    """A chat's next turn extends prompt + output: with bursts it restores from the same block boundary (the rolling
+    KDA snapshot saved inside a burst) and gives the same tokens as with single steps."""
+    (prompt,) = random_prompts((37,), seed=7)
+    results = {}
+    for steps in (1, 8):
+        llm = make_llm(num_decode_steps=steps)
+        first = llm.generate(as_inputs([prompt]), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                             use_tqdm=False)[0]
+        follow_up = prompt + first.outputs[0].token_ids + [3, 4, 5]
+        second = llm.generate(as_inputs([follow_up]), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                              use_tqdm=False)[0]
+        results[steps] = (first.outputs[0].token_ids, second.outputs[0].token_ids, second.num_cached_tokens)
+    assert results[8] == results[1]
+    assert results[8][2] == (37 + 30 - 1) // 16 * 16  # the last boundary the first turn's tokens reached
