@@ -325,8 +325,9 @@ class EngineConfig:
     # None: weights in dtype (or as the checkpoint stores them); "fp8": linear layers and experts quantized at
     # load to float8_e4m3fn with 128 x 128 block scales (README, "FP8 weights")
     quantization: str | None = None
-    # decode steps a scheduler step may run back to back when every running request decodes greedily (README,
-    # "Decode bursts"): the host schedules, syncs and detokenizes once per burst, not once per token; 1 turns it off
+    # decode steps a scheduler step may run back to back when every running request decodes without penalties,
+    # logprobs or stop strings (README, "Decode bursts"): the host schedules, syncs and detokenizes once per burst,
+    # not once per token; 1 turns it off
     num_decode_steps: int = 8
 
     def __post_init__(self):

@@ -26,9 +26,9 @@ preempted request's full pages stay cached, so its recompute usually starts from
 Length limits (as vLLM): a prompt of max_model_len tokens or more is rejected; generation is capped by
 finishing with 'length' when the request reaches max_model_len tokens (or max_tokens outputs).
 
-Decode bursts. When every running request decodes (one token left to compute), greedily, without logprobs or stop
+Decode bursts. When every running request decodes (one token left to compute) without penalties, logprobs or stop
 strings, and nothing waits, the step may be a burst of up to num_decode_steps decode steps: each request gets the
-pages for all of them now, the runner feeds each step's greedy token to the next on the device and returns them
+pages for all of them now, the runner feeds each step's token to the next on the device and returns them
 all after one sync, and update_from_output appends them as if they came one step at a time (a stop token or the
 length limit finishes the request there; the tokens computed after it are dropped with its cache). A burst never
 runs past a request's max_tokens or max_model_len; a burst whose pages cannot all be had is one step. With prefix
@@ -199,7 +199,7 @@ class Scheduler:
         for req in self.running:
             params = req.sampling_params
             if (out.num_scheduled_tokens.get(req.req_id) != 1 or req.num_computed_tokens + 1 != req.num_tokens
-                    or not params.greedy or params.logprobs is not None or params.stop
+                    or params.logprobs is not None or params.stop
                     or params.repetition_penalty != 1 or params.presence_penalty != 0
                     or params.frequency_penalty != 0):
                 return 1

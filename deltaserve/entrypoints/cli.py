@@ -41,8 +41,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                         "scales (an FP8 checkpoint runs in FP8 without it)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
     g.add_argument("--num-decode-steps", type=int, default=EngineConfig.num_decode_steps,
-                   help="decode steps run back to back, one sync each burst, while every request decodes greedily "
-                        "(1: one step at a time; streams then get one token a step)")
+                   help="decode steps run back to back, one sync a burst, while no request asks for penalties, "
+                        "logprobs or stop strings (1: one step at a time; streams then get one token a step)")
 
 
 def _token_ids(text: str) -> list[int]:

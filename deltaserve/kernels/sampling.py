@@ -115,7 +115,7 @@ def build_sampling_metadata(
         repetition_penalty=column("repetition_penalty", torch.float32),
         output_token_counts=_token_counts(output_token_ids, vocab_size, device) if needs_counts else None,
         seen_token_mask=_token_counts(seen_token_ids, vocab_size, device) > 0 if needs_seen else None,
-        generators=_row_generators(params, output_token_ids, device),
+        generators=row_generators(params, [len(output) for output in output_token_ids], device),
         default_generator=default_generator if any(p.seed is None for p in sampling) else None,
         all_greedy=not sampling,
         no_penalties=not (needs_counts or needs_seen),
@@ -219,13 +219,14 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.dev
     return counts[:, :vocab_size]
 
 
-def _row_generators(
-    params: list[SamplingParams], output_token_ids: list[list[int]], device: torch.device | str
+def row_generators(
+    params: list[SamplingParams], num_output_tokens: list[int], device: torch.device | str
 ) -> dict[int, torch.Generator]:
-    """row -> a generator seeded with row_seed(seed, number of outputs so far), for seeded rows that sample."""
+    """row -> a generator seeded with row_seed(seed, number of outputs so far), for seeded rows that sample (a
+    decode burst makes a new set for each of its steps)."""
     return {
-        row: torch.Generator(device=device).manual_seed(row_seed(p.seed, len(output)))
-        for row, (p, output) in enumerate(zip(params, output_token_ids))
+        row: torch.Generator(device=device).manual_seed(row_seed(p.seed, n))
+        for row, (p, n) in enumerate(zip(params, num_output_tokens))
         if p.seed is not None and not p.greedy
     }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +18,7 @@ import torch
 from deltaserve.cache.sizing import CachePlan
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, check_divisible
-from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, sample
+from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, row_generators, sample
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
 from deltaserve.runner.cuda_graph import DecodeGraphs, graph_width
 from deltaserve.runner.forward_batch import HostBatch
@@ -201,12 +201,18 @@ class ModelRunner:
 
     def _decode_burst(self, order: list[str], host: HostBatch, num_steps: int, saves: list[tuple[int, int]],
                       save_steps: list[int]) -> RunnerOutput:
-        """num_steps greedy decode steps of every request in `order` (all decodes; the scheduler allocated their
-        pages): each step's argmax is the next one's input, kept on the device, so the host waits once, at the end.
+        """num_steps decode steps of every request in `order` (all decodes, greedy or sampling without penalties or
+        logprobs; the scheduler allocated their pages): each step's tokens are the next one's input, kept on the
+        device, so the host waits once, at the end.
         Each step runs exactly what a step of its own would (its CUDA graph, or the eager model). saves: KDA states
         copied to snapshot slots after the burst step given in save_steps."""
         from deltaserve.core.outputs import RunnerOutput
 
+        states = [self.requests[req_id] for req_id in order]
+        params = [s.sampling_params for s in states]
+        meta = None if plain_greedy(params) else build_sampling_metadata(  # no penalties nor logprobs (scheduler)
+            params, [s.token_ids[: s.num_prompt_tokens] for s in states], [s.output_token_ids for s in states],
+            self.cfg.vocab_size, self.device, self.generator)
         tokens = []  # per step, [B] int64 on the device
         for step in range(num_steps):
             batch_host = host if step == 0 else host.advanced(step, self.plan.block_size)
@@ -217,12 +223,15 @@ class ModelRunner:
                 input_ids, batch = batch_host.to_device(self.device)
                 hidden = self.model(input_ids if previous is None else previous, batch, self.caches)
                 logits = self.model.compute_logits(hidden)
-            tokens.append(logits.argmax(dim=-1))
+            if meta is None:
+                tokens.append(logits.argmax(dim=-1))
+            else:  # seeded rows draw from generators seeded for this step's output count, as single steps would
+                generators = row_generators(params, [len(s.output_token_ids) + step for s in states], self.device)
+                tokens.append(sample(logits, replace(meta, generators=generators)).token_ids)
             self._copy_states([pair for pair, at in zip(saves, save_steps) if at == step], to_snapshots=True)
         sampled = torch.stack(tokens, dim=1).tolist()  # [B, num_steps]: the one sync
         out = RunnerOutput(req_ids=list(order), sampled_token_ids={})
-        for req_id, row in zip(order, sampled):
-            state = self.requests[req_id]
+        for req_id, state, row in zip(order, states, sampled):
             state.num_computed_tokens += num_steps
             state.token_ids.extend(row)
             out.sampled_token_ids[req_id] = row

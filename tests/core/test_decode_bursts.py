@@ -68,8 +68,12 @@ def test_a_stop_token_inside_a_burst_finishes_there():
     assert req.output_token_ids == [1000, 1001, 1002, EOS] and req.finish_reason == "stop"
 
 
-def test_no_burst_while_a_request_waits_prefills_samples_or_wants_logprobs():
-    for params in (dict(temperature=0.7), dict(logprobs=2), dict(stop=["x"]), dict(repetition_penalty=1.2)):
+def test_sampling_bursts_but_penalties_logprobs_stop_strings_and_waiting_requests_do_not():
+    sched = new_scheduler(num_decode_steps=8)
+    outs = run(sched, [greedy_request("a", max_tokens=6, ignore_eos=True, temperature=0.7, seed=1)],
+               {"a": stream(6)})
+    assert [o.num_decode_steps for o in outs] == [1, 5]
+    for params in (dict(logprobs=2), dict(stop=["x"]), dict(repetition_penalty=1.2), dict(presence_penalty=0.5)):
         sched = new_scheduler(num_decode_steps=8)
         req = greedy_request("a", max_tokens=6, ignore_eos=True, **params)
         outs = run(sched, [req], {"a": stream(6)})

@@ -1,5 +1,5 @@
-"""Decode bursts give the tokens of one decode step at a time: in float32 on the CPU, greedy requests (alone and
-together, with eos and stop tokens inside a burst, with and without prefix caching) produce the same outputs with
+"""Decode bursts give the tokens of one decode step at a time: in float32 on the CPU, greedy and seeded sampled
+requests (together, with stop tokens inside a burst, with and without prefix caching) produce the same outputs with
 num_decode_steps 1, 3 and 8, and the bursts did run."""
 
 from __future__ import annotations
@@ -77,3 +77,18 @@ def test_a_follow_up_finds_the_rolling_snapshot_a_burst_saved(make_llm):
         results[steps] = (first.outputs[0].token_ids, second.outputs[0].token_ids, second.num_cached_tokens)
     assert results[8] == results[1]
     assert results[8][2] == (37 + 30 - 1) // 16 * 16  # the last boundary the first turn's tokens reached
+
+
+def test_seeded_sampling_in_bursts_gives_the_tokens_of_single_steps(make_llm):
+    prompts = random_prompts((3, 20, 41, 64), seed=8)
+    params = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=19, temperature=1.2, top_k=20, min_p=0.05, seed=12, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=17, temperature=0.5, seed=13, ignore_eos=True)]
+    outputs = {}
+    for steps in (1, 8):
+        llm = make_llm(num_decode_steps=steps)
+        seen = burst_steps(llm)
+        outputs[steps] = llm.generate(as_inputs(prompts), params, use_tqdm=False)
+        assert max(seen) == steps
+    assert_same_outputs(outputs[8], outputs[1], "seeded sampling: bursts of 8 vs single steps")
