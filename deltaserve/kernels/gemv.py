@@ -9,7 +9,7 @@ GEMV_MIN_WEIGHT elements and at most GEMV_MAX_TOKENS tokens; the caller keeps lm
 at 4.4 TB/s. Twin: F.linear.
 
 Measured (kernels_bench.py's gemv part, H200): o_proj 5.3 us against cuBLAS's 7.7, MLA's in_proj 7.4 against 8.5,
-the dense MLP's down 10.6 against 12.6, KDA's in_proj 17.7 against 17.2. Tiles are autotuned per (N, K) at first
+the dense MLP's down 10.6 against 12.6; KDA's in_proj 17.7 against 17.2 (so it stays on cuBLAS). Tiles are autotuned per (N, K) at first
 use; a CUDA graph's sizes are each run eagerly before capture, so tuning never runs inside one.
 """
 

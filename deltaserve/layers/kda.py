@@ -27,7 +27,8 @@ class KimiDeltaAttention(nn.Module):
         H, K, D = cfg.kda_num_heads // parallel.world_size, cfg.kda_head_dim, cfg.hidden_size
         self.num_heads, self.head_dim, self.eps, self.parallel = H, K, cfg.rms_norm_eps, parallel
         self.split = [3 * H * K, 2 * K, H]  # in_proj's outputs: q, k, v (the conv's channel order), f_a and g_a, b
-        self.in_proj = Linear(D, sum(self.split))
+        # cuBLAS for one token too: at the 48B shape it took 17.2 us against our GEMV's 17.7 on an H200
+        self.in_proj = Linear(D, sum(self.split), gemv=False)
         self.conv_weight = nn.Parameter(torch.empty(3 * H * K, cfg.conv_kernel_size))
         self.fg_b_proj = Linear(K, 2 * H * K)  # f_b_proj's rows, then g_b_proj's: both up-projections, one launch
         self.dt_bias = nn.Parameter(torch.empty(H * K, dtype=torch.float32))
