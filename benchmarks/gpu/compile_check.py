@@ -53,10 +53,10 @@ def main() -> int:
             x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", x_stride="i32", T_BUCKET="i32", D=2304, E=256,
             BLOCK_E=block_e, BLOCK_D=block_d))
     for block_n, block_k in gemv.GEMV_TILES:
-        for N, K in ((2304, 4096), (12576, 2304)):  # o_proj, KDA's in_proj
-            ok &= check(f"gemv {block_n}x{block_k}, {N}x{K}", jit_of(gemv._gemv_kernel), dict(
+        for N, K, group_n in ((2304, 4096, 2304), (6720, 2304, 6720), (8192, 128, 4096)):  # o_proj, MLA in, KDA fg
+            ok &= check(f"gemv {block_n}x{block_k}, {N}x{K} in groups of {group_n}", jit_of(gemv._gemv_kernel), dict(
                 x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", x_stride="i32", y_stride="i32", N=N, K=K,
-                BLOCK_N=block_n, BLOCK_K=block_k))
+                GROUP_N=group_n, BLOCK_N=block_n, BLOCK_K=block_k))
     for K in (128, 48):  # the 48B model's head width; the demo model's (not a power of two)
         ok &= check(f"KDA decode, K {K}", kda_triton_decode._kda_decode_kernel, dict(
             q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", graw_ptr="*bf16", braw_ptr="*bf16", dt_bias_ptr="*fp32",

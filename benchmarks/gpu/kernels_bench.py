@@ -189,7 +189,8 @@ def gemv_rows(device: str, smoke: bool) -> list[dict]:
     from deltaserve.kernels.gemv import GEMV_TILES, gemv
 
     shapes = {"small": (70, 300)} if smoke else {"o_proj": (2304, 4096), "mla in_proj": (6720, 2304),
-                                                  "kda in_proj": (12576, 2304), "dense down": (2304, 9216)}
+                                                  "kda in_proj": (12576, 2304), "dense down": (2304, 9216),
+                                                  "kda fg_b (one of two)": (4096, 128)}
     dtype = torch.float32 if smoke else torch.bfloat16
     rows = []
     for name, (N, K) in shapes.items():

@@ -9,8 +9,10 @@ GEMV_MIN_WEIGHT elements and at most GEMV_MAX_TOKENS tokens; the caller keeps lm
 at 4.4 TB/s. Twin: F.linear.
 
 Measured (kernels_bench.py's gemv part, H200): o_proj 5.3 us against cuBLAS's 7.7, MLA's in_proj 7.4 against 8.5,
-the dense MLP's down 10.6 against 12.6; KDA's in_proj 17.7 against 17.2 (so it stays on cuBLAS). Tiles are autotuned per (N, K) at first
-use; a CUDA graph's sizes are each run eagerly before capture, so tuning never runs inside one.
+the dense MLP's down 10.6 against 12.6; KDA's in_proj 17.7 against 17.2 (so it stays on cuBLAS). With groups, one
+launch serves several projections of their own inputs (KDA's two gate up-projections). Tiles are autotuned per
+(N, K, rows per group) at first use; a CUDA graph's sizes are each run eagerly before capture, so tuning never runs
+inside one.
 """
 
 from __future__ import annotations
@@ -28,37 +30,48 @@ GEMV_MIN_WEIGHT = 1 << 22  # elements (8 MB in bf16): smaller projections stay o
 # (rows, columns) of a program's tile: fewer rows give more programs, more columns more bytes in flight per load
 GEMV_TILES = ((4, 1024), (8, 256), (8, 512), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128))
 _NAMES = ("BLOCK_N", "BLOCK_K")
+_MAX_BLOCK_N = max(n for n, _ in GEMV_TILES)  # a group's rows are whole tiles
 
 
-@triton.autotune(configs=tile_configs(_NAMES, GEMV_TILES, (16, 256), warps=(4, 8)), key=["N", "K"])
+@triton.autotune(configs=tile_configs(_NAMES, GEMV_TILES, (16, 256), warps=(4, 8)), key=["N", "K", "GROUP_N"])
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, x_stride, y_stride, N: tl.constexpr, K: tl.constexpr,
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, x_stride, y_stride, N: tl.constexpr, K: tl.constexpr, GROUP_N: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, token = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_base = x_ptr + token * x_stride + (pid_n * BLOCK_N // GROUP_N) * K  # this block's group of rows reads its x
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + token * x_stride + cols, mask=cols < K, other=0.0).to(tl.float32)
+        x = tl.load(x_base + cols, mask=cols < K, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
                     mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(y_ptr + token * y_stride + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = None, groups: int = 1) -> torch.Tensor:
     """x [T, K], weight [N, K] (contiguous, x's dtype) -> x @ weight^T [T, N] in x's dtype, summed in float32.
     x's rows may be strided (a split's view); its columns must be contiguous. tile: (BLOCK_N, BLOCK_K) instead of
-    the autotuned choice (tests check every candidate's values; benchmarks time them)."""
-    T, K = x.shape
-    N = weight.shape[0]
-    assert weight.shape[1] == K and weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1
+    the autotuned choice (tests check every candidate's values; benchmarks time them).
+    groups: several projections of their own inputs in one launch: x [T, groups * K] and weight's rows in groups of
+    N / groups, group g's output columns computed from x[:, g*K:(g+1)*K] (KDA's two gate up-projections)."""
+    T, N = x.shape[0], weight.shape[0]
+    K = weight.shape[1]
+    group_n = N // groups
+    assert x.shape[1] == groups * K and N % groups == 0 and (groups == 1 or groups_fit(group_n))
+    assert weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T:
         kernel, chosen = with_tile(_gemv_kernel, _NAMES, tile)
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), T)](x, weight, y, x.stride(0), y.stride(0), N=N, K=K,
-                                                                  **chosen)
+                                                                  GROUP_N=group_n, **chosen)
     return y
+
+
+def groups_fit(rows_per_group: int) -> bool:
+    """Whether gemv(groups=...) takes groups of this many rows: whole tiles of every candidate tile shape."""
+    return rows_per_group % _MAX_BLOCK_N == 0
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:

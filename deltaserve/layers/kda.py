@@ -60,12 +60,18 @@ class KimiDeltaAttention(nn.Module):
 
     def _gate_up_projections(self, fg_a: torch.Tensor, batched: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, 2K] (f_a, g_a) -> (f_b_proj(f_a), g_b_proj(g_a)), each [N, HK]. batched (GPU decode steps, bound by
-        launches): one batched matmul. Otherwise two products: on the CPU they give the reference's bits in float32;
-        steps with prefill keep them as measured (BENCHMARKS.md: an A/B on the H200 left prefill's slowdown with the
-        decode-step changes unexplained, so prefill runs the code it ran before)."""
+        launches): one launch, our GEMV with two groups for one half-precision token (cuBLAS's batched matmul took
+        3.4 us for these 2 MB on an H200), else one batched matmul. Otherwise two products: on the CPU they give the
+        reference's bits in float32; steps with prefill keep them as measured (BENCHMARKS.md: an A/B on the H200
+        left prefill's slowdown with the decode-step changes unexplained, so prefill runs the code it ran before)."""
         N, K = fg_a.shape[0], self.head_dim
         w = self.fg_b_proj.weight.view(2, -1, K)
         if batched:
+            from deltaserve.kernels.gemv import GEMV_MAX_TOKENS, gemv, groups_fit  # batched: on a GPU (Triton)
+
+            if N <= GEMV_MAX_TOKENS and fg_a.dtype in (torch.bfloat16, torch.float16) and groups_fit(w.shape[1]):
+                out = gemv(fg_a, self.fg_b_proj.weight, groups=2)  # [N, 2HK]
+                return out[:, : w.shape[1]], out[:, w.shape[1]:]
             out = torch.bmm(fg_a.view(N, 2, K).transpose(0, 1), w.transpose(1, 2))  # [2, N, HK]
             return out[0], out[1]
         return F.linear(fg_a[:, :K], w[0]), F.linear(fg_a[:, K:], w[1])

@@ -213,3 +213,16 @@ def test_linear_takes_the_gemv_for_a_few_tokens_only(monkeypatch):
     layer.gemv = False
     layer(torch.randn(1, 2304, device=DEV).bfloat16())
     assert calls == [1]
+
+
+def test_grouped_gemv_matches_kdas_two_up_projections():
+    """KDA's f_b and g_b up-projections of one token (the 48B shape) in one launch, against the two products."""
+    from deltaserve.kernels.gemv import gemv
+
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    x = torch.randn(1, 256, generator=gen, device=DEV).bfloat16()
+    weight = (torch.randn(8192, 128, generator=gen, device=DEV) * 0.05).bfloat16()
+    y = gemv(x, weight, groups=2)
+    F = torch.nn.functional
+    assert rel_err(y[:, :4096], F.linear(x[:, :128].float(), weight[:4096].float())) < 5e-3
+    assert rel_err(y[:, 4096:], F.linear(x[:, 128:].float(), weight[4096:].float())) < 5e-3

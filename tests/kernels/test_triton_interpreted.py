@@ -148,3 +148,16 @@ def test_gemv_kernel_matches_linear(T, N, K, tile):
     y = gemv(x, weight, tile)
     assert y.dtype == torch.bfloat16 and y.shape == (T, N)
     assert rel_err(y, torch.nn.functional.linear(x.float(), weight.float())) < 5e-3
+
+
+@pytest.mark.parametrize("tile", [None, *GEMV_TILES])
+def test_grouped_gemv_gives_each_group_its_own_input(tile):
+    """KDA's two gate up-projections in one launch: rows [0, N/2) from x[:, :K], rows [N/2, N) from x[:, K:]."""
+    gen = torch.Generator().manual_seed(5)
+    K, half = 48, 128
+    x = torch.randn(1, 3 * 2 * K, generator=gen).bfloat16()[:, : 2 * K]
+    weight = (torch.randn(2 * half, K, generator=gen) * 0.1).bfloat16()
+    y = gemv(x, weight, tile, groups=2)
+    F = torch.nn.functional
+    assert rel_err(y[:, :half], F.linear(x[:, :K].float(), weight[:half].float())) < 5e-3
+    assert rel_err(y[:, half:], F.linear(x[:, K:].float(), weight[half:].float())) < 5e-3
