@@ -30,15 +30,17 @@ def main() -> None:
     parser.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--json-out", default=None)
+    parser.add_argument("--host-top", type=int, default=0,
+                        help="also print the host's top functions (cProfile, by own time) over --steps engine steps")
     args = parser.parse_args()
     # one decode step per engine step (no bursts): the kernels and the host time of one token's step
     config = EngineConfig(dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=max(args.batch, 1),
-                          max_model_len=args.prompt_len + 2 * args.steps + 32, max_num_batched_tokens=8192,
+                          max_model_len=args.prompt_len + 3 * args.steps + 32, max_num_batched_tokens=8192,
                           quantization=args.quantization, num_decode_steps=1)
     engine, workers = start_engine(args.config, config)
     try:
         run_batch(engine, args.batch, args.prompt_len, 4, seed=1)  # warm-up: compiles, autotunes
-        params = SamplingParams(max_tokens=2 * args.steps + 16, temperature=0, ignore_eos=True)
+        params = SamplingParams(max_tokens=3 * args.steps + 16, temperature=0, ignore_eos=True)
         gen = torch.Generator().manual_seed(0)
         for _ in range(args.batch):
             engine.add_request(torch.randint(0, engine.model_config.vocab_size, (args.prompt_len,),
@@ -60,6 +62,7 @@ def main() -> None:
         torch.cuda.synchronize()
         step = (time.perf_counter() - start) / args.steps
         replay = graph_replay_seconds(engine, args.batch, args.steps)
+        host = host_profile(engine, args.steps, args.host_top) if args.host_top else None
         while engine.has_unfinished_requests():
             engine.step()
     finally:
@@ -82,11 +85,30 @@ def main() -> None:
         per_step, calls = sum(times) / args.steps, len(times) / args.steps
         rows.append({"kernel": name, "us_per_step": per_step, "calls_per_step": calls})
         print(f"{per_step:9.1f} {calls:6.1f} {per_step / calls:8.2f}  {name[:110]}")
+    if host:
+        print(host)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"batch": args.batch, "wall_ms": 1000 * wall, "kernel_ms": total / 1000, "step_ms": 1000 * step,
                        "replay_ms": None if replay is None else 1000 * replay,
                        "kernels_per_step": count, "top": rows}, f, indent=1)
+
+
+def host_profile(engine, steps: int, top: int) -> str:
+    """The host's own time per function over `steps` engine steps (cProfile), the top ones as text."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def graph_replay_seconds(engine, batch: int, steps: int) -> float | None:
