@@ -40,8 +40,8 @@ class SchedulerOutput:
     snapshot_saves: list[tuple[int, int]] = field(default_factory=list)
     # in a decode burst, per save: the burst step after which the runner copies (else after the step)
     snapshot_save_steps: list[int] = field(default_factory=list)
-    # > 1: a decode burst: every scheduled request decodes this many tokens, each step's greedy token the next one's
-    # input, with one sync at the end; the runner returns that many sampled tokens per request
+    # > 1: a decode burst: every scheduled request decodes this many tokens, each step's sampled token the next
+    # one's input, with one sync at the end; the runner returns that many sampled tokens per request
     num_decode_steps: int = 1
 
     @property

@@ -82,7 +82,7 @@ class DecodeGraphs:
     def run(self, host: HostBatch, input_ids: torch.Tensor | None = None, stage: int = 0) -> torch.Tensor:
         """Replay for a decode-only batch; returns logits [B, V] float32 (a view of a static buffer).
 
-        input_ids: [B] on the device, instead of host.input_ids (a decode burst's previous greedy tokens).
+        input_ids: [B] on the device, instead of host.input_ids (the tokens of a decode burst's previous step).
         stage: which staging block to fill; a burst's step number, whose block tables are step 0's (not copied
         again). A staging block is rewritten only by the next call with its stage, after the caller has read that
         call's logits (a sync), so its asynchronous copy has completed."""

@@ -129,7 +129,7 @@ class ModelRunner:
                                      sched.snapshot_save_steps)
         elif self.graphs is not None and self.graphs.can_run(host):
             logits = self.graphs.run(host)
-            out = self._sample(order, host.query_lens, lambda rows: logits[rows])
+            out = self._sample(order, host.query_lens, lambda rows: _rows(logits, rows))
         else:
             input_ids, batch = host.to_device(self.device)
             hidden = self.model(input_ids, batch, self.caches)
@@ -203,9 +203,8 @@ class ModelRunner:
                       save_steps: list[int]) -> RunnerOutput:
         """num_steps decode steps of every request in `order` (all decodes, greedy or sampling without penalties or
         logprobs; the scheduler allocated their pages): each step's tokens are the next one's input, kept on the
-        device, so the host waits once, at the end.
-        Each step runs exactly what a step of its own would (its CUDA graph, or the eager model). saves: KDA states
-        copied to snapshot slots after the burst step given in save_steps."""
+        device, so the host waits once, at the end. Each step runs exactly what a step of its own would (its CUDA
+        graph, or the eager model). saves: KDA states copied to snapshot slots after the burst step in save_steps."""
         from deltaserve.core.outputs import RunnerOutput
 
         states = [self.requests[req_id] for req_id in order]
