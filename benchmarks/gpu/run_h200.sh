@@ -12,9 +12,10 @@
 #   profile   kernel time of a batch-1 decode step, bf16 (and fp8)
 #   prefill   one 8k-token prompt, bf16, alone
 #   baseline  4 layers (3 KDA + 1 MLA) of the 48B shape: deltaserve and transformers + fla-core, same call
-# Time limits: T_TESTS, T_KERNELS, T_BENCH, T_FP8 (whole stage) and T_PARITY (each parity command). Do not wrap this script in
-# `timeout`: that kills bash and leaves its python child holding the GPU (a lease's later tests then ran out of
-# memory); the limits here kill the python processes themselves.
+# Time limits: T_TESTS, T_KERNELS, T_BENCH, T_FP8 (whole stage) and T_PARITY (each parity command); a fresh
+# machine's first chunked prefill compiles fla-core's kernels for over 100 s, so a bench stage needs ~200 s. Do not
+# wrap this script in `timeout`: that kills bash and leaves its python child holding the GPU (a lease's later tests
+# then ran out of memory); the limits here kill the python processes themselves.
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGES=${STAGES:-tests kernels parity bench fp8 profile prefill baseline}
@@ -24,7 +25,8 @@ python3 -m pip install --no-deps --no-index --target "$PWD/.gpu/site" wheels/fla
 python3 -c "import torch, triton, fla, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
 CFG=benchmarks/configs/kimi-linear-48b-a3b.json
 DS="python3 -m deltaserve.entrypoints.cli"
-B="$DS bench --load-format dummy --device cuda --max-num-batched-tokens 8192"
+# NDS: --num-decode-steps for the bench stages (default: the engine's, 8)
+B="$DS bench --load-format dummy --device cuda --max-num-batched-tokens 8192 ${NDS:+--num-decode-steps $NDS}"
 # the kernel tests first: fla-core's first chunked prefill compiles and autotunes for over 100 s (measured on the
 # H200), so the whole list needs ~10 minutes, a call of its own
 GPU_TESTS="tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_fp8.py tests/gpu/test_gpu_fp8_grouped.py
