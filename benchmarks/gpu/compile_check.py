@@ -48,15 +48,15 @@ def main() -> int:
     ok = check("router", triton_routing._route_kernel, dict(
         logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64", E=256, K=8, RENORMALIZE=True,
         SCALE=2.446, BLOCK_E=256, BLOCK_K=8), num_warps=1)
-    for block_e, block_d in triton_routing._ROUTER_TILES:
+    for block_e, block_d in triton_routing._ROUTER_TILES:  # the router's logits: the GEMV kernel, float32 weights
         ok &= check(f"router logits {block_e}x{block_d}", jit_of(triton_routing._router_logits_kernel), dict(
-            x_ptr="*bf16", w_ptr="*fp32", out_ptr="*fp32", x_stride="i32", T_BUCKET="i32", D=2304, E=256,
-            BLOCK_E=block_e, BLOCK_D=block_d))
+            x_ptr="*bf16", w_ptr="*fp32", y_ptr="*fp32", x_stride="i32", y_stride="i32", T_BUCKET="i32", N=256,
+            K=2304, GROUP_N=256, BLOCK_N=block_e, BLOCK_K=block_d))
     for block_n, block_k in gemv.GEMV_TILES:
         for N, K, group_n in ((2304, 4096, 2304), (6720, 2304, 6720), (8192, 128, 4096)):  # o_proj, MLA in, KDA fg
             ok &= check(f"gemv {block_n}x{block_k}, {N}x{K} in groups of {group_n}", jit_of(gemv._gemv_kernel), dict(
-                x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", x_stride="i32", y_stride="i32", N=N, K=K,
-                GROUP_N=group_n, BLOCK_N=block_n, BLOCK_K=block_k))
+                x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", x_stride="i32", y_stride="i32", T_BUCKET="i32", N=N,
+                K=K, GROUP_N=group_n, BLOCK_N=block_n, BLOCK_K=block_k))
     for K in (128, 48):  # the 48B model's head width; the demo model's (not a power of two)
         ok &= check(f"KDA decode, K {K}", kda_triton_decode._kda_decode_kernel, dict(
             q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", graw_ptr="*bf16", braw_ptr="*bf16", dt_bias_ptr="*fp32",

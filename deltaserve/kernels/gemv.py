@@ -29,14 +29,16 @@ GEMV_MAX_TOKENS = 1
 GEMV_MIN_WEIGHT = 1 << 22  # elements (8 MB in bf16): smaller projections stay on cuBLAS (launch-bound either way)
 # (rows, columns) of a program's tile: fewer rows give more programs, more columns more bytes in flight per load
 GEMV_TILES = ((4, 1024), (8, 256), (8, 512), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128))
-_NAMES = ("BLOCK_N", "BLOCK_K")
+GEMV_NAMES = ("BLOCK_N", "BLOCK_K")  # a tile: (rows, columns)
 _MAX_BLOCK_N = max(n for n, _ in GEMV_TILES)  # a group's rows are whole tiles
 
 
-@triton.autotune(configs=tile_configs(_NAMES, GEMV_TILES, (16, 256), warps=(4, 8)), key=["N", "K", "GROUP_N"])
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, x_stride, y_stride, N: tl.constexpr, K: tl.constexpr, GROUP_N: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def gemv_jit(x_ptr, w_ptr, y_ptr, x_stride, y_stride, T_BUCKET, N: tl.constexpr, K: tl.constexpr,
+             GROUP_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[t, rows] = x[t] . w[rows] in float32, stored in y's dtype; x and w read in their own dtypes. T_BUCKET (the
+    token count rounded up to a power of two) is for an autotuner's key only. The router's logits
+    (kernels.moe.triton_routing) run this same kernel under tiles of their own."""
     pid_n, token = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     x_base = x_ptr + token * x_stride + (pid_n * BLOCK_N // GROUP_N) * K  # this block's group of rows reads its x
@@ -48,6 +50,10 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, x_stride, y_stride, N: tl.constexpr, K: tl
                     mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(y_ptr + token * y_stride + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+_gemv_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, GEMV_TILES, (16, 256), warps=(4, 8)),
+                               key=["N", "K", "GROUP_N"])(gemv_jit)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = None, groups: int = 1) -> torch.Tensor:
@@ -63,9 +69,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = N
     assert weight.dtype == x.dtype and weight.is_contiguous() and x.stride(1) == 1
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T:
-        kernel, chosen = with_tile(_gemv_kernel, _NAMES, tile)
-        kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), T)](x, weight, y, x.stride(0), y.stride(0), N=N, K=K,
-                                                                  GROUP_N=group_n, **chosen)
+        kernel, chosen = with_tile(_gemv_kernel, GEMV_NAMES, tile)
+        kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), T)](x, weight, y, x.stride(0), y.stride(0),
+                                                                  triton.next_power_of_2(T), N=N, K=K, GROUP_N=group_n,
+                                                                  **chosen)
     return y
 
 

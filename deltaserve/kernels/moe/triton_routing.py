@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels.autotune import tile_configs, with_tile
+from deltaserve.kernels.gemv import GEMV_NAMES, gemv_jit
 
 
 @triton.jit
@@ -59,38 +60,25 @@ def triton_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_
 ROUTER_GEMV_MAX_TOKENS = 16  # beyond this many tokens cuBLAS's matmul (after a float32 copy of x) is the better fit
 # (experts, columns) of a program's tile, autotuned per shape: at 4 x 256 (64 programs for 256 experts) the kernel
 # took 11.2 us a call on an H200, slower than the float32 copy and cuBLAS GEMV it replaced (2.4 + 4.2 us). A program
-# reads a row of 2304 float32 in D / BLOCK_D loop steps; the wide tiles (one step) are candidates too
+# reads a row of 2304 float32 in K / BLOCK_K loop steps; the wide tiles (one step) are candidates too
 _ROUTER_TILES = ((1, 1024), (1, 2048), (1, 4096), (2, 512), (2, 1024), (2, 4096), (4, 512), (8, 256))
-_ROUTER_NAMES = ("BLOCK_E", "BLOCK_D")
-
-
-@triton.autotune(configs=tile_configs(_ROUTER_NAMES, _ROUTER_TILES, (2, 512), warps=(2, 4)),
-                 key=["D", "E", "T_BUCKET"])
-@triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, x_stride, T_BUCKET, D: tl.constexpr, E: tl.constexpr,
-                          BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_e, token = tl.program_id(0), tl.program_id(1).to(tl.int64)
-    experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        cols = d0 + tl.arange(0, BLOCK_D)
-        x = tl.load(x_ptr + token * x_stride + cols, mask=cols < D, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + experts[:, None] * D + cols[None, :], mask=(experts[:, None] < E) & (cols[None, :] < D),
-                    other=0.0)
-        acc += tl.sum(w * x[None, :], axis=1)
-    tl.store(out_ptr + token * E + experts, acc, mask=experts < E)
+# the shared GEMV kernel (kernels.gemv.gemv_jit) under these tiles, keyed on the token count too
+_router_logits_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, _ROUTER_TILES, (2, 512), warps=(2, 4)),
+                                        key=["K", "N", "T_BUCKET"])(gemv_jit)
 
 
 def router_logits(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = None) -> torch.Tensor:
     """x [T, D] (any float dtype), weight [E, D] float32 -> x @ weight^T [T, E] float32, x read in its own dtype
     and widened in registers: a decode step's router in one launch (it was a float32 copy of x, then cuBLAS's
-    GEMV). Twin: F.linear(x.float(), weight). tile: (BLOCK_E, BLOCK_D) instead of the autotuned choice."""
+    GEMV). Twin: F.linear(x.float(), weight). tile: (experts, columns) of a program instead of the autotuned
+    choice."""
     T, D = x.shape
     E = weight.shape[0]
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T:
         x = x if x.stride(1) == 1 else x.contiguous()
-        kernel, chosen = with_tile(_router_logits_kernel, _ROUTER_NAMES, tile)
-        kernel[lambda meta: (triton.cdiv(E, meta["BLOCK_E"]), T)](
-            x, weight.float().contiguous(), out, x.stride(0), triton.next_power_of_2(T), D=D, E=E, **chosen)
+        kernel, chosen = with_tile(_router_logits_kernel, GEMV_NAMES, tile)
+        kernel[lambda meta: (triton.cdiv(E, meta["BLOCK_N"]), T)](
+            x, weight.float().contiguous(), out, x.stride(0), out.stride(0), triton.next_power_of_2(T), N=E, K=D,
+            GROUP_N=E, **chosen)
     return out
