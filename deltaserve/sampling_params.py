@@ -73,3 +73,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on: the sampler then needs the prompt and output tokens so far."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0

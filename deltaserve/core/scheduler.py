@@ -199,9 +199,7 @@ class Scheduler:
         for req in self.running:
             params = req.sampling_params
             if (out.num_scheduled_tokens.get(req.req_id) != 1 or req.num_computed_tokens + 1 != req.num_tokens
-                    or params.logprobs is not None or params.stop
-                    or params.repetition_penalty != 1 or params.presence_penalty != 0
-                    or params.frequency_penalty != 0):
+                    or params.logprobs is not None or params.stop or params.penalized):
                 return 1
             steps = min(steps, params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
         if steps <= 1:

@@ -79,8 +79,7 @@ def row_seed(seed: int, num_output_tokens: int) -> int:
 
 def plain_greedy(params: list[SamplingParams]) -> bool:
     """Whether every row is greedy with no penalties and no logprobs: then sample() is logits.argmax(-1)."""
-    return all(p.greedy and p.logprobs is None and p.repetition_penalty == 1 and p.presence_penalty == 0
-               and p.frequency_penalty == 0 for p in params)
+    return all(p.greedy and p.logprobs is None and not p.penalized for p in params)
 
 
 def build_sampling_metadata(
