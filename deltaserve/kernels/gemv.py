@@ -81,9 +81,9 @@ def groups_fit(rows_per_group: int) -> bool:
     return rows_per_group % _MAX_BLOCK_N == 0
 
 
-def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether gemv() serves y = x W^T here: a GPU, half-precision weights of x's dtype and at least
-    GEMV_MIN_WEIGHT elements, at most GEMV_MAX_TOKENS tokens, contiguous columns."""
+def use_gemv(x: torch.Tensor, weight: torch.Tensor, min_weight: int = GEMV_MIN_WEIGHT) -> bool:
+    """Whether gemv() serves y = x W^T here: a GPU, half-precision weights of x's dtype and at least min_weight
+    elements, at most GEMV_MAX_TOKENS tokens, contiguous columns."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and weight.numel() >= GEMV_MIN_WEIGHT and x.numel() <= GEMV_MAX_TOKENS * x.shape[-1]
+            and weight.numel() >= min_weight and x.numel() <= GEMV_MAX_TOKENS * x.shape[-1]
             and x.stride(-1) == 1 and weight.is_contiguous())

@@ -67,9 +67,9 @@ class KimiDeltaAttention(nn.Module):
         N, K = fg_a.shape[0], self.head_dim
         w = self.fg_b_proj.weight.view(2, -1, K)
         if batched:
-            from deltaserve.kernels.gemv import GEMV_MAX_TOKENS, gemv, groups_fit  # batched: on a GPU (Triton)
+            from deltaserve.kernels.gemv import gemv, groups_fit, use_gemv  # batched: on a GPU (Triton)
 
-            if N <= GEMV_MAX_TOKENS and fg_a.dtype in (torch.bfloat16, torch.float16) and groups_fit(w.shape[1]):
+            if use_gemv(fg_a, self.fg_b_proj.weight, min_weight=0) and groups_fit(w.shape[1]):
                 out = gemv(fg_a, self.fg_b_proj.weight, groups=2)  # [N, 2HK]
                 return out[:, : w.shape[1]], out[:, w.shape[1]:]
             out = torch.bmm(fg_a.view(N, 2, K).transpose(0, 1), w.transpose(1, 2))  # [2, N, HK]
