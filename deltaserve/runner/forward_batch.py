@@ -37,6 +37,11 @@ class ForwardBatch:
         return cu
 
 
+def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:
+    """Where a sequence's token at `position` lies in the MLA cache: its page's first slot plus the offset."""
+    return block_ids[position // block_size] * block_size + position % block_size
+
+
 @dataclass
 class HostBatch:
     """A step's inputs as host lists, before they go to the device: the eager path turns them into a ForwardBatch
@@ -74,7 +79,7 @@ class HostBatch:
         positions = [p + steps for p in self.positions]
         return HostBatch(
             [0] * len(positions), positions,
-            [table[p // block_size] * block_size + p % block_size for table, p in zip(self.block_tables, positions)],
+            [cache_slot(table, p, block_size) for table, p in zip(self.block_tables, positions)],
             self.query_lens, [s + steps for s in self.start_positions], self.state_slots, self.block_tables)
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, ForwardBatch]:

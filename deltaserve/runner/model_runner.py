@@ -21,7 +21,7 @@ from deltaserve.distributed import SINGLE, ParallelConfig, check_divisible
 from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, row_generators, sample
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
 from deltaserve.runner.cuda_graph import DecodeGraphs, graph_width
-from deltaserve.runner.forward_batch import HostBatch
+from deltaserve.runner.forward_batch import HostBatch, cache_slot
 from deltaserve.runner.logprobs import prompt_logprobs, sampled_logprobs
 from deltaserve.sampling_params import SamplingParams
 
@@ -192,7 +192,7 @@ class ModelRunner:
             start = state.num_computed_tokens
             ids.extend(state.token_ids[start: start + n])
             positions.extend(range(start, start + n))
-            slots.extend(state.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
+            slots.extend(cache_slot(state.block_ids, p, bs) for p in range(start, start + n))
             query_lens.append(n)
             starts.append(start)
         states = [self.requests[r] for r in order]
