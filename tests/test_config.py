@@ -245,9 +245,15 @@ def test_engine_config_defaults_are_valid():
     ("max_num_seqs", 0), ("max_num_seqs", 2.5), ("max_num_batched_tokens", -1), ("block_size", 0),
     ("block_size", 2048), ("max_model_len", 0), ("max_model_len", "4k"), ("dtype", "float64"), ("device", "tpu"),
     ("gpu_memory_utilization", 0.0), ("gpu_memory_utilization", 1.5), ("load_format", "pt"), ("threads", 0),
-    ("num_cache_blocks", 0),
+    ("num_cache_blocks", 0), ("num_decode_steps", 0), ("num_decode_steps", 65), ("num_decode_steps", 2.0),
 ])
 def test_engine_config_rejections_name_the_option(option, value):
     with pytest.raises(ConfigError) as info:
         EngineConfig(**{option: value})
     assert f"engine option {option} = {value!r}" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [0, 65])
+def test_num_decode_steps_error_says_the_range(value):
+    with pytest.raises(ConfigError, match=r"num_decode_steps = .*: must be an integer in \[1, 64\]"):
+        EngineConfig(num_decode_steps=value)

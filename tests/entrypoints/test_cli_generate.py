@@ -189,3 +189,11 @@ def test_module_entry_point_in_a_subprocess(tiny):
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
     assert list(record) == JSON_KEYS and len(record["output_token_ids"]) == 4
+
+
+def test_out_of_range_num_decode_steps_is_one_clear_error(capsys, tiny):
+    code, out, err = run(capsys, "generate", "--model", tiny["moonshot"], "--prompt-token-ids", "1",
+                         "--num-decode-steps", 0, *FAST)
+    assert code == 2 and out == ""
+    [line] = error_lines(err)
+    assert "num_decode_steps = 0" in line and "[1, 64]" in line
