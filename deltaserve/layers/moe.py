@@ -47,8 +47,10 @@ class MoE(nn.Module):
         self.shared_experts = (SwiGLU(D, cfg.moe_intermediate_size * cfg.num_shared_experts, parallel, reduce=False)
                                if cfg.num_shared_experts else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, D] -> routed experts (scaled) + shared expert (unscaled), [N, D]."""
+    def forward(self, x: torch.Tensor, keep_slots: bool = False) -> torch.Tensor:
+        """x [N, D] -> routed experts (scaled) + shared expert (unscaled), [N, D]. keep_slots: the caller sums
+        [N, S, D] float32 slots itself (kernels.norm.add_rms_norm does, in its kernel); given where the few-token
+        kernels run, on one process, else [N, D] as always."""
         cfg = self.cfg
         logits = self._router_logits(x)  # [N, E] float32
         weights, ids = select_experts(logits, self.e_score_correction_bias.float(), cfg.num_experts_per_token,
@@ -59,8 +61,9 @@ class MoE(nn.Module):
             from deltaserve.kernels.moe.triton_decode import decode_experts
 
             scales = (self.w13_scale_inv, self.w2_scale_inv, self.block) if self.w13.dtype == FP8 else ()
-            return all_reduce(decode_experts(x, self.w13, self.w2, weights, ids, *scales, shared=shared),
-                              self.parallel)
+            keep_slots = keep_slots and self.parallel.world_size == 1  # an all-reduce sums [N, D]
+            return all_reduce(decode_experts(x, self.w13, self.w2, weights, ids, *scales, shared=shared,
+                                             sum_slots=not keep_slots), self.parallel)
         out = self._local_experts(x, weights, ids) if self.parallel.expert_parallel else self._experts(
             x, weights, ids)
         if self.shared_experts is not None:

@@ -53,7 +53,7 @@ def test_cuda_graphs_cover_contexts_up_to_the_model_length(tmp_path):
     assert graphs.max_blocks * graphs.block_size >= 12000
     replays = []
     run = graphs.run
-    graphs.run = lambda *args: replays.append(1) or run(*args)
+    graphs.run = lambda *args, **kwargs: replays.append(1) or run(*args, **kwargs)
     vocab = llm.engine.model_config.vocab_size
     assert_graphs_match_eager(llm, [[(i * 7919) % vocab for i in range(5000)], [3, 4]], max_tokens=8)
     assert len(replays) >= 6
