@@ -166,6 +166,23 @@ def test_router_logits_kernel_matches_float32_linear(T):
     assert rel_err(router_logits(x, weight), torch.nn.functional.linear(x.float(), weight)) < 1e-5
 
 
+@pytest.mark.parametrize("T", [1, 5, 16])
+def test_route_kernel_is_router_logits_then_topk(T):
+    """Logits and choice in one launch at the 48B shape (tiles autotuned) against the two kernels it fuses, 20 times
+    in a row: the last program of a token routes it, so this checks the arrival counts and the logits' visibility
+    across the launch's programs."""
+    from deltaserve.kernels.moe.triton_routing import _arrivals, route
+
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    x = torch.randn(T, 2 * 2304, generator=gen, device=DEV).bfloat16()[:, :2304]
+    weight, bias = torch.randn(256, 2304, generator=gen, device=DEV) * 0.05, torch.randn(256, device=DEV) * 0.1
+    expected = triton_topk(router_logits(x, weight), bias, 8, True, 2.446)
+    for _ in range(20):  # the two may autotune to different tiles: summation orders, so weights to within 1e-5
+        weights, ids = route(x, weight, bias, 8, True, 2.446)
+        assert torch.equal(ids, expected[1]) and rel_err(weights, expected[0]) < 1e-5
+    assert not _arrivals[x.device].any()
+
+
 @pytest.mark.parametrize("T", [1, 2, 4])
 @pytest.mark.parametrize("N,K", [(2304, 4096), (6720, 2304), (12576, 2304), (1000, 4200)])  # the 48B's, a ragged
 def test_gemv_kernel_matches_linear(T, N, K):

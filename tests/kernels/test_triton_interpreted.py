@@ -14,7 +14,7 @@ from deltaserve.kernels.mla.attention import torch_mla_decode  # noqa: E402
 from deltaserve.kernels.mla.triton_decode import triton_mla_decode  # noqa: E402
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import decode_experts  # noqa: E402
-from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, router_logits, triton_topk  # noqa: E402
+from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, _arrivals, route, router_logits, triton_topk  # noqa: E402
 
 
 @pytest.mark.parametrize("B,H,K,W", [(1, 2, 16, 4), (3, 4, 32, 4), (5, 1, 64, 2), (2, 4, 48, 4)])  # 48: the demo's
@@ -114,6 +114,21 @@ def test_router_logits_kernel_matches_float32_linear(T, E, D, tile):
     x = torch.randn(T, 2 * D, generator=gen).bfloat16()[:, :D]
     weight = torch.randn(E, D, generator=gen) * 0.05
     assert rel_err(router_logits(x, weight, tile), torch.nn.functional.linear(x.float(), weight)) < 1e-6
+
+
+@pytest.mark.parametrize("tile", [None, (1, 1024), (8, 256)])  # None: the (interpreter's one) autotuned config
+@pytest.mark.parametrize("T,E,D,k", [(1, 256, 2304, 8), (3, 10, 100, 3), (16, 40, 64, 8)])
+def test_route_kernel_is_router_logits_then_topk(T, E, D, k, tile):
+    """Logits and choice in one launch (the last program of a token routes it) against the two kernels it fuses;
+    twice in a row, as a graph replays it, since the arrival counts must be back at zero after each launch."""
+    gen = torch.Generator().manual_seed(T * E + k)
+    x = torch.randn(T, 2 * D, generator=gen).bfloat16()[:, :D]
+    weight, bias = torch.randn(E, D, generator=gen) * 0.05, torch.randn(E, generator=gen) * 0.1
+    expected = triton_topk(router_logits(x, weight, tile), bias, k, True, 2.446)
+    for _ in range(2):
+        weights, ids = route(x, weight, bias, k, True, 2.446, tile)
+        assert torch.equal(ids, expected[1]) and rel_err(weights, expected[0]) < 1e-6
+        assert not _arrivals[x.device].any()
 
 
 @pytest.mark.parametrize("tile", [None, *GEMV_TILES])  # None: the (interpreter's one) autotuned config
