@@ -8,8 +8,12 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     """One new token per sequence.
 
     x: [B, D]; weight: [D, W]; conv_state: [S, D, W-1] (the last W-1 inputs), updated in place at state_slots [B].
-    Returns silu(conv) [B, D]. On a GPU a decode step runs it inside kernels.kda.kda_decode_step's kernel.
+    Returns silu(conv) [B, D].
     """
+    if x.is_cuda:
+        from deltaserve.kernels.conv1d_triton import conv1d_update
+
+        return conv1d_update(x, weight, conv_state, state_slots)
     if x.shape[0] == 1:  # batch 1 on the CPU: the state row as a view, no gather and scatter (same sums)
         state = conv_state[int(state_slots)]  # [D, W-1]
         window = torch.cat([state, x.t()], dim=-1)  # [D, W]

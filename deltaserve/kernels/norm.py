@@ -22,11 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @fused_on_gpu
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-    """(rms_norm(x + residual), x + residual): the residual add in residual's dtype, as the reference does it.
-    x [N, D], or [N, S, D] float32: a MoE's unsummed slots (decode_experts' sum_slots False), summed here in float32
-    and rounded to residual's dtype first, as decode_experts would have, in the same kernel."""
-    if x.dim() == 3:
-        x = x.sum(1).to(residual.dtype)
+    """(rms_norm(x + residual), x + residual): the residual add in x's dtype, as the reference does it."""
     x = x + residual
     return rms_norm.eager(x, weight, eps), x
 

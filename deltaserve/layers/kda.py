@@ -10,8 +10,8 @@ from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
-from deltaserve.kernels.conv1d import causal_conv1d_varlen
-from deltaserve.kernels.kda import kda_decode_step, kda_prefill
+from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from deltaserve.kernels.kda import kda_decode, kda_prefill
 from deltaserve.kernels.norm import gated_rms_norm
 from deltaserve.layers.linear import Linear
 
@@ -42,29 +42,21 @@ class KimiDeltaAttention(nn.Module):
         return {"conv": ((3 * H * K, cfg.conv_kernel_size - 1), "model"), "recurrent": ((H, K, K), "float32")}
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
-        """x [N, D] -> [N, D]; reads and updates the conv and recurrent states of batch.state_slots. The decodes
-        come first in the batch: one fused op for them (one kernel on a GPU), the chunked path for the prefills."""
-        N, nd = x.shape[0], batch.num_decodes
+        """x [N, D] -> [N, D]; reads and updates the conv and recurrent states of batch.state_slots."""
+        N, nd, H, K = x.shape[0], batch.num_decodes, self.num_heads, self.head_dim
         qkv, fg_a, b = self.in_proj(x).split(self.split, dim=-1)  # [N, 3HK], [N, 2K], [N, H]
-        g_raw, gate = self._gate_up_projections(fg_a, batched=x.is_cuda and nd == N)  # [N, HK] each
-        parts = []
+        conv_parts = []
         if nd:
-            parts.append(kda_decode_step(
-                qkv[:nd], self.conv_weight, cache["conv"], g_raw[:nd], b[:nd], gate[:nd], self.dt_bias, self.A_log,
-                self.o_norm_weight, self.eps, cache["recurrent"], batch.state_slots[:nd], self.head_dim ** -0.5))
+            conv_parts.append(causal_conv1d_update(qkv[:nd], self.conv_weight, cache["conv"], batch.state_slots[:nd]))
         if N > nd:
-            parts.append(self._prefill(qkv[nd:], g_raw[nd:], b[nd:], gate[nd:], batch, cache))
-        o = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, HK], gated and normalised
-        return all_reduce(self.o_proj(o), self.parallel)
-
-    def _prefill(self, qkv, g_raw, b_raw, gate, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The prefill chunks of the step (packed after the decodes) -> gated_rms_norm(o) [n, HK]."""
-        n, nd, H, K = qkv.shape[0], batch.num_decodes, self.num_heads, self.head_dim
-        slots, cu_seqlens = batch.state_slot_list[nd:], batch.prefill_cu_seqlens()
-        qkv = causal_conv1d_varlen(qkv, self.conv_weight, cache["conv"], slots, cu_seqlens).view(n, 3, H, K)
-        o = kda_prefill(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b_raw, self.dt_bias, self.A_log, cache["recurrent"],
-                        slots, cu_seqlens, self.head_dim ** -0.5)
-        return gated_rms_norm(o.to(qkv.dtype), gate.view(n, H, K), self.o_norm_weight, self.eps).view(n, H * K)
+            conv_parts.append(causal_conv1d_varlen(
+                qkv[nd:], self.conv_weight, cache["conv"], batch.state_slot_list[nd:], batch.prefill_cu_seqlens()))
+        qkv = (conv_parts[0] if len(conv_parts) == 1 else torch.cat(conv_parts)).view(N, 3, H, K)
+        g_raw, gate = self._gate_up_projections(fg_a, batched=x.is_cuda and nd == N)
+        o = self._delta_rule(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b, batch, cache["recurrent"])
+        gate = gate.view(N, H, K)
+        return all_reduce(self.o_proj(gated_rms_norm(o, gate, self.o_norm_weight, self.eps).view(N, H * K)),
+                          self.parallel)
 
     def _gate_up_projections(self, fg_a: torch.Tensor, batched: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, 2K] (f_a, g_a) -> (f_b_proj(f_a), g_b_proj(g_a)), each [N, HK]. batched (GPU decode steps, bound by
@@ -83,3 +75,17 @@ class KimiDeltaAttention(nn.Module):
             out = torch.bmm(fg_a.view(N, 2, K).transpose(0, 1), w.transpose(1, 2))  # [2, N, HK]
             return out[0], out[1]
         return F.linear(fg_a[:, :K], w[0]), F.linear(fg_a[:, K:], w[1])
+
+    def _delta_rule(self, q, k, v, g_raw, b_raw, batch: ForwardBatch, state: torch.Tensor) -> torch.Tensor:
+        """q, k, v [N, H, K] raw; g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V] in the layer's dtype."""
+        nd, scale = batch.num_decodes, self.head_dim ** -0.5
+        params = (self.dt_bias, self.A_log)
+        if nd == q.shape[0]:
+            return kda_decode(q, k, v, g_raw, b_raw, *params, state, batch.state_slots, scale).to(v.dtype)
+        o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        if nd:
+            o[:nd] = kda_decode(q[:nd], k[:nd], v[:nd], g_raw[:nd], b_raw[:nd], *params, state,
+                                batch.state_slots[:nd], scale)
+        o[nd:] = kda_prefill(q[nd:], k[nd:], v[nd:], g_raw[nd:], b_raw[nd:], *params, state,
+                             batch.state_slot_list[nd:], batch.prefill_cu_seqlens(), scale)
+        return o.to(v.dtype)

@@ -47,46 +47,36 @@ class MoE(nn.Module):
         self.shared_experts = (SwiGLU(D, cfg.moe_intermediate_size * cfg.num_shared_experts, parallel, reduce=False)
                                if cfg.num_shared_experts else None)
 
-    def forward(self, x: torch.Tensor, keep_slots: bool = False) -> torch.Tensor:
-        """x [N, D] -> routed experts (scaled) + shared expert (unscaled), [N, D]. keep_slots: the caller sums
-        [N, S, D] float32 slots itself (kernels.norm.add_rms_norm does, in its kernel); given where the few-token
-        kernels run, on one process, else [N, D] as always."""
-        weights, ids = self._route(x)  # [N, k] each
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> routed experts (scaled) + shared expert (unscaled), [N, D]."""
+        cfg = self.cfg
+        logits = self._router_logits(x)  # [N, E] float32
+        weights, ids = select_experts(logits, self.e_score_correction_bias.float(), cfg.num_experts_per_token,
+                                      cfg.num_expert_group, cfg.topk_group, cfg.moe_renormalize,
+                                      cfg.routed_scaling_factor, exact=x.dtype == torch.float32)
         shared = self._shared_in_decode_kernels(x, ids)
         if shared is not None:  # the shared expert as one more slot of the routed experts' kernels
             from deltaserve.kernels.moe.triton_decode import decode_experts
 
             scales = (self.w13_scale_inv, self.w2_scale_inv, self.block) if self.w13.dtype == FP8 else ()
-            keep_slots = keep_slots and self.parallel.world_size == 1  # an all-reduce sums [N, D]
-            return all_reduce(decode_experts(x, self.w13, self.w2, weights, ids, *scales, shared=shared,
-                                             sum_slots=not keep_slots), self.parallel)
+            return all_reduce(decode_experts(x, self.w13, self.w2, weights, ids, *scales, shared=shared),
+                              self.parallel)
         out = self._local_experts(x, weights, ids) if self.parallel.expert_parallel else self._experts(
             x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return all_reduce(out, self.parallel)
 
-    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, D] -> the experts' (weights [N, k] float32, ids [N, k]): the reference's router, logits in float32
-        whatever x's dtype. For a few half-precision tokens on a GPU the logits come from our GEMV, and where the
-        choice has its one-kernel form (every group stays) logits and choice are one launch (route)."""
-        cfg, weight, bias = self.cfg, self.gate_weight, self.e_score_correction_bias.float()
-        k, scale = cfg.num_experts_per_token, cfg.routed_scaling_factor
+    def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, D] -> router logits [N, E], in float32 whatever x's dtype (the reference's router)."""
         # one process only: ranks autotune the kernel apart, and a different summation order could tip a near-tie
         # of the top-k one way on one rank and the other way on another
         if x.is_cuda and x.dtype != torch.float32 and self.parallel.world_size == 1:
-            from deltaserve.kernels.moe.triton_routing import ROUTER_GEMV_MAX_TOKENS, route, router_logits
+            from deltaserve.kernels.moe.triton_routing import ROUTER_GEMV_MAX_TOKENS, router_logits
 
             if x.shape[0] <= ROUTER_GEMV_MAX_TOKENS:
-                if cfg.topk_group >= cfg.num_expert_group:
-                    return route(x, weight, bias, k, cfg.moe_renormalize, scale)
-                logits = router_logits(x, weight)
-            else:
-                logits = F.linear(x.float(), weight.float())
-        else:
-            logits = F.linear(x.float(), weight.float())  # [N, E]
-        return select_experts(logits, bias, k, cfg.num_expert_group, cfg.topk_group, cfg.moe_renormalize, scale,
-                              exact=x.dtype == torch.float32)
+                return router_logits(x, self.gate_weight)
+        return F.linear(x.float(), self.gate_weight.float())
 
     def _shared_in_decode_kernels(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """The shared expert's weights (gate_up, down; with FP8, then their block scales) where the few-token GPU

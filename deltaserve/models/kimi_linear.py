@@ -30,19 +30,18 @@ class DecoderLayer(nn.Module):
         self.is_kda = cfg.layer_types[layer_id] == KDA
         attn = KimiDeltaAttention if self.is_kda else MultiheadLatentAttention
         self.self_attn = attn(cfg, parallel)
-        self.is_moe = cfg.mlp_types[layer_id] == MOE
-        self.mlp = MoE(cfg, parallel) if self.is_moe else SwiGLU(cfg.hidden_size, cfg.intermediate_size, parallel)
+        self.mlp = (MoE(cfg, parallel) if cfg.mlp_types[layer_id] == MOE
+                    else SwiGLU(cfg.hidden_size, cfg.intermediate_size, parallel))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embedding for layer 0, with residual None); residual: the stream
-        before it. Returns this layer's (MLP output, stream before it); adds are fused into the next norm, and so is
-        the sum of a MoE's slots where its kernels leave them unsummed ([N, S, D] float32, see MoE.forward)."""
+        before it. Returns this layer's (MLP output, stream before it); adds are fused into the next norm."""
         h, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         h, residual = self.post_attention_layernorm(self.self_attn(h, batch, cache), residual)
-        return (self.mlp(h, keep_slots=True) if self.is_moe else self.mlp(h)), residual
+        return self.mlp(h), residual
 
 
 class KimiLinearForCausalLM(nn.Module):

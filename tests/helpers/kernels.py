@@ -76,24 +76,3 @@ class PagedLatents:
         """[B, width] int64 (default: the longest table), padded with page 0."""
         width = width or max(len(t) for t in self.tables)
         return torch.tensor([t + [0] * (width - len(t)) for t in self.tables], device=self.cache.device)
-
-
-def kda_step_inputs(B: int, H: int, K: int, W: int, num_slots: int, gen: torch.Generator,
-                    dtype: torch.dtype = torch.float32, device: str = "cpu") -> dict[str, torch.Tensor | float]:
-    """kernels.kda.kda_decode_step's arguments at random: B sequences in random slots of num_slots, the other slots
-    poisoned with 1e30; the projections as strided rows of one tensor, as in_proj's split leaves them."""
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen, device=device)
-
-    C = 3 * H * K
-    rows = randn(B, C + 2 * H * K + H).to(dtype)  # q, k, v | g_raw | gate | b_raw, as one projection's output
-    qkv, g_raw, gate, b_raw = rows.split([C, H * K, H * K, H], dim=-1)
-    slots = torch.randperm(num_slots, generator=gen, device=device)[:B]
-    conv_state = torch.full((num_slots, C, W - 1), 1e30, device=device, dtype=dtype)
-    conv_state[slots] = randn(B, C, W - 1).to(dtype)
-    state = torch.full((num_slots, H, K, K), 1e30, device=device)
-    state[slots] = randn(B, H, K, K) * 0.1
-    return dict(qkv=qkv, conv_weight=(randn(C, W) * 0.5).to(dtype), conv_state=conv_state, g_raw=g_raw, b_raw=b_raw,
-                gate=gate, dt_bias=randn(H * K) * 2 - 3, a_log=torch.empty(H, device=device).uniform_(
-                    1, 16, generator=gen).log(), norm_weight=(1 + 0.1 * randn(K)).to(dtype), eps=1e-5,
-                state=state, state_slots=slots, scale=K ** -0.5)

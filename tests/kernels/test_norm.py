@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
+from deltaserve.kernels.norm import gated_rms_norm, rms_norm
 
 
 def test_rms_norm_float32_is_the_formula():
@@ -55,17 +55,3 @@ def test_gated_rms_norm_is_the_formula_in_float32(dtype):
     assert out.dtype == dtype
     torch.testing.assert_close(out, expected.to(dtype), rtol=1e-6, atol=1e-6)
 
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_add_rms_norm_sums_a_moes_unsummed_slots_first(dtype):
-    """x [N, S, D] float32 (decode_experts' slots, left for the norm to sum): summed in float32, rounded to the
-    residual's dtype, then added, as if decode_experts had summed them."""
-    gen = torch.Generator().manual_seed(3)
-    slots, residual = torch.randn(4, 9, 32, generator=gen), torch.randn(4, 32, generator=gen).to(dtype)
-    weight = torch.randn(32, generator=gen).to(dtype)
-    normed, stream = add_rms_norm(slots, residual, weight, 1e-5)
-    expected = add_rms_norm(slots.sum(1).to(dtype), residual, weight, 1e-5)
-    assert stream.dtype == normed.dtype == dtype
-    assert torch.equal(normed, expected[0]) and torch.equal(stream, expected[1])
-    assert not torch.equal(stream, add_rms_norm(slots[:, 0], residual, weight, 1e-5)[1])

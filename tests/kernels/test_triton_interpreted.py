@@ -3,36 +3,57 @@ checks them without a GPU. On a machine with CUDA, tests/gpu runs the same kerne
 
 import pytest
 import torch
-from helpers.kernels import PagedLatents, kda_step_inputs, rel_err, require_triton_interpreter
+from helpers.kernels import PagedLatents, rel_err, require_triton_interpreter
 
 require_triton_interpreter()
 
+from deltaserve.kernels.conv1d_triton import conv1d_update  # noqa: E402
 from deltaserve.kernels.gemv import GEMV_TILES, gemv  # noqa: E402
-from deltaserve.kernels.kda import kda_decode_step  # noqa: E402
-from deltaserve.kernels.kda.triton_decode import kda_decode_step as triton_kda_decode_step  # noqa: E402
+from deltaserve.kernels.kda import fused_recurrent_kda, kda_gate, l2norm  # noqa: E402
+from deltaserve.kernels.kda.naive import naive_causal_conv1d  # noqa: E402
+from deltaserve.kernels.kda.triton_decode import kda_decode  # noqa: E402
 from deltaserve.kernels.mla.attention import torch_mla_decode  # noqa: E402
 from deltaserve.kernels.mla.triton_decode import triton_mla_decode  # noqa: E402
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import decode_experts  # noqa: E402
-from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, _arrivals, route, router_logits, triton_topk  # noqa: E402
+from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, router_logits, triton_topk  # noqa: E402
 
 
-@pytest.mark.parametrize("B,H,K,W", [(1, 2, 16, 4), (3, 4, 32, 4), (5, 1, 64, 2), (2, 4, 48, 4)])  # 48: the demo's
-def test_kda_decode_step_kernel_matches_twin(B, H, K, W):
-    """The fused step (conv, delta rule, gated norm) against the torch ops it replaces, its states included; rows
-    strided as in_proj's split leaves them; slots no sequence uses poisoned and left as they were."""
-    gen = torch.Generator().manual_seed(B * K + W)
-    inputs = kda_step_inputs(B, H, K, W, B + 3, gen)
-    twin = {name: t.clone() if isinstance(t, torch.Tensor) else t for name, t in inputs.items()}
-    o = triton_kda_decode_step(**inputs)
-    o_twin = kda_decode_step(**twin)
-    assert o.shape == (B, H * K) and rel_err(o, o_twin) < 1e-5
-    slots = inputs["state_slots"]
-    for name in ("state", "conv_state"):
-        assert rel_err(inputs[name][slots], twin[name][slots]) < 1e-5
-        unused = torch.ones(inputs[name].shape[0], dtype=torch.bool)
-        unused[slots] = False
-        assert torch.all(inputs[name][unused] == 1e30)
+@pytest.mark.parametrize("B,H,K", [(1, 2, 16), (3, 4, 32), (5, 1, 64), (2, 4, 48)])  # 48: the demo model's
+def test_kda_decode_kernel_matches_twin(B, H, K):
+    gen = torch.Generator().manual_seed(B * K)
+    S = B + 3
+    qkv = torch.randn(B, 3, H, K, generator=gen)
+    g_raw, b_raw = torch.randn(B, H * K, generator=gen), torch.randn(B, H, generator=gen)
+    dt_bias = torch.randn(H * K, generator=gen) * 2 - 3
+    a_log = torch.empty(H).uniform_(1, 16, generator=gen).log()
+    state = torch.randn(S, H, K, K, generator=gen) * 0.1
+    slots = torch.randperm(S, generator=gen)[:B]
+    unused = torch.ones(S, dtype=torch.bool)
+    unused[slots] = False
+    state[unused] = 1e30
+    twin_state = state.clone()
+    o = kda_decode(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b_raw, dt_bias, a_log, state, slots, K ** -0.5)
+    o_twin = fused_recurrent_kda(l2norm(qkv[:, 0]), l2norm(qkv[:, 1]), qkv[:, 2], kda_gate(g_raw, dt_bias, a_log),
+                                 torch.sigmoid(b_raw), K ** -0.5, twin_state, slots)
+    assert rel_err(o, o_twin) < 1e-5
+    assert rel_err(state[slots], twin_state[slots]) < 1e-5
+    assert torch.all(state[unused] == 1e30)
+
+
+@pytest.mark.parametrize("B,C,W", [(1, 7, 4), (4, 300, 4), (2, 33, 2)])
+def test_conv_update_kernel_matches_naive(B, C, W):
+    gen = torch.Generator().manual_seed(B * C)
+    x = torch.randn(B, 2 * C, generator=gen)[:, :C]  # strided rows, as a split of in_proj's output
+    weight = torch.randn(C, W, generator=gen)
+    state = torch.randn(B + 2, C, W - 1, generator=gen)
+    slots = torch.randperm(B + 2, generator=gen)[:B]
+    before = state.clone()
+    y = conv1d_update(x, weight, state, slots)
+    for b, slot in enumerate(slots.tolist()):
+        y_ref, state_ref = naive_causal_conv1d(x[b:b + 1], weight, before[slot])
+        assert rel_err(y[b:b + 1], y_ref) < 1e-5
+        assert torch.equal(state[slot], state_ref)
 
 
 @pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 16, 4)])
@@ -114,21 +135,6 @@ def test_router_logits_kernel_matches_float32_linear(T, E, D, tile):
     x = torch.randn(T, 2 * D, generator=gen).bfloat16()[:, :D]
     weight = torch.randn(E, D, generator=gen) * 0.05
     assert rel_err(router_logits(x, weight, tile), torch.nn.functional.linear(x.float(), weight)) < 1e-6
-
-
-@pytest.mark.parametrize("tile", [None, (1, 1024), (8, 256)])  # None: the (interpreter's one) autotuned config
-@pytest.mark.parametrize("T,E,D,k", [(1, 256, 2304, 8), (3, 10, 100, 3), (16, 40, 64, 8)])
-def test_route_kernel_is_router_logits_then_topk(T, E, D, k, tile):
-    """Logits and choice in one launch (the last program of a token routes it) against the two kernels it fuses;
-    twice in a row, as a graph replays it, since the arrival counts must be back at zero after each launch."""
-    gen = torch.Generator().manual_seed(T * E + k)
-    x = torch.randn(T, 2 * D, generator=gen).bfloat16()[:, :D]
-    weight, bias = torch.randn(E, D, generator=gen) * 0.05, torch.randn(E, generator=gen) * 0.1
-    expected = triton_topk(router_logits(x, weight, tile), bias, k, True, 2.446)
-    for _ in range(2):
-        weights, ids = route(x, weight, bias, k, True, 2.446, tile)
-        assert torch.equal(ids, expected[1]) and rel_err(weights, expected[0]) < 1e-6
-        assert not _arrivals[x.device].any()
 
 
 @pytest.mark.parametrize("tile", [None, *GEMV_TILES])  # None: the (interpreter's one) autotuned config

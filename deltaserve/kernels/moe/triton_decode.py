@@ -134,17 +134,14 @@ def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
                    w13_scale_inv: torch.Tensor | None = None, w2_scale_inv: torch.Tensor | None = None,
                    block: tuple[int, int] | None = None,
                    shared: tuple[torch.Tensor, ...] | None = None,
-                   tiles: tuple[tuple[int, int], tuple[int, int]] | None = None,
-                   sum_slots: bool = True) -> torch.Tensor:
+                   tiles: tuple[tuple[int, int], tuple[int, int]] | None = None) -> torch.Tensor:
     """Same contract as fused_experts: x [T, D], w13 [E, 2I, D], w2 [E, D, I], weights [T, k] f32, ids [T, k] ->
     [T, D] in x's dtype. With block scales (FP8 weights: float8_e4m3fn w13 and w2, scales [E, nb, kb], `block`
     (bn, bk)), the weights are multiplied by their scales as they are read: kernels.quant.experts'
     fp8_fused_experts contract. shared: a shared expert's (gate_up [2I, D], down [D, I]) in w13's dtype, and with
     block scales their (gate_up_scale_inv, down_scale_inv) shaped as one expert's; added with weight 1 (its
     contribution summed in float32 with the routed ones). tiles: ((BLOCK_I, BLOCK_D), (BLOCK_N, BLOCK_K)) instead of
-    the autotuned choice (tests check every candidate's values; benchmarks time them). sum_slots False: the
-    unsummed slots [T, slots, D] float32 instead, for a consumer that sums them in a kernel of its own (the decoder's
-    next add + RMSNorm: one launch fewer)."""
+    the autotuned choice (tests check every candidate's values; benchmarks time them)."""
     T, k = ids.shape
     D, I = x.shape[1], w2.shape[2]
     scaled = w13_scale_inv is not None
@@ -168,4 +165,4 @@ def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     down[lambda meta: (triton.cdiv(D, meta["BLOCK_N"]), pairs)](
         act, w2.contiguous(), s2, shared2, shared_s2, ids, weights, y, bucket, K_SLOTS=k, SLOTS=slots, D=D, I=I,
         SCALED=scaled, S_ROWS=s2.shape[1], S_COLS=s2.shape[2], BN=bn, BK=bk, **down_tile)
-    return _sum_slots(y, x.dtype) if sum_slots else y
+    return _sum_slots(y, x.dtype)

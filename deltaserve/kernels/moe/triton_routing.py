@@ -17,12 +17,11 @@ from deltaserve.kernels.gemv import GEMV_NAMES, gemv_jit
 
 
 @triton.jit
-def _route_row(logits_row, bias_ptr, weights_row, ids_row, E: tl.constexpr, K: tl.constexpr,
-               RENORMALIZE: tl.constexpr, SCALE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One token's choice from its E logits. The logits are read past L1 (.cg): in route() other programs of the
-    same launch wrote them."""
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, SCALE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
-    logits = tl.load(logits_row + experts, mask=experts < E, other=0.0, cache_modifier=".cg")
+    logits = tl.load(logits_ptr + token * E + experts, mask=experts < E, other=0.0)
     scores = tl.sigmoid(logits)
     biased = scores + tl.load(bias_ptr + experts, mask=experts < E, other=0.0)
     biased = tl.where(biased == biased, biased, float("-inf"))  # NaN (a broken row) never wins, never crashes
@@ -40,16 +39,8 @@ def _route_row(logits_row, bias_ptr, weights_row, ids_row, E: tl.constexpr, K: t
         free = free & (experts != pick)
     if RENORMALIZE:
         chosen_weights = chosen_weights / (tl.sum(chosen_weights, axis=0) + 1e-20)
-    tl.store(weights_row + slots, chosen_weights * SCALE, mask=slots < K)
-    tl.store(ids_row + slots, chosen_ids, mask=slots < K)
-
-
-@triton.jit
-def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, SCALE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    _route_row(logits_ptr + token * E, bias_ptr, weights_ptr + token * K, ids_ptr + token * K, E, K, RENORMALIZE,
-               SCALE, BLOCK_E, BLOCK_K)
+    tl.store(weights_ptr + token * K + slots, chosen_weights * SCALE, mask=slots < K)
+    tl.store(ids_ptr + token * K + slots, chosen_ids, mask=slots < K)
 
 
 def triton_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, renormalize: bool,
@@ -91,53 +82,3 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] |
             x, weight.float().contiguous(), out, x.stride(0), out.stride(0), triton.next_power_of_2(T), N=E, K=D,
             GROUP_N=E, **chosen)
     return out
-
-
-@triton.jit
-def _router_jit(x_ptr, w_ptr, logits_ptr, x_stride, T_BUCKET, arrivals_ptr, bias_ptr, weights_ptr, ids_ptr,
-                N: tl.constexpr, K: tl.constexpr, GROUP_N: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, SCALE: tl.constexpr,
-                BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr):
-    """router_logits' programs, then the last of a token's programs to finish routes that token: each program
-    counts its arrival in arrivals[token] (acquire-release, GPU scope, after its logits are stored); the one that
-    sees every other arrival reads the token's logits, chooses, and sets the count back to 0 for the next launch."""
-    gemv_jit(x_ptr, w_ptr, logits_ptr, x_stride, N, T_BUCKET, N, K, GROUP_N, BLOCK_N, BLOCK_K)
-    token = tl.program_id(1).to(tl.int64)
-    tl.debug_barrier()  # every thread's logits stored before the arrival that releases them
-    arrived = tl.atomic_add(arrivals_ptr + token, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:
-        tl.debug_barrier()
-        _route_row(logits_ptr + token * N, bias_ptr, weights_ptr + token * TOP_K, ids_ptr + token * TOP_K, N, TOP_K,
-                   RENORMALIZE, SCALE, BLOCK_E, BLOCK_TOP_K)
-        tl.atomic_xchg(arrivals_ptr + token, 0, sem="relaxed", scope="gpu")
-
-
-# tiles as router_logits' (measured for these shapes), tuned apart: the routing tail is in this kernel's time
-_router_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, _ROUTER_TILES, (2, 512), warps=(2, 4)),
-                                 key=["K", "N", "T_BUCKET"])(_router_jit)
-_arrivals: dict[torch.device, torch.Tensor] = {}  # per device: one count per token, zero between launches
-
-
-def route(x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int, renormalize: bool,
-          scaling_factor: float, tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits then triton_topk in one launch (a decode step is bound by launches): x [T, D] (T at most
-    ROUTER_GEMV_MAX_TOKENS), weight [E, D] float32, correction_bias [E] float32 -> (weights [T, top_k] float32,
-    ids [T, top_k] int64), triton_topk(router_logits(x, weight), ...)'s result. Launches on one stream at a time
-    (the arrival counts are shared). tile: (experts, columns) of a program instead of the autotuned choice."""
-    T, D = x.shape
-    E = weight.shape[0]
-    assert T <= ROUTER_GEMV_MAX_TOKENS, f"route() serves at most {ROUTER_GEMV_MAX_TOKENS} tokens, got {T}"
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
-    if T:
-        if x.device not in _arrivals:  # at the first (eager) call: a CUDA graph's capture finds it made
-            _arrivals[x.device] = torch.zeros(ROUTER_GEMV_MAX_TOKENS, dtype=torch.int32, device=x.device)
-        logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
-        x = x if x.stride(1) == 1 else x.contiguous()
-        kernel, chosen = with_tile(_router_kernel, GEMV_NAMES, tile)
-        kernel[lambda meta: (triton.cdiv(E, meta["BLOCK_N"]), T)](
-            x, weight.float().contiguous(), logits, x.stride(0), triton.next_power_of_2(T), _arrivals[x.device],
-            correction_bias.float().contiguous(), weights, ids, N=E, K=D, GROUP_N=E, TOP_K=top_k,
-            RENORMALIZE=renormalize, SCALE=float(scaling_factor), BLOCK_E=triton.next_power_of_2(E),
-            BLOCK_TOP_K=triton.next_power_of_2(top_k), **chosen)
-    return weights, ids
