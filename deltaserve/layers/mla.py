@@ -10,12 +10,18 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
 from deltaserve.kernels.cache_ops import write_latents
-from deltaserve.kernels.mla import gather_latents, mla_decode, mla_prefill
+from deltaserve.kernels.mla import gather_latents, merge_blocks, mla_decode, mla_prefill, mla_prefill_block
 from deltaserve.kernels.norm import rms_norm
 from deltaserve.layers.linear import Linear
 
 if TYPE_CHECKING:
     from deltaserve.runner.forward_batch import ForwardBatch
+
+# Prefill expands the context's latents into per-head keys and values: ~28 KB a token a layer at the 48B shape in
+# bf16 (kv_b_proj's 256 values a head and the 192-wide keys, 32 heads). 256k keys (~7 GB) ran on an H200 beside the
+# weights and the cache; 1M would need ~29 GB at once. Longer contexts expand and attend a block of keys at a time.
+EXPANDED_PREFILL_MAX_KEYS = 262_144
+PREFILL_KEY_BLOCK = 2048  # keys a block: its float32 scores are [H, T, block], 2 GB for a chunk of 8k at 32 heads
 
 
 class MultiheadLatentAttention(nn.Module):
@@ -66,7 +72,23 @@ class MultiheadLatentAttention(nn.Module):
         return (o_latent.transpose(0, 1) @ w[:, self.nope_dim:].transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
 
     def _prefill(self, q_nope, q_rope, latents: torch.Tensor, start: int) -> torch.Tensor:
-        """Expanded: latents [L, R+Dr] -> per-head keys and values, causal attention from position start."""
+        """Expanded: latents [L, R+Dr] -> per-head keys and values, causal attention from position start. Past
+        EXPANDED_PREFILL_MAX_KEYS of context, the keys are expanded and attended PREFILL_KEY_BLOCK at a time."""
+        if latents.shape[0] > EXPANDED_PREFILL_MAX_KEYS:
+            return self._prefill_blockwise(q_nope, q_rope, latents, start)
+        k_nope, k_rope, v = self._expand(latents)
+        return mla_prefill(q_nope, q_rope, k_nope, k_rope, v, self.scale, start)
+
+    def _prefill_blockwise(self, q_nope, q_rope, latents: torch.Tensor, start: int) -> torch.Tensor:
+        """_prefill with memory for one block of keys: each block's softmax apart, merged by log-sum-exp."""
+        out = lse = None
+        for key_pos in range(0, latents.shape[0], PREFILL_KEY_BLOCK):
+            block = mla_prefill_block(q_nope, q_rope, *self._expand(latents[key_pos: key_pos + PREFILL_KEY_BLOCK]),
+                                      self.scale, start, key_pos)
+            out, lse = block if out is None else merge_blocks(out, lse, *block)
+        return out.to(q_nope.dtype)
+
+    def _expand(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """latents [L, R+Dr] -> (k_nope [L, H, Dn], k_rope [L, Dr], v [L, H, Dv])."""
         kv = self.kv_b_proj(latents[:, : self.kv_lora_rank]).view(latents.shape[0], self.num_heads, -1)
-        k_nope, v = kv[..., : self.nope_dim], kv[..., self.nope_dim:]
-        return mla_prefill(q_nope, q_rope, k_nope, latents[:, self.kv_lora_rank:], v, self.scale, start)
+        return kv[..., : self.nope_dim], latents[:, self.kv_lora_rank:], kv[..., self.nope_dim:]

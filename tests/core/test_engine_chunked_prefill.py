@@ -50,3 +50,23 @@ def test_chunked_prefill_gives_the_tokens_of_a_whole_prompt_prefill(make_llm, pr
     first_len = len(prompts[0])
     first_chunks = [step["0"] for step in steps if "0" in step][: -(-first_len // chunk)]
     assert first_chunks == [chunk] * (first_len // chunk) + [first_len % chunk] * (first_len % chunk > 0)
+
+
+def test_a_long_contexts_prefill_in_key_blocks_gives_the_tokens_of_the_whole(make_llm, prompts, params, monkeypatch):
+    """Past EXPANDED_PREFILL_MAX_KEYS of context, MLA's prefill expands and attends its keys a block at a time (a
+    1M-token context would not fit expanded at once); scaled down here so chunks of 64 reach it at 48 keys with
+    blocks of 16: blocks wholly before a chunk, straddling its start and inside it. The same tokens, and logprobs
+    to rounding (the blocks' softmaxes are merged by their log-sum-exps, in another order of sums)."""
+    from deltaserve.layers import mla
+
+    whole = make_llm(max_num_seqs=len(prompts), max_num_batched_tokens=64, enable_prefix_caching=False)
+    expected = whole.generate(as_inputs(prompts), params, use_tqdm=False)
+    monkeypatch.setattr(mla, "EXPANDED_PREFILL_MAX_KEYS", 48)
+    monkeypatch.setattr(mla, "PREFILL_KEY_BLOCK", 16)
+    blocks = []  # (keys of the block, its first position)
+    attend = mla.mla_prefill_block
+    monkeypatch.setattr(mla, "mla_prefill_block", lambda *args: blocks.append((args[2].shape[0], args[-1]))
+                        or attend(*args))
+    llm = make_llm(max_num_seqs=len(prompts), max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert_same_outputs(llm.generate(as_inputs(prompts), params, use_tqdm=False), expected, "key blocks vs whole")
+    assert max(n for n, _ in blocks) == 16 and max(pos for _, pos in blocks) >= 256  # the 300-token prompt's

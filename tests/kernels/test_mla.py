@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers.kernels import PagedLatents
 
-from deltaserve.kernels.mla import gather_latents, mla_decode, mla_prefill
+from deltaserve.kernels.mla import gather_latents, merge_blocks, mla_decode, mla_prefill, mla_prefill_block
 from deltaserve.kernels.mla.naive import naive_mla
 
 H, DN, DR, DV, R = 3, 8, 4, 6, 16
@@ -61,6 +61,27 @@ def test_prefill_matches_naive(start_pos, num_new):
     out = mla_prefill(q_nope, q_rope, kv[..., :DN], latents[:, R:], kv[..., DN:], SCALE, start_pos)
     expected = naive_mla(q_nope, q_rope, latents, w_kv_b, SCALE, start_pos)
     torch.testing.assert_close(out, expected, **TOL)
+
+
+@pytest.mark.parametrize("start_pos,num_new,block", [(0, 7, 3), (50, 37, 16), (50, 37, 5), (16, 16, 16), (3, 1, 1)])
+def test_blockwise_prefill_matches_naive(start_pos, num_new, block):
+    """A long context's prefill: the keys in blocks (some wholly before the chunk, one straddling its start, some
+    inside it, a ragged last one), each block's softmax apart, merged by log-sum-exp, against the whole at once."""
+    gen = torch.Generator().manual_seed(start_pos * 7 + num_new + block)
+    length = start_pos + num_new
+    latents = torch.randn(length, R + DR, generator=gen)
+    w_kv_b = torch.randn(H * (DN + DV), R, generator=gen) * 0.3
+    kv = (latents[:, :R] @ w_kv_b.t()).view(length, H, DN + DV)
+    q_nope = torch.randn(num_new, H, DN, generator=gen) * 3  # sharp softmaxes: blocks of very different mass
+    q_rope = torch.randn(num_new, H, DR, generator=gen)
+    out = lse = None
+    for key_pos in range(0, length, block):
+        keys = slice(key_pos, key_pos + block)
+        part = mla_prefill_block(q_nope, q_rope, kv[keys, :, :DN], latents[keys, R:], kv[keys, :, DN:], SCALE,
+                                 start_pos, key_pos)
+        out, lse = part if out is None else merge_blocks(out, lse, *part)
+    torch.testing.assert_close(out, naive_mla(q_nope, q_rope, latents, w_kv_b, SCALE, start_pos), **TOL)
+    assert torch.isfinite(lse).all()
 
 
 def test_naive_matches_softmax_attention_written_out():

@@ -1,3 +1,10 @@
-from deltaserve.kernels.mla.attention import gather_latents, mla_decode, mla_prefill, torch_mla_decode
+from deltaserve.kernels.mla.attention import (
+    gather_latents,
+    merge_blocks,
+    mla_decode,
+    mla_prefill,
+    mla_prefill_block,
+    torch_mla_decode,
+)
 
-__all__ = ["gather_latents", "mla_decode", "mla_prefill", "torch_mla_decode"]
+__all__ = ["gather_latents", "merge_blocks", "mla_decode", "mla_prefill", "mla_prefill_block", "torch_mla_decode"]

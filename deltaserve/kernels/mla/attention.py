@@ -41,6 +41,43 @@ def mla_prefill(
     return torch.einsum("htl,lhd->thd", probs, v)
 
 
+def mla_prefill_block(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_rope: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    start_pos: int,
+    key_pos: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """mla_prefill's attention over one block of the keys, at positions key_pos.. of the sequence: (out [T, H, Dv]
+    float32, normalised within the block; lse [T, H] float32, the log-sum-exp of the block's scaled scores, -inf
+    where a query sees none of its keys). merge_blocks combines the blocks into mla_prefill's result, so a long
+    context is attended with memory for one block (its [H, T, block] scores) instead of the whole context."""
+    T, L = q_nope.shape[0], k_nope.shape[0]
+    scores = torch.einsum("thd,lhd->htl", q_nope, k_nope) + torch.einsum("thd,ld->htl", q_rope, k_rope)
+    scores = (scores * scale).float()  # [H, T, L]
+    if key_pos + L - 1 > start_pos:  # some key lies past the first query
+        keys = torch.arange(key_pos, key_pos + L, device=scores.device)
+        queries = torch.arange(start_pos, start_pos + T, device=scores.device)
+        scores = scores.masked_fill(keys[None, :] > queries[:, None], float("-inf"))
+    top = scores.amax(-1, keepdim=True)
+    top = torch.where(top == float("-inf"), 0.0, top)  # a query that sees no key here: p is 0, lse -inf
+    p = torch.exp(scores - top)
+    total = p.sum(-1)  # [H, T]
+    out = torch.einsum("htl,lhd->thd", p.to(v.dtype), v).float() / total.clamp_min(1e-30).t()[..., None]
+    return out, (top[..., 0] + total.log()).t()
+
+
+def merge_blocks(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                 lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two blocks' (out [T, H, Dv], lse [T, H]) -> the attention over both: each block's output weighted by its
+    share of the total softmax mass. lse_a must be finite (the first block holds key 0, which every query sees)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a * (lse_a - lse).exp()[..., None] + out_b * (lse_b - lse).exp()[..., None], lse
+
+
 def mla_decode(
     q_latent: torch.Tensor,
     q_rope: torch.Tensor,
