@@ -3,8 +3,10 @@
     python benchmarks/offline_throughput.py --preset medium --prompt-len 128 --output-len 32 --concurrency 32
 
 Measures, float32 on the CPU: prefill tokens/s of one prompt, batch-1 time per output token, and output
-tokens/s with `concurrency` requests together (transformers: the same requests one at a time). Prints a table
-and one JSON line with the machine, the date and the commit.
+tokens/s with `concurrency` requests together (transformers: the same requests one at a time). The prefill and
+batch-1 runs are each the median of `--repeats` runs (single runs of this machine class spread by up to 2x);
+the concurrent run, long enough to average itself, runs once. Prints a table and one JSON line with the machine,
+the date and the commit.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import tempfile
 import time
@@ -61,21 +64,23 @@ def prompts(num: int, length: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(num)]
 
 
-def bench_deltaserve(folder: Path, batch: list[list[int]], output_len: int, concurrency: int) -> dict:
+def bench_deltaserve(folder: Path, batch: list[list[int]], output_len: int, concurrency: int, repeats: int) -> dict:
     from deltaserve import LLM, SamplingParams
 
     llm = LLM(folder, device="cpu", max_model_len=4096, max_num_seqs=max(concurrency, 1),
               max_num_batched_tokens=max(2048, len(batch[0])))
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
     llm.generate([{"prompt_token_ids": batch[0]}], greedy(2), use_tqdm=False)  # warm-up
-    prefill = _timed(lambda: llm.generate([{"prompt_token_ids": batch[0]}], greedy(1), use_tqdm=False))
-    full = _timed(lambda: llm.generate([{"prompt_token_ids": batch[0]}], greedy(output_len + 1), use_tqdm=False))
+    prefill = _timed(lambda: llm.generate([{"prompt_token_ids": batch[0]}], greedy(1), use_tqdm=False), repeats)
+    full = _timed(lambda: llm.generate([{"prompt_token_ids": batch[0]}], greedy(output_len + 1), use_tqdm=False),
+                  repeats)
     requests = [{"prompt_token_ids": p} for p in batch[:concurrency]]
     many = _timed(lambda: llm.generate(requests, greedy(output_len), use_tqdm=False))
     return _figures(len(batch[0]), output_len, prefill, full, concurrency * output_len / many)
 
 
-def bench_transformers(folder: Path, batch: list[list[int]], output_len: int, concurrency: int) -> dict:
+def bench_transformers(folder: Path, batch: list[list[int]], output_len: int, concurrency: int,
+                       repeats: int) -> dict:
     from transformers import KimiLinearForCausalLM
 
     model = KimiLinearForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -85,16 +90,20 @@ def bench_transformers(folder: Path, batch: list[list[int]], output_len: int, co
             return model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
     run(batch[0], 2)
-    prefill = _timed(lambda: run(batch[0], 1))
-    full = _timed(lambda: run(batch[0], output_len + 1))
+    prefill = _timed(lambda: run(batch[0], 1), repeats)
+    full = _timed(lambda: run(batch[0], output_len + 1), repeats)
     many = _timed(lambda: [run(p, output_len) for p in batch[:concurrency]])
     return _figures(len(batch[0]), output_len, prefill, full, concurrency * output_len / many)
 
 
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+def _timed(fn, repeats: int = 1) -> float:
+    """The median wall time of `repeats` calls of fn."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _figures(prompt_len, output_len, prefill_s, full_s, concurrent_tok_s) -> dict:
@@ -111,14 +120,17 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of the prefill and batch-1 figures (median)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     folder = make_model(args.preset)
     batch = prompts(max(args.concurrency, 1), args.prompt_len, PRESETS[args.preset]["vocab_size"])
-    results = {"deltaserve": bench_deltaserve(folder, batch, args.output_len, args.concurrency)}
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
+    results = {"deltaserve": bench_deltaserve(folder, batch, args.output_len, args.concurrency, args.repeats)}
     if not args.skip_transformers:
-        results["transformers"] = bench_transformers(folder, batch, args.output_len, args.concurrency)
+        results["transformers"] = bench_transformers(folder, batch, args.output_len, args.concurrency, args.repeats)
     _report(args, results)
 
 
@@ -133,7 +145,7 @@ def _report(args, results: dict) -> None:
         print(f"{'ratio':<14}" + "".join(f"{ratio[k]:>17.2f}x" for k in keys))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(json.dumps({"preset": args.preset, "prompt_len": args.prompt_len, "output_len": args.output_len,
-                      "concurrency": args.concurrency, "threads": torch.get_num_threads(),
+                      "concurrency": args.concurrency, "repeats": args.repeats, "threads": torch.get_num_threads(),
                       "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                       "date": datetime.date.today().isoformat(), "commit": commit, "results": results}))
 
