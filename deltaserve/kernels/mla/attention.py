@@ -57,14 +57,14 @@ def mla_prefill_block(
     context is attended with memory for one block (its [H, T, block] scores) instead of the whole context."""
     T, L = q_nope.shape[0], k_nope.shape[0]
     scores = torch.einsum("thd,lhd->htl", q_nope, k_nope) + torch.einsum("thd,ld->htl", q_rope, k_rope)
-    scores = (scores * scale).float()  # [H, T, L]
+    scores = (scores * scale).float()  # [H, T, L], this function's own: the steps below work in place
     if key_pos + L - 1 > start_pos:  # some key lies past the first query
         keys = torch.arange(key_pos, key_pos + L, device=scores.device)
         queries = torch.arange(start_pos, start_pos + T, device=scores.device)
-        scores = scores.masked_fill(keys[None, :] > queries[:, None], float("-inf"))
+        scores.masked_fill_(keys[None, :] > queries[:, None], float("-inf"))
     top = scores.amax(-1, keepdim=True)
     top = torch.where(top == float("-inf"), 0.0, top)  # a query that sees no key here: p is 0, lse -inf
-    p = torch.exp(scores - top)
+    p = scores.sub_(top).exp_()
     total = p.sum(-1)  # [H, T]
     out = torch.einsum("htl,lhd->thd", p.to(v.dtype), v).float() / total.clamp_min(1e-30).t()[..., None]
     return out, (top[..., 0] + total.log()).t()
