@@ -32,13 +32,10 @@ def mla_prefill(
     q_nope [T, H, Dn], q_rope [T, H, Dr], k_nope [L, H, Dn], k_rope [L, Dr], v [L, H, Dv] -> [T, H, Dv]
     (scores in float32, probabilities cast back to v's dtype as the reference does).
     """
-    T, L = q_nope.shape[0], k_nope.shape[0]
     if q_nope.is_cuda:
         return _sdpa_prefill(q_nope, q_rope, k_nope, k_rope, v, scale, start_pos)
-    scores = torch.einsum("thd,lhd->htl", q_nope, k_nope) + torch.einsum("thd,ld->htl", q_rope, k_rope)
-    future = torch.ones(T, L, dtype=torch.bool, device=q_nope.device).triu(start_pos + 1)
-    probs = torch.softmax((scores * scale).float().masked_fill(future, float("-inf")), dim=-1).to(v.dtype)
-    return torch.einsum("htl,lhd->thd", probs, v)
+    probs = torch.softmax(_causal_scores(q_nope, q_rope, k_nope, k_rope, scale, start_pos, 0), dim=-1)
+    return torch.einsum("htl,lhd->thd", probs.to(v.dtype), v)
 
 
 def mla_prefill_block(
@@ -55,19 +52,27 @@ def mla_prefill_block(
     float32, normalised within the block; lse [T, H] float32, the log-sum-exp of the block's scaled scores, -inf
     where a query sees none of its keys). merge_blocks combines the blocks into mla_prefill's result, so a long
     context is attended with memory for one block (its [H, T, block] scores) instead of the whole context."""
-    T, L = q_nope.shape[0], k_nope.shape[0]
-    scores = torch.einsum("thd,lhd->htl", q_nope, k_nope) + torch.einsum("thd,ld->htl", q_rope, k_rope)
-    scores = (scores * scale).float()  # [H, T, L], this function's own: the steps below work in place
-    if key_pos + L - 1 > start_pos:  # some key lies past the first query
-        keys = torch.arange(key_pos, key_pos + L, device=scores.device)
-        queries = torch.arange(start_pos, start_pos + T, device=scores.device)
-        scores.masked_fill_(keys[None, :] > queries[:, None], float("-inf"))
+    scores = _causal_scores(q_nope, q_rope, k_nope, k_rope, scale, start_pos, key_pos)  # its own: worked in place
     top = scores.amax(-1, keepdim=True)
     top = torch.where(top == float("-inf"), 0.0, top)  # a query that sees no key here: p is 0, lse -inf
     p = scores.sub_(top).exp_()
     total = p.sum(-1)  # [H, T]
     out = torch.einsum("htl,lhd->thd", p.to(v.dtype), v).float() / total.clamp_min(1e-30).t()[..., None]
     return out, (top[..., 0] + total.log()).t()
+
+
+def _causal_scores(q_nope, q_rope, k_nope, k_rope, scale: float, start_pos: int, key_pos: int) -> torch.Tensor:
+    """Scaled scores [H, T, L] in float32 (a new tensor) of T queries at positions start_pos.. against L keys at
+    positions key_pos.., -inf where a key lies past its query (the reference's order: sums in the inputs' dtype,
+    scaled, then widened)."""
+    T, L = q_nope.shape[0], k_nope.shape[0]
+    scores = torch.einsum("thd,lhd->htl", q_nope, k_nope) + torch.einsum("thd,ld->htl", q_rope, k_rope)
+    scores = (scores * scale).float()
+    if key_pos + L - 1 > start_pos:  # some key lies past the first query
+        keys = torch.arange(key_pos, key_pos + L, device=scores.device)
+        queries = torch.arange(start_pos, start_pos + T, device=scores.device)
+        scores.masked_fill_(keys[None, :] > queries[:, None], float("-inf"))
+    return scores
 
 
 def merge_blocks(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
