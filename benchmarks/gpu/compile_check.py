@@ -51,12 +51,18 @@ def main() -> int:
     for block_e, block_d in triton_routing._ROUTER_TILES:  # the router's logits: the GEMV kernel, float32 weights
         ok &= check(f"router logits {block_e}x{block_d}", jit_of(triton_routing._router_logits_kernel), dict(
             x_ptr="*bf16", w_ptr="*fp32", y_ptr="*fp32", x_stride="i32", y_stride="i32", T_BUCKET="i32", N=256,
-            K=2304, GROUP_N=256, BLOCK_N=block_e, BLOCK_K=block_d))
+            K=2304, GROUP_N=256, BLOCK_N=block_e, BLOCK_K=block_d, **gemv.NO_SCALES))
     for block_n, block_k in gemv.GEMV_TILES:
         for N, K, group_n in ((2304, 4096, 2304), (6720, 2304, 6720), (8192, 128, 4096)):  # o_proj, MLA in, KDA fg
             ok &= check(f"gemv {block_n}x{block_k}, {N}x{K} in groups of {group_n}", jit_of(gemv._gemv_kernel), dict(
                 x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", x_stride="i32", y_stride="i32", T_BUCKET="i32", N=N,
-                K=K, GROUP_N=group_n, BLOCK_N=block_n, BLOCK_K=block_k))
+                K=K, GROUP_N=group_n, BLOCK_N=block_n, BLOCK_K=block_k, **gemv.NO_SCALES))
+    for block_n, block_k in gemv.FP8_GEMV_TILES:  # FP8 weights with 128 x 128 block scales
+        for N, K in ((2304, 4096), (12544, 2304)):  # o_proj, KDA's in_proj
+            ok &= check(f"fp8 gemv {block_n}x{block_k}, {N}x{K}", jit_of(gemv._fp8_gemv_kernel), dict(
+                x_ptr="*bf16", w_ptr="*fp8e4nv", y_ptr="*bf16", x_stride="i32", y_stride="i32", T_BUCKET="i32",
+                N=N, K=K, GROUP_N=N, BLOCK_N=block_n, BLOCK_K=block_k, s_ptr="*fp32", SCALED=True,
+                S_COLS=-(-K // 128), BN=128, BK=128))
     for K in (128, 48):  # the 48B model's head width; the demo model's (not a power of two)
         ok &= check(f"KDA decode, K {K}", kda_triton_decode._kda_decode_kernel, dict(
             q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", graw_ptr="*bf16", braw_ptr="*bf16", dt_bias_ptr="*fp32",

@@ -13,6 +13,11 @@ the dense MLP's down 10.6 against 12.6; KDA's in_proj 17.7 against 17.2 (so it s
 launch serves several projections of their own inputs (KDA's two gate up-projections). Tiles are autotuned per
 (N, K, rows per group) at first use; a CUDA graph's sizes are each run eagerly before capture, so tuning never runs
 inside one.
+
+FP8 weights (float8_e4m3fn with block scales, kernels.quant) run the same kernel with SCALED: a tile whose rows lie in
+one scale block (BN a multiple of BLOCK_N) folds its column blocks' scales into x, one vector load a step; any other
+tile multiplies each weight by its own scale. Used by kernels.quant.fp8_linear for one token (fp8_gemv). Twin:
+kernels.quant.naive.naive_fp8_linear.
 """
 
 from __future__ import annotations
@@ -31,14 +36,17 @@ GEMV_MIN_WEIGHT = 1 << 22  # elements (8 MB in bf16): smaller projections stay o
 GEMV_TILES = ((4, 1024), (8, 256), (8, 512), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128))
 GEMV_NAMES = ("BLOCK_N", "BLOCK_K")  # a tile: (rows, columns)
 _MAX_BLOCK_N = max(n for n, _ in GEMV_TILES)  # a group's rows are whole tiles
+NO_SCALES = {"s_ptr": None, "SCALED": False, "S_COLS": 1, "BN": 1, "BK": 1}  # gemv_jit's arguments for unscaled weights
 
 
 @triton.jit
 def gemv_jit(x_ptr, w_ptr, y_ptr, x_stride, y_stride, T_BUCKET, N: tl.constexpr, K: tl.constexpr,
-             GROUP_N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             GROUP_N: tl.constexpr, s_ptr, SCALED: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr,
+             BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[t, rows] = x[t] . w[rows] in float32, stored in y's dtype; x and w read in their own dtypes. T_BUCKET (the
     token count rounded up to a power of two) is for an autotuner's key only. The router's logits
-    (kernels.moe.triton_routing) run this same kernel under tiles of their own."""
+    (kernels.moe.triton_routing) run this same kernel under tiles of their own. SCALED: w's element [n, k] is
+    multiplied by s[n // BN, k // BK] (FP8 block scales, S_COLS to a row); without, s_ptr is None (NO_SCALES)."""
     pid_n, token = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     x_base = x_ptr + token * x_stride + (pid_n * BLOCK_N // GROUP_N) * K  # this block's group of rows reads its x
@@ -46,14 +54,23 @@ def gemv_jit(x_ptr, w_ptr, y_ptr, x_stride, y_stride, T_BUCKET, N: tl.constexpr,
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_base + cols, mask=cols < K, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
-                    mask=(rows[:, None] < N) & (cols[None, :] < K), other=0.0).to(tl.float32)
+        w_mask = (rows[:, None] < N) & (cols[None, :] < K)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        if SCALED:
+            if BN % BLOCK_N == 0:  # the tile's rows share one row of scale blocks: fold its scales into x
+                x *= tl.load(s_ptr + (pid_n * BLOCK_N // BN) * S_COLS + cols // BK, mask=cols < K, other=0.0)
+            else:
+                w *= tl.load(s_ptr + (rows[:, None] // BN) * S_COLS + cols[None, :] // BK, mask=w_mask, other=0.0)
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(y_ptr + token * y_stride + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
 _gemv_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, GEMV_TILES, (16, 256), warps=(4, 8)),
                                key=["N", "K", "GROUP_N"])(gemv_jit)
+# FP8 weights are half the bytes a row: the same tiles and twice the columns, so a load brings as many bytes
+FP8_GEMV_TILES = GEMV_TILES + ((8, 1024), (16, 1024), (32, 512))
+_fp8_gemv_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, FP8_GEMV_TILES, (16, 512), warps=(4, 8)),
+                                   key=["N", "K", "BN", "BK"])(gemv_jit)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = None, groups: int = 1) -> torch.Tensor:
@@ -72,7 +89,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = N
         kernel, chosen = with_tile(_gemv_kernel, GEMV_NAMES, tile)
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), T)](x, weight, y, x.stride(0), y.stride(0),
                                                                   triton.next_power_of_2(T), N=N, K=K, GROUP_N=group_n,
-                                                                  **chosen)
+                                                                  **NO_SCALES, **chosen)
+    return y
+
+
+def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+             tile: tuple[int, int] | None = None) -> torch.Tensor:
+    """x [T, K] (float32, bfloat16 or float16; columns contiguous), q [N, K] float8_e4m3fn, scale_inv [ceil(N/bn),
+    ceil(K/bk)] -> x W^T [T, N] in x's dtype, W the dequantized weight, summed in float32 (kernels.quant's
+    fp8_linear contract). One token's programs read the weights once: for one token."""
+    T, K = x.shape
+    N = q.shape[0]
+    assert q.shape[1] == K and q.is_contiguous() and x.stride(1) == 1
+    y = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T:
+        kernel, chosen = with_tile(_fp8_gemv_kernel, GEMV_NAMES, tile)
+        kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), T)](
+            x, q, y, x.stride(0), y.stride(0), triton.next_power_of_2(T), N=N, K=K, GROUP_N=N, s_ptr=scale_inv,
+            SCALED=True, S_COLS=scale_inv.shape[1], BN=block[0], BK=block[1], **chosen)
     return y
 
 

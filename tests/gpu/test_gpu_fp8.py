@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers.kernels import fp8_expert_case, quantized, rel_err
 
+from deltaserve.kernels.gemv import FP8_GEMV_TILES, fp8_gemv
 from deltaserve.kernels.quant import dequantize_fp8, fp8_fused_experts, fp8_linear
 from deltaserve.kernels.quant.naive import naive_fp8_linear
 from deltaserve.kernels.quant.triton_linear import fp8_dequantize_triton, fp8_matmul
@@ -33,6 +34,17 @@ def test_gpu_fp8_linear_matches_twin(M, dtype):
     if M <= 64:
         assert rel_err(fp8_matmul(x.to(DEV), q.to(DEV), scale.to(DEV), block), expected) < (
             1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("tile", FP8_GEMV_TILES)
+@pytest.mark.parametrize("N,K,block", [(4096, 2304, (128, 128)), (130, 700, (32, 64))])
+def test_gpu_fp8_gemv_matches_twin_at_every_tile(N, K, block, tile):
+    """One bfloat16 token: each candidate tile run directly (the autotuner may pick any), the scales folded into x
+    where a tile's rows share them, else applied per weight."""
+    q, scale = quantized((N, K), block, N)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(K)).to(torch.bfloat16)
+    got = fp8_gemv(x.to(DEV), q.to(DEV), scale.to(DEV), block, tile)
+    assert rel_err(got, naive_fp8_linear(x, q, scale, block)) < 1e-2
 
 
 @pytest.mark.parametrize("T", [1, 4, 40])

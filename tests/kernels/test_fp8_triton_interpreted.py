@@ -8,6 +8,7 @@ from helpers.kernels import fp8_expert_case, quantized, rel_err, require_triton_
 
 require_triton_interpreter()
 
+from deltaserve.kernels.gemv import FP8_GEMV_TILES, fp8_gemv  # noqa: E402
 from deltaserve.kernels.moe.naive import naive_experts  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import _DOWN_TILES, _GATE_UP_TILES, decode_experts  # noqa: E402
 from deltaserve.kernels.quant import FP8, dequantize_fp8  # noqa: E402
@@ -85,3 +86,22 @@ def test_every_autotuned_expert_tile_gives_the_naive_values(tiles, block, D, I):
     with_shared = expected + naive_experts(x, w13_hp, w2_hp, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int64))
     out = decode_experts(x, w13_hp, w2_hp, weights, ids, shared=(w13_hp[0], w2_hp[0]), tiles=tiles)
     assert rel_err(out, with_shared) < 1e-5
+
+
+@pytest.mark.parametrize("tile", FP8_GEMV_TILES)
+@pytest.mark.parametrize("N,K,block", [(70, 130, (128, 128)), (129, 257, (32, 64)), (256, 2048, (128, 128)),
+                                       (40, 200, (16, 24))])
+def test_fp8_gemv_matches_twin_at_every_tile(N, K, block, tile):
+    """One token, every candidate tile run directly (the interpreter autotunes nothing): tiles inside one row of
+    scale blocks (the scales folded into x) and tiles across them (a scale per weight), ragged N and K."""
+    q, scale = quantized((N, K), block, N + K)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(N))
+    assert rel_err(fp8_gemv(x, q, scale, block, tile), naive_fp8_linear(x, q, scale, block)) < 1e-5
+
+
+def test_fp8_gemv_reads_a_strided_row():
+    """A token row of a split's view (row stride past K) equals the twin."""
+    block = (128, 128)
+    q, scale = quantized((96, 300), block, 9)
+    x = torch.randn(1, 2, 300, generator=torch.Generator().manual_seed(9))[:, 1]
+    assert rel_err(fp8_gemv(x, q, scale, block), naive_fp8_linear(x, q, scale, block)) < 1e-5

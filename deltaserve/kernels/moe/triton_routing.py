@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels.autotune import tile_configs, with_tile
-from deltaserve.kernels.gemv import GEMV_NAMES, gemv_jit
+from deltaserve.kernels.gemv import GEMV_NAMES, NO_SCALES, gemv_jit
 
 
 @triton.jit
@@ -80,5 +80,5 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] |
         kernel, chosen = with_tile(_router_logits_kernel, GEMV_NAMES, tile)
         kernel[lambda meta: (triton.cdiv(E, meta["BLOCK_N"]), T)](
             x, weight.float().contiguous(), out, x.stride(0), out.stride(0), triton.next_power_of_2(T), N=E, K=D,
-            GROUP_N=E, **chosen)
+            GROUP_N=E, **NO_SCALES, **chosen)
     return out
