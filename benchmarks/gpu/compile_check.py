@@ -12,10 +12,10 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deltaserve.kernels import gemv
+from deltaserve.kernels import conv1d_triton, gemv
 from deltaserve.kernels.kda import triton_decode as kda_triton_decode
 from deltaserve.kernels.mla import triton_decode as mla_triton_decode
-from deltaserve.kernels.moe import triton_decode, triton_routing
+from deltaserve.kernels.moe import triton_combine, triton_decode, triton_routing
 from deltaserve.kernels.quant import triton_linear
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -57,6 +57,15 @@ def main() -> int:
             ok &= check(f"gemv {block_n}x{block_k}, {N}x{K} in groups of {group_n}", jit_of(gemv._gemv_kernel), dict(
                 x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", x_stride="i32", y_stride="i32", T_BUCKET="i32", N=N,
                 K=K, GROUP_N=group_n, BLOCK_N=block_n, BLOCK_K=block_k, **gemv.NO_SCALES))
+    ok &= check("moe weighted sum", triton_combine._weighted_sum_kernel, dict(
+        y_ptr="*bf16", where_ptr="*i64", w_ptr="*fp32", out_ptr="*bf16", D=2304, K_SLOTS=8, BLOCK_D=512))
+    for dtype in ("*bf16", "*fp32"):  # prefill's short conv: the 48B shape's channels
+        ok &= check(f"conv varlen {dtype}", conv1d_triton._conv_varlen_kernel, dict(
+            x_ptr=dtype, w_ptr=dtype, state_ptr=dtype, slots_ptr="*i64", cu_ptr="*i64", y_ptr=dtype, x_stride="i32",
+            C=12288, W=4, BLOCK_T=conv1d_triton._VARLEN_BLOCK_T, BLOCK_C=conv1d_triton._VARLEN_BLOCK_C))
+        ok &= check(f"conv varlen state {dtype}", conv1d_triton._conv_state_kernel, dict(
+            x_ptr=dtype, state_ptr=dtype, slots_ptr="*i64", cu_ptr="*i64", x_stride="i32", C=12288, W=4, BLOCK_W=4,
+            BLOCK_C=256))
     for block_n, block_k in gemv.FP8_GEMV_TILES:  # FP8 weights with 128 x 128 block scales
         for N, K in ((2304, 4096), (12544, 2304)):  # o_proj, KDA's in_proj
             ok &= check(f"fp8 gemv {block_n}x{block_k}, {N}x{K}", jit_of(gemv._fp8_gemv_kernel), dict(

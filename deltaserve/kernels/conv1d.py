@@ -3,6 +3,8 @@
 import torch
 import torch.nn.functional as F
 
+from deltaserve.kernels.varlen import PackedSeqs
+
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor):
     """One new token per sequence.
@@ -25,12 +27,20 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
 
 
 def causal_conv1d_varlen(
-    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: list[int], cu_seqlens: list[int]
+    x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: list[int], cu_seqlens: list[int],
+    packed: PackedSeqs | None = None,
 ) -> torch.Tensor:
     """Packed sequences; sequence b continues from conv_state[state_slots[b]] and leaves its last inputs there.
 
     x: [N, D]; weight: [D, W]; conv_state: [S, D, W-1]; cu_seqlens: B+1 host offsets. Returns silu(conv) [N, D].
+    On a GPU, two Triton kernels (kernels.conv1d_triton.conv1d_varlen) over `packed`, the same sequences as tensors
+    (made here when not given).
     """
+    if x.is_cuda:
+        from deltaserve.kernels.conv1d_triton import conv1d_varlen
+
+        packed = packed or PackedSeqs.build(state_slots, cu_seqlens, x.device)
+        return conv1d_varlen(x, weight, conv_state, packed.state_slots, packed.cu_seqlens, packed.max_len)
     D, W = weight.shape
     y = torch.empty_like(x)
     for b, slot in enumerate(state_slots):

@@ -50,7 +50,8 @@ class KimiDeltaAttention(nn.Module):
             conv_parts.append(causal_conv1d_update(qkv[:nd], self.conv_weight, cache["conv"], batch.state_slots[:nd]))
         if N > nd:
             conv_parts.append(causal_conv1d_varlen(
-                qkv[nd:], self.conv_weight, cache["conv"], batch.state_slot_list[nd:], batch.prefill_cu_seqlens()))
+                qkv[nd:], self.conv_weight, cache["conv"], batch.state_slot_list[nd:], batch.prefill_cu_seqlens(),
+                batch.prefill_packed() if x.is_cuda else None))
         qkv = (conv_parts[0] if len(conv_parts) == 1 else torch.cat(conv_parts)).view(N, 3, H, K)
         g_raw, gate = self._gate_up_projections(fg_a, batched=x.is_cuda and nd == N)
         o = self._delta_rule(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b, batch, cache["recurrent"])
@@ -77,15 +78,19 @@ class KimiDeltaAttention(nn.Module):
         return F.linear(fg_a[:, :K], w[0]), F.linear(fg_a[:, K:], w[1])
 
     def _delta_rule(self, q, k, v, g_raw, b_raw, batch: ForwardBatch, state: torch.Tensor) -> torch.Tensor:
-        """q, k, v [N, H, K] raw; g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V] in the layer's dtype."""
+        """q, k, v [N, H, K] raw; g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V] in the layer's dtype (each part rounded
+        once from what its kernel returns)."""
         nd, scale = batch.num_decodes, self.head_dim ** -0.5
         params = (self.dt_bias, self.A_log)
         if nd == q.shape[0]:
             return kda_decode(q, k, v, g_raw, b_raw, *params, state, batch.state_slots, scale).to(v.dtype)
-        o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        if nd:
-            o[:nd] = kda_decode(q[:nd], k[:nd], v[:nd], g_raw[:nd], b_raw[:nd], *params, state,
-                                batch.state_slots[:nd], scale)
-        o[nd:] = kda_prefill(q[nd:], k[nd:], v[nd:], g_raw[nd:], b_raw[nd:], *params, state,
-                             batch.state_slot_list[nd:], batch.prefill_cu_seqlens(), scale)
-        return o.to(v.dtype)
+        prefill = lambda: kda_prefill(  # noqa: E731
+            q[nd:], k[nd:], v[nd:], g_raw[nd:], b_raw[nd:], *params, state, batch.state_slot_list[nd:],
+            batch.prefill_cu_seqlens(), scale, batch.prefill_packed() if q.is_cuda else None)
+        if not nd:
+            return prefill().to(v.dtype)
+        o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        o[:nd] = kda_decode(q[:nd], k[:nd], v[:nd], g_raw[:nd], b_raw[:nd], *params, state, batch.state_slots[:nd],
+                            scale)
+        o[nd:] = prefill()
+        return o

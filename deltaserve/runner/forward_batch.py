@@ -7,9 +7,11 @@ the rest are prefill chunks, run one sequence at a time through the chunked path
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from deltaserve.kernels.varlen import PackedSeqs
 
 
 @dataclass
@@ -24,6 +26,7 @@ class ForwardBatch:
     query_lens: list[int]  # new tokens per sequence
     start_positions: list[int]  # tokens already cached per sequence before this step
     state_slot_list: list[int]
+    _packed: PackedSeqs | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -35,6 +38,14 @@ class ForwardBatch:
         for n in self.query_lens[self.num_decodes:]:
             cu.append(cu[-1] + n)
         return cu
+
+    def prefill_packed(self) -> PackedSeqs:
+        """The prefill sequences' slots and offsets as tensors on this batch's device, made at the first call and
+        shared by every layer after."""
+        if self._packed is None:
+            self._packed = PackedSeqs.build(self.state_slot_list[self.num_decodes:], self.prefill_cu_seqlens(),
+                                            self.positions.device)
+        return self._packed
 
 
 def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:

@@ -10,6 +10,7 @@ from deltaserve.kernels.mla.naive import naive_mla
 from deltaserve.kernels.moe.experts import grouped_experts
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk
 from deltaserve.kernels.moe.triton_routing import router_logits, triton_topk
+from deltaserve.kernels.varlen import PackedSeqs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEV = "cuda"
@@ -63,7 +64,7 @@ def test_fla_chunk_prefill_matches_torch_chunk(lengths):
     state = torch.randn(S, H, K, K, generator=gen, device=DEV) * 0.1
     twin_state = state.clone()
     slots = list(range(1, len(lengths) + 1))
-    o = fla_chunk_kda(qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, K ** -0.5, state, slots, cu)
+    o = fla_chunk_kda(qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, K ** -0.5, state, PackedSeqs.build(slots, cu, DEV))
     o_twin = chunk_kda(l2norm(qkv[:, 0]), l2norm(qkv[:, 1]), qkv[:, 2].float(), g, beta, K ** -0.5, twin_state,
                        slots, cu)
     assert rel_err(o, o_twin) < 2e-2
@@ -119,6 +120,31 @@ def test_triton_conv_update_matches_naive(B, dtype):
         y_ref, s_ref = naive_causal_conv1d(x[b:b + 1].float(), weight.float(), before[slot].float())
         assert rel_err(y[b:b + 1], y_ref) < 1e-2
         assert torch.equal(state[slot].float(), s_ref.to(dtype).float())
+
+
+@pytest.mark.parametrize("lengths", [[1, 2, 3, 700], [4096], [33, 1, 5]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_conv_varlen_matches_naive(lengths, dtype):
+    """Prefill's conv kernels (the 48B shape's 12,288 channels): packed sequences, strided rows, slots out of order,
+    each sequence's output and state against the naive conv; the other slots untouched."""
+    from deltaserve.kernels.conv1d import causal_conv1d_varlen
+    from deltaserve.kernels.kda.naive import naive_causal_conv1d
+
+    gen = torch.Generator(device=DEV).manual_seed(len(lengths))
+    C, W, S = 3 * 32 * 128, 4, 9
+    cu = torch.tensor([0] + lengths).cumsum(0).tolist()
+    x = torch.randn(cu[-1], C + 64, generator=gen, device=DEV).to(dtype)[:, :C]
+    weight = torch.randn(C, W, generator=gen, device=DEV).to(dtype)
+    state = torch.randn(S, C, W - 1, generator=gen, device=DEV).to(dtype)
+    slots = torch.randperm(S, generator=gen, device=DEV)[:len(lengths)].tolist()
+    before = state.clone()
+    y = causal_conv1d_varlen(x, weight, state, slots, cu)
+    for b, slot in enumerate(slots):
+        y_ref, s_ref = naive_causal_conv1d(x[cu[b]:cu[b + 1]].float(), weight.float(), before[slot].float())
+        assert rel_err(y[cu[b]:cu[b + 1]], y_ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+        assert torch.equal(state[slot].float(), s_ref.to(dtype).float())
+    others = [s for s in range(S) if s not in slots]
+    assert torch.equal(state[others], before[others])
 
 
 @pytest.mark.parametrize("T,E,k", [(1, 256, 8), (3, 64, 8), (2, 16, 2)])

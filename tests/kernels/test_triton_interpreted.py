@@ -7,14 +7,16 @@ from helpers.kernels import PagedLatents, rel_err, require_triton_interpreter
 
 require_triton_interpreter()
 
-from deltaserve.kernels.conv1d_triton import conv1d_update  # noqa: E402
+from deltaserve.kernels.conv1d_triton import conv1d_update, conv1d_varlen  # noqa: E402
 from deltaserve.kernels.gemv import GEMV_TILES, gemv  # noqa: E402
 from deltaserve.kernels.kda import fused_recurrent_kda, kda_gate, l2norm  # noqa: E402
 from deltaserve.kernels.kda.naive import naive_causal_conv1d  # noqa: E402
 from deltaserve.kernels.kda.triton_decode import kda_decode  # noqa: E402
 from deltaserve.kernels.mla.attention import torch_mla_decode  # noqa: E402
 from deltaserve.kernels.mla.triton_decode import triton_mla_decode  # noqa: E402
+from deltaserve.kernels.moe.experts import _weighted_sum  # noqa: E402
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk  # noqa: E402
+from deltaserve.kernels.moe.triton_combine import weighted_sum  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import decode_experts  # noqa: E402
 from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, router_logits, triton_topk  # noqa: E402
 
@@ -54,6 +56,40 @@ def test_conv_update_kernel_matches_naive(B, C, W):
         y_ref, state_ref = naive_causal_conv1d(x[b:b + 1], weight, before[slot])
         assert rel_err(y[b:b + 1], y_ref) < 1e-5
         assert torch.equal(state[slot], state_ref)
+
+
+@pytest.mark.parametrize("W,lengths", [(4, [1, 2, 3, 4, 5, 70]), (2, [1, 33]), (3, [40, 1, 2])])
+def test_conv_varlen_kernels_match_naive(W, lengths):
+    """Packed sequences shorter than, as long as and longer than the kernel (and than a tile of tokens), from strided
+    rows, each continuing its own state slot given out of order; the other slots untouched."""
+    gen = torch.Generator().manual_seed(W * sum(lengths))
+    C, S = 300, len(lengths) + 2
+    cu = torch.tensor([0] + lengths).cumsum(0).tolist()
+    x = torch.randn(cu[-1], 2 * C, generator=gen)[:, :C]
+    weight = torch.randn(C, W, generator=gen)
+    state = torch.randn(S, C, W - 1, generator=gen)
+    slots = torch.randperm(S, generator=gen)[:len(lengths)]
+    before = state.clone()
+    y = conv1d_varlen(x, weight, state, slots, torch.tensor(cu), max(lengths))
+    for b, slot in enumerate(slots.tolist()):
+        y_ref, state_ref = naive_causal_conv1d(x[cu[b]:cu[b + 1]], weight, before[slot])
+        assert rel_err(y[cu[b]:cu[b + 1]], y_ref) < 1e-5
+        assert torch.equal(state[slot], state_ref)
+    others = [s for s in range(S) if s not in slots.tolist()]
+    assert torch.equal(state[others], before[others])
+
+
+@pytest.mark.parametrize("T,k,D", [(1, 2, 40), (7, 8, 600), (33, 4, 512)])
+def test_weighted_sum_kernel_matches_twin(T, k, D):
+    """The grouped path's combine: sorted outputs back to their tokens, weighted and summed (D ragged against the
+    kernel's column tile)."""
+    gen = torch.Generator().manual_seed(T * k)
+    ids = torch.randint(0, 16, (T, k), generator=gen)
+    order = ids.flatten().argsort(stable=True)
+    y = torch.randn(T * k, D, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(T, k, generator=gen)
+    got = weighted_sum(y, order, weights, torch.float32)
+    assert rel_err(got, _weighted_sum(y, order, weights, torch.float32)) < 1e-6
 
 
 @pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 16, 4)])

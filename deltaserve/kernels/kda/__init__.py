@@ -7,6 +7,7 @@ import torch
 from deltaserve.kernels.kda.chunk import chunk_kda
 from deltaserve.kernels.kda.fused_recurrent import fused_recurrent_kda
 from deltaserve.kernels.kda.gate import kda_gate, l2norm
+from deltaserve.kernels.varlen import PackedSeqs
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "kda_decode", "kda_gate", "kda_prefill", "l2norm"]
 
@@ -25,14 +26,16 @@ def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: torch.
 
 
 def kda_prefill(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: list[int], cu_seqlens: list[int],
-                scale: float):
-    """Packed sequences (cu_seqlens: B+1 host offsets). Same tensors as kda_decode with N tokens instead of B;
-    sequence b starts from state[state_slots[b]] and leaves its final state there. Returns o [N, H, V] float32."""
+                scale: float, packed: PackedSeqs | None = None):
+    """Packed sequences (cu_seqlens: B+1 host offsets; packed: the same as tensors, made here when needed and not
+    given). Same tensors as kda_decode with N tokens instead of B; sequence b starts from state[state_slots[b]] and
+    leaves its final state there. Returns o [N, H, V]: float32 from the torch path, v's dtype from fla-core's."""
     g, beta = kda_gate(g_raw, dt_bias, a_log), torch.sigmoid(b_raw).float()
     if q.is_cuda and q.dtype != torch.float32 and _fla_available():  # float32 keeps the exact torch path
         from deltaserve.kernels.kda.fla_chunk import fla_chunk_kda
 
-        return fla_chunk_kda(q, k, v, g, beta, scale, state, state_slots, cu_seqlens)
+        packed = packed or PackedSeqs.build(state_slots, cu_seqlens, q.device)
+        return fla_chunk_kda(q, k, v, g, beta, scale, state, packed)
     return chunk_kda(l2norm(q), l2norm(k), v.float(), g, beta, scale, state, state_slots, cu_seqlens)
 
 

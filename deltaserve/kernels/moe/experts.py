@@ -109,7 +109,12 @@ def _grouped_swiglu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, off
 
 def _weighted_sum(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Sorted expert outputs [T*k, D] -> sum over each token's k slots of weight x output, [T, D] in dtype: back to
-    (token, slot) order with a permutation, then the sum, with no atomics, so deterministic."""
+    (token, slot) order with a permutation, then the sum, with no atomics, so deterministic. On a GPU one Triton
+    kernel (kernels.moe.triton_combine), whose twin is the torch code here."""
+    if y.is_cuda:
+        from deltaserve.kernels.moe.triton_combine import weighted_sum
+
+        return weighted_sum(y, order, weights, dtype)
     T, k = weights.shape
     y = y.float() * weights.flatten()[order, None]
     unsorted = torch.empty_like(y).index_copy_(0, order, y)
