@@ -17,7 +17,7 @@ import time
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from deltaserve.config import QUANTIZATION_METHODS, EngineConfig
 from deltaserve.core.tensor_parallel import start_engine, stop_engine
@@ -38,6 +38,9 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=0,
                         help="also profile the prefill of one prompt this long, after the decode steps")
     parser.add_argument("--gaps", type=int, default=8, help="the largest idle gaps of the GPU to list")
+    parser.add_argument("--timeline-out", default=None,
+                        help="write the GPU's work (start and end in us, name) over the last profiled decode engine "
+                             "step, with the host's runner calls, to this JSON file")
     parser.add_argument("--host-top", type=int, default=0,
                         help="also print the host's top functions (cProfile, by own time) over --steps engine steps")
     args = parser.parse_args()
@@ -63,6 +66,9 @@ def main() -> None:
           f"{1000 * wall:.3f} ms an engine step under the profiler")
     print(f"without the profiler: engine step {1000 * step:.3f} ms ({1000 * step / args.burst:.3f} ms a decode step), "
           "graph replay alone " + ("-" if replay is None else f"{1000 * replay:.3f} ms"))
+    if args.timeline_out:
+        with open(args.timeline_out, "w") as f:
+            json.dump(last_step_timeline(prof, args.steps), f)
     result = {"batch": args.batch, "burst": args.burst, "wall_ms": 1000 * wall, "step_ms": 1000 * step,
               "replay_ms": None if replay is None else 1000 * replay,
               "decode": report(prof, args.steps * args.burst, "decode step", args.top, args.gaps)}
@@ -117,7 +123,8 @@ def _profile_decode(engine, args):
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for _ in range(args.steps):
-            engine.step()
+            with record_function("engine_step"):
+                engine.step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / args.steps
     # the same steps without the profiler: the engine's step, and the graph's replay alone (the GPU's step
@@ -147,6 +154,20 @@ def _profile_prefill(engine, prompt_len: int):
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     return prof, wall
+
+
+def last_step_timeline(prof, steps: int) -> dict:
+    """The last of `steps` engine steps in a profile: the GPU's work and the host's top-level calls that launch or
+    wait (graph replays, copies, syncs), as [start us, end us, name] from the step's first host event."""
+    host = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(("cuda", "aten::copy_",
+                                                                                           "aten::_local_scalar",
+                                                                                           "aten::item", "aten::to")))
+    device = sorted((e.time_range.start, e.time_range.end, e.name) for e in _device_events(prof))
+    step = [e for e in prof.events() if e.name == "engine_step"]
+    begin = sorted(e.time_range.start for e in step)[-1] if len(step) == steps else (device[0][0] if device else 0)
+    keep = lambda events: [[a - begin, b - begin, n[:80]] for a, b, n in events if b >= begin]  # noqa: E731
+    return {"host": keep(host), "device": keep(device)}
 
 
 def _device_events(prof) -> list:
