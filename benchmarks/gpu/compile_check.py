@@ -47,18 +47,21 @@ def jit_of(kernel):
 def main() -> int:
     ok = check("router", triton_routing._route_kernel, dict(
         logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64", E=256, K=8, RENORMALIZE=True,
-        SCALE=2.446, BLOCK_E=256, BLOCK_K=8), num_warps=1)
+        SCALE=2.446, BLOCK_E=256, BLOCK_K=8, PDL=True), num_warps=1)
     for block_e, block_d in triton_routing._ROUTER_TILES:  # the router's logits: the GEMV kernel, float32 weights
         ok &= check(f"router logits {block_e}x{block_d}", jit_of(triton_routing._router_logits_kernel), dict(
             x_ptr="*bf16", w_ptr="*fp32", y_ptr="*fp32", x_stride="i32", y_stride="i32", T_BUCKET="i32", N=256,
-            K=2304, GROUP_N=256, BLOCK_N=block_e, BLOCK_K=block_d, **gemv.NO_SCALES))
+            K=2304, GROUP_N=256, BLOCK_N=block_e, BLOCK_K=block_d, **gemv.NO_SCALES, PDL=True))
     for block_n, block_k in gemv.GEMV_TILES:
         for N, K, group_n in ((2304, 4096, 2304), (6720, 2304, 6720), (8192, 128, 4096)):  # o_proj, MLA in, KDA fg
             ok &= check(f"gemv {block_n}x{block_k}, {N}x{K} in groups of {group_n}", jit_of(gemv._gemv_kernel), dict(
                 x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", x_stride="i32", y_stride="i32", T_BUCKET="i32", N=N,
-                K=K, GROUP_N=group_n, BLOCK_N=block_n, BLOCK_K=block_k, **gemv.NO_SCALES))
+                K=K, GROUP_N=group_n, BLOCK_N=block_n, BLOCK_K=block_k, **gemv.NO_SCALES, PDL=True))
     ok &= check("moe weighted sum", triton_combine._weighted_sum_kernel, dict(
         y_ptr="*bf16", where_ptr="*i64", w_ptr="*fp32", out_ptr="*bf16", D=2304, K_SLOTS=8, BLOCK_D=512))
+    ok &= check("conv update", conv1d_triton._conv_update_kernel, dict(
+        x_ptr="*bf16", w_ptr="*bf16", state_ptr="*bf16", slots_ptr="*i64", y_ptr="*bf16", x_stride="i32", C=12288, W=4,
+        BLOCK_C=256, PDL=True))
     for dtype in ("*bf16", "*fp32"):  # prefill's short conv: the 48B shape's channels
         ok &= check(f"conv varlen {dtype}", conv1d_triton._conv_varlen_kernel, dict(
             x_ptr=dtype, w_ptr=dtype, state_ptr=dtype, slots_ptr="*i64", cu_ptr="*i64", y_ptr=dtype, x_stride="i32",
@@ -71,22 +74,23 @@ def main() -> int:
             ok &= check(f"fp8 gemv {block_n}x{block_k}, {N}x{K}", jit_of(gemv._fp8_gemv_kernel), dict(
                 x_ptr="*bf16", w_ptr="*fp8e4nv", y_ptr="*bf16", x_stride="i32", y_stride="i32", T_BUCKET="i32",
                 N=N, K=K, GROUP_N=N, BLOCK_N=block_n, BLOCK_K=block_k, s_ptr="*fp32", SCALED=True,
-                S_COLS=-(-K // 128), BN=128, BK=128))
+                S_COLS=-(-K // 128), BN=128, BK=128, PDL=True))
     for K in (128, 48):  # the 48B model's head width; the demo model's (not a power of two)
         ok &= check(f"KDA decode, K {K}", kda_triton_decode._kda_decode_kernel, dict(
             q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", graw_ptr="*bf16", braw_ptr="*bf16", dt_bias_ptr="*fp32",
             a_log_ptr="*fp32", state_ptr="*fp32", slots_ptr="*i64", o_ptr="*bf16", qkv_stride="i32", g_stride="i32",
             b_stride="i32", scale="fp32", H=32, K=K, V=K, BK=triton.next_power_of_2(K),
-            BV=min(triton.next_power_of_2(K), 32)))
+            BV=min(triton.next_power_of_2(K), 32), PDL=True))
     for dtype in ("bf16", "fp32"):
         ok &= check(f"MLA decode, {dtype}", mla_triton_decode._mla_decode_split_kernel, dict(
             q_ptr=f"*{dtype}", qr_ptr=f"*{dtype}", cache_ptr=f"*{dtype}", bt_ptr="*i64", lens_ptr="*i64",
             mid_o_ptr="*fp32", mid_lse_ptr="*fp32", q_stride_b="i32", q_stride_h="i32", qr_stride_b="i32",
             qr_stride_h="i32", bt_stride="i32", page_stride="i32", token_stride="i32", scale="fp32", page_size="i32",
-            num_splits="i32", H=32, R=512, DR=64, BR=512, BDR=64, BLOCK_H=16, BLOCK_N=32, IEEE=dtype == "fp32"),
+            num_splits="i32", H=32, R=512, DR=64, BR=512, BDR=64, BLOCK_H=16, BLOCK_N=32, IEEE=dtype == "fp32",
+            PDL=True),
             num_stages=mla_triton_decode.NUM_STAGES)
         ok &= check(f"MLA merge, {dtype}", mla_triton_decode._mla_decode_merge_kernel, dict(
-            mid_o_ptr="*fp32", mid_lse_ptr="*fp32", o_ptr=f"*{dtype}", num_splits="i32", R=512, BR=512))
+            mid_o_ptr="*fp32", mid_lse_ptr="*fp32", o_ptr=f"*{dtype}", num_splits="i32", R=512, BR=512, PDL=True))
     for aligned in (True, False):
         ok &= check(f"fp8 matmul, aligned {aligned}", triton_linear._matmul_kernel, dict(
             x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", y_ptr="*fp32", M="i32", N="i32", K=4096, S_COLS=32,
@@ -101,11 +105,11 @@ def main() -> int:
             ok &= check(f"expert gate/up {bi}x{bd}, scaled {scaled}, aligned {aligned}", gate_up, dict(
                 x_ptr="*bf16", w13_ptr=w_type, s13_ptr=s_type, shared13_ptr=w_type, shared_s13_ptr=s_type,
                 ids_ptr="*i64", act_ptr="*fp32", PAIRS_BUCKET="i32", K_SLOTS=8, SLOTS=slots, D=2304, I=1024, S_ROWS=16,
-                S_COLS=18, **scales, BLOCK_I=bi, BLOCK_D=bd))
+                S_COLS=18, **scales, BLOCK_I=bi, BLOCK_D=bd, PDL=True))
             ok &= check(f"expert down {bn}x{bk}, scaled {scaled}, aligned {aligned}", down, dict(
                 act_ptr="*fp32", w2_ptr=w_type, s2_ptr=s_type, shared2_ptr=w_type, shared_s2_ptr=s_type, ids_ptr="*i64",
                 weights_ptr="*fp32", y_ptr="*fp32", PAIRS_BUCKET="i32", K_SLOTS=8, SLOTS=slots, D=2304, I=1024,
-                S_ROWS=18, S_COLS=8, **scales, BLOCK_N=bn, BLOCK_K=bk))
+                S_ROWS=18, S_COLS=8, **scales, BLOCK_N=bn, BLOCK_K=bk, PDL=True))
     return 0 if ok else 1
 
 

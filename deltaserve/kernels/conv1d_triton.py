@@ -7,10 +7,13 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.pdl import pdl_args, pdl_enter
+
 
 @triton.jit
 def _conv_update_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, y_ptr, x_stride, C: tl.constexpr, W: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
+                        BLOCK_C: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     pid_c, b = tl.program_id(0), tl.program_id(1)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     ch = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -33,7 +36,7 @@ def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     W = weight.shape[1]
     y = torch.empty(B, C, dtype=x.dtype, device=x.device)
     _conv_update_kernel[(triton.cdiv(C, 256), B)](x, weight, conv_state, state_slots, y, x.stride(0), C=C, W=W,
-                                                   BLOCK_C=256, num_warps=4)
+                                                   BLOCK_C=256, num_warps=4, **pdl_args(x.device))
     return y
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels.autotune import tile_configs, with_tile
+from deltaserve.kernels.pdl import pdl_args, pdl_enter
 
 # one token only: a token's programs re-read the weights, and at 4 tokens that took 2-3x cuBLAS's time on an H200
 # (o_proj 14.8 against 7.7 us; at 1 token 5.3 against 7.7)
@@ -42,11 +43,13 @@ NO_SCALES = {"s_ptr": None, "SCALED": False, "S_COLS": 1, "BN": 1, "BK": 1}  # g
 @triton.jit
 def gemv_jit(x_ptr, w_ptr, y_ptr, x_stride, y_stride, T_BUCKET, N: tl.constexpr, K: tl.constexpr,
              GROUP_N: tl.constexpr, s_ptr, SCALED: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr,
-             BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+             BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y[t, rows] = x[t] . w[rows] in float32, stored in y's dtype; x and w read in their own dtypes. T_BUCKET (the
     token count rounded up to a power of two) is for an autotuner's key only. The router's logits
     (kernels.moe.triton_routing) run this same kernel under tiles of their own. SCALED: w's element [n, k] is
-    multiplied by s[n // BN, k // BK] (FP8 block scales, S_COLS to a row); without, s_ptr is None (NO_SCALES)."""
+    multiplied by s[n // BN, k // BK] (FP8 block scales, S_COLS to a row); without, s_ptr is None (NO_SCALES).
+    PDL: kernels.pdl."""
+    pdl_enter(PDL)
     pid_n, token = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     x_base = x_ptr + token * x_stride + (pid_n * BLOCK_N // GROUP_N) * K  # this block's group of rows reads its x
@@ -89,7 +92,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = N
         kernel, chosen = with_tile(_gemv_kernel, GEMV_NAMES, tile)
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), T)](x, weight, y, x.stride(0), y.stride(0),
                                                                   triton.next_power_of_2(T), N=N, K=K, GROUP_N=group_n,
-                                                                  **NO_SCALES, **chosen)
+                                                                  **NO_SCALES, **pdl_args(x.device), **chosen)
     return y
 
 
@@ -106,7 +109,7 @@ def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: t
         kernel, chosen = with_tile(_fp8_gemv_kernel, GEMV_NAMES, tile)
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), T)](
             x, q, y, x.stride(0), y.stride(0), triton.next_power_of_2(T), N=N, K=K, GROUP_N=N, s_ptr=scale_inv,
-            SCALED=True, S_COLS=scale_inv.shape[1], BN=block[0], BK=block[1], **chosen)
+            SCALED=True, S_COLS=scale_inv.shape[1], BN=block[0], BK=block[1], **pdl_args(x.device), **chosen)
     return y
 
 

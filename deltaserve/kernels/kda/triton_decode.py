@@ -8,15 +8,18 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.pdl import pdl_args, pdl_enter
+
 
 @triton.jit
 def _kda_decode_kernel(
     q_ptr, k_ptr, v_ptr, graw_ptr, braw_ptr, dt_bias_ptr, a_log_ptr, state_ptr, slots_ptr, o_ptr,
     qkv_stride, g_stride, b_stride, scale,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr,
 ):
     """BK: K rounded up to a power of two (tl.arange needs one; the demo model's heads are 48 wide), lanes past K
-    masked to zero; likewise lanes past V in the last BV tile."""
+    masked to zero; likewise lanes past V in the last BV tile. PDL: kernels.pdl."""
+    pdl_enter(PDL)
     i_v, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slots_ptr + i_b).to(tl.int64)
     offs_k = tl.arange(0, BK)
@@ -59,6 +62,6 @@ def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots, scale:
     _kda_decode_kernel[(triton.cdiv(V, BV), H, B)](
         q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots, o,
         q.stride(0), g_raw.stride(0), b_raw.stride(0), scale, H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
-        num_warps=4,
+        num_warps=4, **pdl_args(q.device),
     )
     return o

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.pdl import pdl_args, pdl_enter
+
 _BLOCK_N = 32  # context tokens per inner step
 _TARGET_PROGRAMS = 528  # ~4 per SM of an H100/H200: enough to stream the cache at full bandwidth
 NUM_STAGES = 2  # software pipelining of the split kernel's loads (benchmarks/gpu/compile_check.py uses it too)
@@ -24,10 +26,11 @@ def _mla_decode_split_kernel(
     q_ptr, qr_ptr, cache_ptr, bt_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
     q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale, page_size,
     num_splits, H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """page_size and num_splits are runtime arguments: the split count follows the batch and the table width, and
-    a constant would compile a variant per value while serving."""
+    a constant would compile a variant per value while serving. PDL: kernels.pdl."""
+    pdl_enter(PDL)
     i_hb, i_split, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = i_b.to(tl.int64)
     ctx = tl.load(lens_ptr + b).to(tl.int32)
@@ -77,9 +80,11 @@ def _mla_decode_split_kernel(
 
 
 @triton.jit
-def _mla_decode_merge_kernel(mid_o_ptr, mid_lse_ptr, o_ptr, num_splits, R: tl.constexpr, BR: tl.constexpr):
+def _mla_decode_merge_kernel(mid_o_ptr, mid_lse_ptr, o_ptr, num_splits, R: tl.constexpr, BR: tl.constexpr,
+                             PDL: tl.constexpr):
     """One (sequence, head): the slices' outputs weighted by exp(lse), one slice at a time (a running maximum, as
     in the split kernel); empty slices (lse -inf) are skipped. Slice 0 is never empty (contexts are >= 1 token)."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     offs_r = tl.arange(0, BR)
     mr = offs_r < R
@@ -127,7 +132,9 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
         cache.stride(0), cache.stride(1), scale, page, splits,
         H=H, R=R, DR=DR, BR=triton.next_power_of_2(R), BDR=max(16, triton.next_power_of_2(DR)), BLOCK_H=block_h,
         BLOCK_N=_BLOCK_N, IEEE=q_latent.dtype == torch.float32, num_warps=4, num_stages=NUM_STAGES,
+        **pdl_args(q_latent.device),
     )
     out = torch.empty(B, H, R, dtype=q_latent.dtype, device=q_latent.device)
-    _mla_decode_merge_kernel[(B * H,)](mid_o, mid_lse, out, splits, R=R, BR=triton.next_power_of_2(R), num_warps=4)
+    _mla_decode_merge_kernel[(B * H,)](mid_o, mid_lse, out, splits, R=R, BR=triton.next_power_of_2(R), num_warps=4,
+                                       **pdl_args(q_latent.device))
     return out

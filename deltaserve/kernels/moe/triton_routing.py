@@ -14,11 +14,14 @@ import triton.language as tl
 
 from deltaserve.kernels.autotune import tile_configs, with_tile
 from deltaserve.kernels.gemv import GEMV_NAMES, NO_SCALES, gemv_jit
+from deltaserve.kernels.pdl import pdl_args, pdl_enter
 
 
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, SCALE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                  RENORMALIZE: tl.constexpr, SCALE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PDL: tl.constexpr):
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, BLOCK_E)
     logits = tl.load(logits_ptr + token * E + experts, mask=experts < E, other=0.0)
@@ -53,7 +56,8 @@ def triton_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_
     if T:
         _route_kernel[(T,)](router_logits.float().contiguous(), correction_bias.float().contiguous(), weights, ids,
                             E=E, K=top_k, RENORMALIZE=renormalize, SCALE=float(scaling_factor),
-                            BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
+                            BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k), num_warps=1,
+                            **pdl_args(router_logits.device))
     return weights, ids
 
 
@@ -80,5 +84,5 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] |
         kernel, chosen = with_tile(_router_logits_kernel, GEMV_NAMES, tile)
         kernel[lambda meta: (triton.cdiv(E, meta["BLOCK_N"]), T)](
             x, weight.float().contiguous(), out, x.stride(0), out.stride(0), triton.next_power_of_2(T), N=E, K=D,
-            GROUP_N=E, **NO_SCALES, **chosen)
+            GROUP_N=E, **NO_SCALES, **pdl_args(x.device), **chosen)
     return out

@@ -1,0 +1,39 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for our decode-step kernels.
+
+A decode step at batch 1 is ~390 kernels of a few microseconds each, and each pays its launch and ramp-up while
+the GPU drains the previous one. A kernel launched with PDL may be scheduled while the kernel before it in the
+stream still runs: it starts with `pdl_enter`, which waits for that kernel to complete (its writes visible) and then
+lets the next kernel be scheduled in turn, so no memory access moves ahead of its dependency and only the launch
+overlaps. A kernel before ours that is not PDL-aware simply completes first, as without PDL; CUDA graphs keep the
+edges. Off on older GPUs, in Triton's CPU interpreter, and with DELTASERVE_PDL=0 (README, "GPU")."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """A kernel's first statement: with PDL, wait for the kernel before to complete, then let the next one launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_args(device: torch.device) -> dict:
+    """The launch arguments of a kernel that begins with pdl_enter: its PDL constexpr, and Triton's launch_pdl
+    option where PDL is on."""
+    on = (device.type == "cuda" and os.environ.get("DELTASERVE_PDL", "1") != "0"
+          and os.environ.get("TRITON_INTERPRET") != "1"
+          and _capable(device.index if device.index is not None else torch.cuda.current_device()))
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
