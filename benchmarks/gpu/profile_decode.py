@@ -164,14 +164,16 @@ def last_step_timeline(prof, steps: int) -> dict:
                                                                                            "aten::_local_scalar",
                                                                                            "aten::item", "aten::to")))
     device = sorted((e.time_range.start, e.time_range.end, e.name) for e in _device_events(prof))
-    step = [e for e in prof.events() if e.name == "engine_step"]
+    step = [e for e in prof.events() if e.name == "engine_step"
+            and e.device_type == torch.autograd.DeviceType.CPU]
     begin = sorted(e.time_range.start for e in step)[-1] if len(step) == steps else (device[0][0] if device else 0)
     keep = lambda events: [[a - begin, b - begin, n[:80]] for a, b, n in events if b >= begin]  # noqa: E731
     return {"host": keep(host), "device": keep(device)}
 
 
 def _device_events(prof) -> list:
-    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    """The GPU's kernels, copies and memsets (not the device-side span of an engine_step annotation)."""
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.name != "engine_step"]
 
 
 def gpu_idle(prof, top: int) -> dict:
