@@ -5,7 +5,8 @@ the GPU drains the previous one. A kernel launched with PDL may be scheduled whi
 stream still runs: it starts with `pdl_enter`, which waits for that kernel to complete (its writes visible) and then
 lets the next kernel be scheduled in turn, so no memory access moves ahead of its dependency and only the launch
 overlaps. A kernel before ours that is not PDL-aware simply completes first, as without PDL; CUDA graphs keep the
-edges. Off on older GPUs, in Triton's CPU interpreter, and with DELTASERVE_PDL=0 (README, "GPU")."""
+edges. Off on older GPUs, in Triton's CPU interpreter, and with DELTASERVE_PDL=0 set before the first launch
+(README, "GPU")."""
 
 from __future__ import annotations
 
@@ -25,15 +26,19 @@ def pdl_enter(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+_ON, _OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
+
+
 @functools.lru_cache(maxsize=None)
-def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+def _enabled(index: int) -> bool:
+    """Read once a process and device (the environment is not read again at every launch)."""
+    return (os.environ.get("DELTASERVE_PDL", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(index)[0] >= 9)
 
 
 def pdl_args(device: torch.device) -> dict:
     """The launch arguments of a kernel that begins with pdl_enter: its PDL constexpr, and Triton's launch_pdl
     option where PDL is on."""
-    on = (device.type == "cuda" and os.environ.get("DELTASERVE_PDL", "1") != "0"
-          and os.environ.get("TRITON_INTERPRET") != "1"
-          and _capable(device.index if device.index is not None else torch.cuda.current_device()))
-    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+    if device.type != "cuda":
+        return _OFF
+    return _ON if _enabled(device.index if device.index is not None else torch.cuda.current_device()) else _OFF

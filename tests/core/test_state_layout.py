@@ -1,0 +1,48 @@
+"""The runner's KDA state layout and a step's packed prefill sequences, on the CPU: every KDA layer's state tensors are
+rows of one stack a name (so a snapshot copy or a reset is one op a name and reaches every layer), and a step builds
+its prefill index tensors once for all layers."""
+
+import torch
+
+from deltaserve.kernels.pdl import pdl_args
+from deltaserve.kernels.varlen import PackedSeqs
+from deltaserve.runner.forward_batch import HostBatch
+from deltaserve.runner.model_runner import LayerCaches, allocate_caches
+
+
+class TwoKindsOfLayer:
+    """Stands in for a model: what cache_shapes() says of a KDA, an MLA and another KDA layer."""
+
+    def cache_shapes(self):
+        kda = {"conv": ((6, 3), "model"), "recurrent": ((2, 4, 4), "float32")}
+        return [kda, {"latent": ((5,), "model")}, dict(kda)]
+
+
+def test_kda_states_are_rows_of_one_stack_a_name():
+    caches = allocate_caches(TwoKindsOfLayer(), num_pages=3, page_size=2, num_slots=4, dtype=torch.bfloat16,
+                             device=torch.device("cpu"))
+    assert isinstance(caches, LayerCaches) and len(caches) == 3
+    assert caches.stacks["conv"].shape == (2, 4, 6, 3) and caches.stacks["conv"].dtype == torch.bfloat16
+    assert caches.stacks["recurrent"].shape == (2, 4, 2, 4, 4) and caches.stacks["recurrent"].dtype == torch.float32
+    assert caches[1]["latent"].shape == (3, 2, 5) and "conv" not in caches[1]
+    caches[2]["recurrent"][3].fill_(7.0)  # the third layer is the stack's second row
+    assert bool((caches.stacks["recurrent"][1, 3] == 7).all()) and not caches.stacks["recurrent"][0].any()
+    caches.stacks["conv"][:, 1] = 1.0  # one op reaches every layer's slot
+    assert bool((caches[0]["conv"][1] == 1).all()) and bool((caches[2]["conv"][1] == 1).all())
+    assert caches[0]["conv"].is_contiguous() and caches[2]["recurrent"].is_contiguous()
+
+
+def test_a_step_builds_its_packed_prefill_sequences_once():
+    host = HostBatch(input_ids=[1] * 9, positions=list(range(9)), slot_mapping=list(range(9)),
+                     query_lens=[1, 5, 3], start_positions=[4, 0, 0], state_slots=[2, 7, 5],
+                     block_tables=[[0, 1, 2], [3], [4]])
+    _, batch = host.to_device(torch.device("cpu"))
+    packed = batch.prefill_packed()
+    assert packed is batch.prefill_packed()  # one set of tensors for every layer of the step
+    assert packed.state_slots.tolist() == [7, 5] and packed.cu_seqlens.tolist() == [0, 5, 8]
+    assert packed.cu_seqlens_cpu.tolist() == [0, 5, 8] and packed.max_len == 5
+    assert PackedSeqs.build([], [0], torch.device("cpu")).max_len == 0
+
+
+def test_pdl_is_off_off_the_gpu():
+    assert pdl_args(torch.device("cpu")) == {"PDL": False}
