@@ -64,8 +64,8 @@ def main() -> int:
         BLOCK_C=256, PDL=True))
     for dtype in ("*bf16", "*fp32"):  # prefill's short conv: the 48B shape's channels
         ok &= check(f"conv varlen {dtype}", conv1d_triton._conv_varlen_kernel, dict(
-            x_ptr=dtype, w_ptr=dtype, state_ptr=dtype, slots_ptr="*i64", cu_ptr="*i64", y_ptr=dtype, x_stride="i32",
-            C=12288, W=4, BLOCK_T=conv1d_triton._VARLEN_BLOCK_T, BLOCK_C=conv1d_triton._VARLEN_BLOCK_C))
+            x_ptr=dtype, w_ptr=dtype, state_ptr=dtype, slots_ptr="*i64", cu_ptr="*i64", tiles_ptr="*i64", y_ptr=dtype,
+            x_stride="i32", C=12288, W=4, BLOCK_T=conv1d_triton.TOKEN_TILE, BLOCK_C=conv1d_triton._VARLEN_BLOCK_C))
         ok &= check(f"conv varlen state {dtype}", conv1d_triton._conv_state_kernel, dict(
             x_ptr=dtype, state_ptr=dtype, slots_ptr="*i64", cu_ptr="*i64", x_stride="i32", C=12288, W=4, BLOCK_W=4,
             BLOCK_C=256))

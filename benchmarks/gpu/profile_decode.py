@@ -47,7 +47,9 @@ def main() -> None:
     if args.burst < 1 or args.steps < 1 or args.prefill_len < 0:
         parser.error("--burst and --steps must be at least 1, --prefill-len at least 0")
     # one decode step per engine step unless --burst: the kernels and the host time of one token's step
-    longest = max(args.prompt_len + 3 * args.steps * args.burst + 32, args.prefill_len + 32)
+    # each request decodes a few warm-up engine steps, then three rounds of --steps (profiled, timed, host profile)
+    decode_tokens = (3 * args.steps + 4) * args.burst + 16
+    longest = max(args.prompt_len + decode_tokens + 16, args.prefill_len + 32)
     config = EngineConfig(dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=max(args.batch, 1),
                           max_model_len=longest, max_num_batched_tokens=8192, quantization=args.quantization,
                           num_decode_steps=args.burst)
@@ -68,7 +70,7 @@ def main() -> None:
           "graph replay alone " + ("-" if replay is None else f"{1000 * replay:.3f} ms"))
     if args.timeline_out:
         with open(args.timeline_out, "w") as f:
-            json.dump(last_step_timeline(prof, args.steps), f)
+            json.dump(last_step_timeline(prof), f)
     result = {"batch": args.batch, "burst": args.burst, "wall_ms": 1000 * wall, "step_ms": 1000 * step,
               "replay_ms": None if replay is None else 1000 * replay,
               "decode": report(prof, args.steps * args.burst, "decode step", args.top, args.gaps)}
@@ -112,7 +114,7 @@ def report(prof, units: int, unit: str, top: int, num_gaps: int) -> dict:
 def _profile_decode(engine, args):
     """(profile, wall seconds an engine step under it, the same without it, graph replay seconds, host text) over
     args.steps engine steps of args.batch requests, each step args.burst decode steps."""
-    params = SamplingParams(max_tokens=3 * args.steps * args.burst + 16, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=(3 * args.steps + 4) * args.burst + 16, temperature=0, ignore_eos=True)
     gen = torch.Generator().manual_seed(0)
     for _ in range(args.batch):
         engine.add_request(torch.randint(0, engine.model_config.vocab_size, (args.prompt_len,),
@@ -156,17 +158,17 @@ def _profile_prefill(engine, prompt_len: int):
     return prof, wall
 
 
-def last_step_timeline(prof, steps: int) -> dict:
-    """The last of `steps` engine steps in a profile: the GPU's work and the host's top-level calls that launch or
+def last_step_timeline(prof) -> dict:
+    """The last engine step of a profile: the GPU's work and the host's top-level calls that launch or
     wait (graph replays, copies, syncs), as [start us, end us, name] from the step's first host event."""
     host = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                  if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith(("cuda", "aten::copy_",
-                                                                                           "aten::_local_scalar",
-                                                                                           "aten::item", "aten::to")))
+                  if e.device_type == torch.autograd.DeviceType.CPU and (
+                      e.name.startswith("cuda") or e.name in ("aten::copy_", "aten::_local_scalar_dense", "aten::item",
+                                                             "aten::to")))
     device = sorted((e.time_range.start, e.time_range.end, e.name) for e in _device_events(prof))
     step = [e for e in prof.events() if e.name == "engine_step"
             and e.device_type == torch.autograd.DeviceType.CPU]
-    begin = sorted(e.time_range.start for e in step)[-1] if len(step) == steps else (device[0][0] if device else 0)
+    begin = max(e.time_range.start for e in step)
     keep = lambda events: [[a - begin, b - begin, n[:80]] for a, b, n in events if b >= begin]  # noqa: E731
     return {"host": keep(host), "device": keep(device)}
 

@@ -39,8 +39,7 @@ def causal_conv1d_varlen(
     if x.is_cuda:
         from deltaserve.kernels.conv1d_triton import conv1d_varlen
 
-        packed = packed or PackedSeqs.build(state_slots, cu_seqlens, x.device)
-        return conv1d_varlen(x, weight, conv_state, packed.state_slots, packed.cu_seqlens, packed.max_len)
+        return conv1d_varlen(x, weight, conv_state, packed or PackedSeqs.build(state_slots, cu_seqlens, x.device))
     D, W = weight.shape
     y = torch.empty_like(x)
     for b, slot in enumerate(state_slots):

@@ -70,7 +70,7 @@ def gemv_jit(x_ptr, w_ptr, y_ptr, x_stride, y_stride, T_BUCKET, N: tl.constexpr,
 
 _gemv_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, GEMV_TILES, (16, 256), warps=(4, 8)),
                                key=["N", "K", "GROUP_N"])(gemv_jit)
-# FP8 weights are half the bytes a row: the same tiles and twice the columns, so a load brings as many bytes
+# FP8 weights are half the bytes a row: the bf16 tiles, and three with twice their columns (a load of as many bytes)
 FP8_GEMV_TILES = GEMV_TILES + ((8, 1024), (16, 1024), (32, 512))
 _fp8_gemv_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, FP8_GEMV_TILES, (16, 512), warps=(4, 8)),
                                    key=["N", "K", "BN", "BK"])(gemv_jit)
@@ -104,6 +104,8 @@ def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: t
     T, K = x.shape
     N = q.shape[0]
     assert q.shape[1] == K and q.is_contiguous() and x.stride(1) == 1
+    assert scale_inv.shape == (triton.cdiv(N, block[0]), triton.cdiv(K, block[1])) and scale_inv.is_contiguous(), \
+        f"scales {tuple(scale_inv.shape)} do not fit a [{N}, {K}] weight in blocks of {block}"
     y = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T:
         kernel, chosen = with_tile(_fp8_gemv_kernel, GEMV_NAMES, tile)

@@ -18,9 +18,19 @@ class PackedSeqs:
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
     max_len: int
+    # [tiles, 2] on the device: (sequence, first token of the tile within it) for every TOKEN_TILE tokens of every
+    # sequence, so a kernel over token tiles launches as many programs as there are tiles, however uneven the
+    # lengths (a grid of sequences x the longest's tiles was mostly empty programs beside one long chunk)
+    token_tiles: torch.Tensor
 
     @staticmethod
     def build(state_slots: list[int], cu_seqlens: list[int], device: torch.device) -> PackedSeqs:
         cpu = torch.tensor(cu_seqlens, dtype=torch.int64)
+        lengths = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+        tiles = [(seq, t) for seq, n in enumerate(lengths) for t in range(0, n, TOKEN_TILE)]
         return PackedSeqs(torch.tensor(state_slots, dtype=torch.int64, device=device), cpu.to(device), cpu,
-                          max((b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])), default=0))
+                          max(lengths, default=0),
+                          torch.tensor(tiles, dtype=torch.int64).view(-1, 2).to(device))
+
+
+TOKEN_TILE = 32  # tokens a tile of PackedSeqs.token_tiles (kernels.conv1d_triton's prefill conv)

@@ -84,13 +84,13 @@ class KimiDeltaAttention(nn.Module):
         params = (self.dt_bias, self.A_log)
         if nd == q.shape[0]:
             return kda_decode(q, k, v, g_raw, b_raw, *params, state, batch.state_slots, scale).to(v.dtype)
-        prefill = lambda: kda_prefill(  # noqa: E731
-            q[nd:], k[nd:], v[nd:], g_raw[nd:], b_raw[nd:], *params, state, batch.state_slot_list[nd:],
-            batch.prefill_cu_seqlens(), scale, batch.prefill_packed() if q.is_cuda else None)
+        prefill = kda_prefill(q[nd:], k[nd:], v[nd:], g_raw[nd:], b_raw[nd:], *params, state,
+                              batch.state_slot_list[nd:], batch.prefill_cu_seqlens(), scale,
+                              batch.prefill_packed() if q.is_cuda else None)
         if not nd:
-            return prefill().to(v.dtype)
+            return prefill.to(v.dtype)
         o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        o[nd:] = prefill  # the decodes' and the prefills' state slots are disjoint: either may run first
         o[:nd] = kda_decode(q[:nd], k[:nd], v[:nd], g_raw[:nd], b_raw[:nd], *params, state, batch.state_slots[:nd],
                             scale)
-        o[nd:] = prefill()
         return o

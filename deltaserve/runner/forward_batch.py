@@ -2,7 +2,7 @@
 
 Sequences are ordered decodes first: the first num_decodes sequences have exactly one new token each (a decode,
 or a one-token prompt chunk), so their tokens are x[:num_decodes] and run through the batched recurrent paths;
-the rest are prefill chunks, run one sequence at a time through the chunked paths.
+the rest are prefill chunks, packed, through the chunked paths (prefill_packed: their index tensors, once a step).
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ class RequestState:
         return self.token_ids[self.num_prompt_tokens:]
 
 
+_COPY_CHUNK_BYTES = 256 << 20  # KDA states gathered at once by a snapshot copy (ACTIVATION_RESERVE_BYTES covers it)
 _ONE_THREAD_MAX_TOKENS = 4  # measured on 2 cores: 1 thread as fast at 4 decode tokens, slower at 16
 
 
@@ -57,8 +58,8 @@ class ModelRunner:
                  num_decode_steps: int = 1):
         self.model, self.cfg, self.plan, self.device = model, model_config, plan, torch.device(device)
         if self.device.type == "cuda" and dtype == torch.float32:
-            # float32 is the exact regime: no TF32 in matmuls, nor in cuDNN's convolutions (PyTorch allows it there
-            # by default); process-wide, as PyTorch offers it
+            # float32 is the exact regime: no TF32 in matmuls, nor in any cuDNN convolution (PyTorch allows it there
+            # by default; the model's own convs are Triton kernels on a GPU); process-wide, as PyTorch offers it
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
         # the last page and slot are scratch space for the padding rows of CUDA graphs; never handed out
@@ -171,14 +172,19 @@ class ModelRunner:
         """Copy whole KDA states (conv tails and recurrent state of every layer): pairs of (state slot, snapshot
         slot) into the snapshots, or pairs of (snapshot slot, state slot) into the state slots. Two ops a state
         name, whatever the layer count, and no wait for the device (the indices go over from pinned memory): a save
-        inside a decode burst stalled the queue for ~2 ms on an H200 when it was two ops a layer behind a sync."""
+        inside a decode burst stalled the queue for ~2 ms on an H200 when it was two ops a layer behind a sync).
+        The gathered states are a temporary: at most _COPY_CHUNK_BYTES of them at a time (a whole state of the 48B
+        model is ~40 MiB, and 256 requests may cross a block boundary in the same step)."""
         if not pairs:
             return
         src, dst = self._device_index([a for a, _ in pairs]), self._device_index([b for _, b in pairs])
+        per_pair = sum(stack[:, 0].numel() * stack.element_size() for stack in self.caches.stacks.values())
+        chunk = max(1, _COPY_CHUNK_BYTES // max(per_pair, 1))
         for name, snapshot in self.snapshots.items():
             state = self.caches.stacks[name]
             source, target = (state, snapshot) if to_snapshots else (snapshot, state)
-            target[:, dst] = source[:, src]
+            for i in range(0, len(pairs), chunk):
+                target[:, dst[i:i + chunk]] = source[:, src[i:i + chunk]]
 
     def _device_index(self, values: list[int]) -> torch.Tensor:
         """values as an int64 tensor on the device, copied without blocking the host."""
@@ -313,8 +319,8 @@ class LayerCaches(list):
 def allocate_caches(model, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype,
                     device: torch.device) -> LayerCaches:
     """Zeroed cache tensors, per layer: MLA pages [num_pages, page_size, latent_dim] in dtype; KDA conv tails
-    [num_slots, ...] in dtype and recurrent states [num_slots, ...] float32 (model.cache_shapes() says which), the
-    latter rows of LayerCaches.stacks."""
+    [num_slots, ...] in dtype and recurrent states [num_slots, ...] float32 (model.cache_shapes() says which), both
+    rows of LayerCaches.stacks."""
     shapes = model.cache_shapes()
     per_slot: dict[str, list[tuple[tuple[int, ...], str]]] = {}
     for layer in shapes:
