@@ -82,6 +82,14 @@ def test_conv_varlen_kernels_match_naive(W, lengths):
     assert torch.equal(state[others], before[others])
 
 
+def test_conv_varlen_kernels_with_no_tokens_leave_the_states():
+    """A step with no prefill tokens: an empty output, every state slot as it was."""
+    state = torch.randn(3, 8, 3, generator=torch.Generator().manual_seed(1))
+    before = state.clone()
+    y = conv1d_varlen(torch.empty(0, 8), torch.randn(8, 4), state, PackedSeqs.build([], [0], torch.device("cpu")))
+    assert y.shape == (0, 8) and torch.equal(state, before)
+
+
 @pytest.mark.parametrize("T,k,D", [(1, 2, 40), (7, 8, 600), (33, 4, 512)])
 def test_weighted_sum_kernel_matches_twin(T, k, D):
     """The grouped path's combine: sorted outputs back to their tokens, weighted and summed (D ragged against the
