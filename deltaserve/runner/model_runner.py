@@ -171,8 +171,8 @@ class ModelRunner:
     def _copy_states(self, pairs: list[tuple[int, int]], to_snapshots: bool) -> None:
         """Copy whole KDA states (conv tails and recurrent state of every layer): pairs of (state slot, snapshot
         slot) into the snapshots, or pairs of (snapshot slot, state slot) into the state slots. Two ops a state
-        name, whatever the layer count, and no wait for the device (the indices go over from pinned memory): a save
-        inside a decode burst stalled the queue for ~2 ms on an H200 when it was two ops a layer behind a sync).
+        name, whatever the layer count, and no wait for the device (the indices go over from pinned memory); a save
+        inside a decode burst stalled the queue for ~2 ms on an H200 when it was two ops a layer behind a sync.
         The gathered states are a temporary: at most _COPY_CHUNK_BYTES of them at a time (a whole state of the 48B
         model is ~40 MiB, and 256 requests may cross a block boundary in the same step)."""
         if not pairs:
