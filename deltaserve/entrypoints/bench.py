@@ -15,6 +15,7 @@ import torch
 
 from deltaserve.config import MLA, MOE, EngineConfig, ModelConfig
 from deltaserve.core.engine import Engine
+from deltaserve.kernels.pdl import pdl_args
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -139,6 +140,7 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
     return {"device": torch.cuda.get_device_name(device) if device != "cpu" else "cpu", "dtype": engine_config.dtype,
             "quantization": cfg.quantization.method if cfg.quantization else None, "tensor_parallel_size": world,
             "expert_parallel": engine_config.enable_expert_parallel,
+            "programmatic_dependent_launch": pdl_args(torch.device(device))["PDL"],
             "copy_GBps": bandwidth / 1e9, "peak_memory_GiB": peak / 2**30 if peak else None,
             "prompt_len": prompt_len, "output_len": output_len, "capacity": cache_capacity(engine.runner.plan),
             "rows": rows}
@@ -158,7 +160,8 @@ def cache_capacity(plan) -> dict:
 def print_report(result: dict) -> None:
     cols = ("batch", "prompt_len", "ttft_ms", "tpot_ms", "prefill_tok_s", "output_tok_s", "floor_ms", "floor_tok_s")
     weights = f" ({result['quantization']} weights)" if result.get("quantization") else ""
-    print(f"device {result['device']}, {result['dtype']}{weights}, copy {result['copy_GBps']:.0f} GB/s, "
+    pdl = ", programmatic dependent launch" if result.get("programmatic_dependent_launch") else ""
+    print(f"device {result['device']}, {result['dtype']}{weights}{pdl}, copy {result['copy_GBps']:.0f} GB/s, "
           f"peak memory {result['peak_memory_GiB'] or 0:.1f} GiB, prompt {result['prompt_len']}, "
           f"output {result['output_len']}")
     capacity = result["capacity"]
