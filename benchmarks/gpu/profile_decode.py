@@ -45,7 +45,8 @@ def main() -> None:
                         help="also print the host's top functions (cProfile, by own time) over --steps engine steps")
     args = parser.parse_args()
     if args.burst < 1 or args.steps < 1 or args.prefill_len < 0:
-        parser.error("--burst and --steps must be at least 1, --prefill-len at least 0")
+        parser.error(f"--burst and --steps must be at least 1, --prefill-len at least 0; got --burst {args.burst}, "
+                     f"--steps {args.steps}, --prefill-len {args.prefill_len}")
     # one decode step per engine step unless --burst: the kernels and the host time of one token's step
     # each request decodes a few warm-up engine steps, then three rounds of --steps (profiled, timed, host profile)
     decode_tokens = (3 * args.steps + 4) * args.burst + 16

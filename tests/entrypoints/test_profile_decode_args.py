@@ -1,0 +1,19 @@
+"""benchmarks/gpu/profile_decode.py refuses bad counts right after parsing, before it starts any engine (so this runs
+without a GPU)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "profile_decode.py"
+
+
+@pytest.mark.parametrize("flag,value", [("--burst", "0"), ("--steps", "0"), ("--prefill-len", "-1")])
+def test_bad_counts_are_refused_before_any_engine(flag, value):
+    result = subprocess.run([sys.executable, str(SCRIPT), "--config", "unused.json", flag, value],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--burst and --steps must be at least 1, --prefill-len at least 0" in result.stderr
+    assert f"{flag} {value}" in result.stderr  # the value given
