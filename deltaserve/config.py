@@ -329,6 +329,10 @@ class EngineConfig:
     # logprobs or stop strings (README, "Decode bursts"): the host schedules, syncs and detokenizes once per burst,
     # not once per token; 1 turns it off
     num_decode_steps: int = 8
+    # queue the decode burst that follows a burst before reading the first one's tokens (core/scheduler.py,
+    # Chained bursts), so the host's work between bursts overlaps the device's; None: on for a GPU, off on the CPU
+    # (where the host is the device, and a request that stops would cost a burst of tokens computed for nothing)
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         def bad(name, value, expectation):
@@ -362,6 +366,8 @@ class EngineConfig:
             bad("enable_expert_parallel", True, "needs tensor_parallel_size > 1 (experts are split over its ranks)")
         if self.num_cache_blocks is not None and self.num_cache_blocks < 1:
             bad("num_cache_blocks", self.num_cache_blocks, "must be a positive integer")
+        if self.async_scheduling not in (None, True, False):
+            bad("async_scheduling", self.async_scheduling, "must be True, False or None (on for a GPU)")
         if self.num_snapshot_slots is not None and (not isinstance(self.num_snapshot_slots, int)
                                                     or self.num_snapshot_slots < 1):
             bad("num_snapshot_slots", self.num_snapshot_slots, "must be a positive integer (or None for the default)")

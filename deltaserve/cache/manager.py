@@ -18,6 +18,12 @@ indexes only after the step that computed them (cache_computed): two requests ad
 share a page still being written; the second computes its own copy and the index keeps the first.
 A request's cached prefix (find_cached_prefix) is the longest run of whole blocks with both its pages and the
 snapshot at its end, leaving at least one token to compute so that the step produces logits to sample from.
+
+A chained decode burst (Scheduler.schedule_chained) is planned while the burst before it still runs, so its saves
+(plan_chained_snapshot_save) wait in `_chained` until that burst's outputs are applied (end_step), then count as
+this step's saves. Such a save overwrites the request's rolling slot in place; if the request leaves before it is
+applied (a stop token in the burst before, an abort), the slot's old contents are gone, so it is dropped, not
+published.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ class CacheManager:
         self.prefix_cache = PrefixCache(self.block_pool) if caching else None
         self.snapshots = SnapshotCache(num_snapshot_slots) if caching else None
         self._writes: dict[str, _SnapshotWrite] = {}  # snapshot saves the runner makes in this step, by request
+        self._chained: dict[str, _SnapshotWrite] = {}  # saves of a chained burst, applied the step after this one
         self._rolling: dict[str, _SnapshotWrite] = {}  # running requests' private snapshots at their last boundary
         self._pinned: list[int] = []  # snapshot slots restored from in this step
         self._lookups = _Lookups()
@@ -196,6 +203,21 @@ class CacheManager:
         self._writes[req.req_id] = _SnapshotWrite(slot, end, False)
         return req.state_slot, slot, end - start - 1
 
+    def plan_chained_snapshot_save(self, req: Request, num_pending: int, num_steps: int) -> tuple[int, int, int] | None:
+        """plan_burst_snapshot_save for a chained burst: req decodes num_steps tokens after the num_pending that the
+        burst in flight computes (not yet applied: req.num_computed_tokens is still before them). The slot is the
+        one this step's save or the rolling snapshot holds (overwritten in place), else a new one."""
+        if self.prefix_cache is None:
+            return None
+        start = req.num_computed_tokens + num_pending
+        end = (start + num_steps) // self.block_size * self.block_size
+        held = self._writes.get(req.req_id) or self._rolling.get(req.req_id)
+        if end <= start or (held is None and self.snapshots.num_available == 0):
+            return None
+        slot = held.slot if held else self.snapshots.allocate()
+        self._chained[req.req_id] = _SnapshotWrite(slot, end, False)
+        return req.state_slot, slot, end - start - 1
+
     def cache_computed(self, req: Request) -> None:
         """After a step: enter req's newly full pages in the page index and publish the snapshot it saved."""
         if self.prefix_cache is None:
@@ -219,7 +241,8 @@ class CacheManager:
             self._rolling[req.req_id] = write
 
     def end_step(self) -> None:
-        """After a step's outputs are applied: unpin the snapshots restored from, drop saves of departed requests."""
+        """After a step's outputs are applied: unpin the snapshots restored from, drop saves of departed requests;
+        a chained burst's saves become the next step's."""
         if self.snapshots is None:
             return
         for slot in self._pinned:
@@ -227,6 +250,7 @@ class CacheManager:
         self._pinned.clear()
         for req_id in list(self._writes):
             self._drop_write(req_id)
+        self._writes, self._chained = self._chained, {}
 
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
         """Hit counters and pool use of the prefix cache; None when it is off."""
@@ -279,7 +303,12 @@ class CacheManager:
 
     def _publish_rolling(self, req: Request) -> None:
         self._drop_write(req.req_id)  # a save the runner has not made yet: its slot holds nothing usable
+        chained = self._chained.pop(req.req_id, None)
         rolling = self._rolling.pop(req.req_id, None)
+        if chained is not None:  # a burst in flight overwrites that slot past what req keeps
+            self.snapshots.discard(chained.slot)
+            if rolling is not None and rolling.slot == chained.slot:
+                rolling = None
         if rolling is not None:
             self.snapshots.commit(rolling.slot, self._block_hashes(req)[rolling.position // self.block_size - 1])
 
@@ -287,7 +316,8 @@ class CacheManager:
         write = self._writes.pop(req_id, None)
         if write is None:
             return
-        self.snapshots.discard(write.slot)
-        rolling = self._rolling.get(req_id)
+        rolling, chained = self._rolling.get(req_id), self._chained.get(req_id)
         if rolling is not None and rolling.slot == write.slot:
             del self._rolling[req_id]  # it was being overwritten
+        if chained is None or chained.slot != write.slot:  # else the chained save holds it still
+            self.snapshots.discard(write.slot)

@@ -3,6 +3,11 @@
 add_request() queues; step() runs one scheduler step for every unfinished request at once and returns a
 RequestOutput for each request that progressed. Stop strings are found by each request's incremental
 detokenizer and finish the request through the scheduler.
+
+With asynchronous scheduling (EngineConfig.async_scheduling), a step whose work is a decode burst first queues the
+burst that follows it (Scheduler.schedule_chained) and only then waits for its own tokens, so the device computes
+the next burst while the host applies, detokenizes and returns this one's. The next step() then starts from that
+burst in flight instead of scheduling.
 """
 
 from __future__ import annotations
@@ -17,12 +22,12 @@ from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.prefix_cache import PrefixCacheStats
 from deltaserve.cache.sizing import describe_plan, plan_cache
 from deltaserve.config import EngineConfig, ModelConfig
-from deltaserve.core.outputs import CompletionOutput, Logprob, Logprobs, RequestOutput
+from deltaserve.core.outputs import CompletionOutput, Logprob, Logprobs, RequestOutput, SchedulerOutput
 from deltaserve.core.scheduler import Scheduler
 from deltaserve.distributed import SINGLE, ParallelConfig, broadcast_object
 from deltaserve.loader.model_loader import DTYPES
 from deltaserve.request import Request, RequestStatus
-from deltaserve.runner.model_runner import ModelRunner
+from deltaserve.runner.model_runner import ModelRunner, PendingOutput
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tokenizer import load_tokenizer
 from deltaserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -69,6 +74,11 @@ class Engine:
             self.tokenizer.eos_token_ids if self.tokenizer else ())))
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        async_scheduling = engine_config.async_scheduling
+        if async_scheduling is None:  # on where it hides something: the device runs apart from the host
+            async_scheduling = engine_config.device != "cpu"
+        self.async_scheduling = async_scheduling and parallel.world_size == 1
+        self._inflight: tuple[SchedulerOutput, PendingOutput] | None = None  # a chained burst, queued
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None) -> str:
@@ -99,16 +109,30 @@ class Engine:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        sched = self.scheduler.schedule()
-        if not sched.num_scheduled_tokens:
-            if self.scheduler.has_unfinished_requests():  # the next call would schedule nothing again: a loop
-                raise RuntimeError(
-                    f"the scheduler scheduled nothing while {self.scheduler.num_running} running and "
-                    f"{self.scheduler.num_waiting} waiting requests remain; this is a scheduler bug (a request "
-                    "that can never get pages or a slot), not something to retry: abort the requests")
-            return []
-        broadcast_object(sched, self.parallel)  # the other ranks run the same step on their shards
-        runner_out = self.runner.execute(sched)
+        if self._inflight is not None:
+            sched, pending = self._inflight
+            self._inflight = None
+            if not any(r in self.scheduler.requests for r in sched.num_scheduled_tokens):
+                self._apply(sched, pending)  # every request of the burst in flight has left: nothing to output
+                return self.step()
+        else:
+            sched = self.scheduler.schedule()
+            if not sched.num_scheduled_tokens:
+                if self.scheduler.has_unfinished_requests():  # the next call would schedule nothing again: a loop
+                    raise RuntimeError(
+                        f"the scheduler scheduled nothing while {self.scheduler.num_running} running and "
+                        f"{self.scheduler.num_waiting} waiting requests remain; this is a scheduler bug (a request "
+                        "that can never get pages or a slot), not something to retry: abort the requests")
+                return []
+            broadcast_object(sched, self.parallel)  # the other ranks run the same step on their shards
+            pending = self.runner.submit(sched)
+        if self.async_scheduling and (chained := self.scheduler.schedule_chained(sched)) is not None:
+            self._inflight = chained, self.runner.submit(chained, inflight=pending)
+        return self._apply(sched, pending)
+
+    def _apply(self, sched: SchedulerOutput, pending: PendingOutput) -> list[RequestOutput]:
+        """Wait for a step's tokens, update the scheduler and build the outputs of the requests that progressed."""
+        runner_out = pending.result()
         updates = self.scheduler.update_from_output(sched, runner_out)
         for req_id, entries in runner_out.prompt_logprobs.items():
             self._add_prompt_logprobs(req_id, entries, sched.num_scheduled_tokens[req_id])

@@ -35,6 +35,14 @@ runs past a request's max_tokens or max_model_len; a burst whose pages cannot al
 caching, a request's rolling snapshot is saved inside the burst, after the step where single steps would have
 saved it last (CacheManager.plan_burst_snapshot_save), and the burst's full blocks enter the page index once its
 tokens are appended.
+
+Chained bursts (asynchronous scheduling). While a burst runs on the device, schedule_chained plans the next one
+before the first one's tokens are known, as if none of them stopped its request: the same requests, pages for the
+tokens after both, each step's input the step before's token on the device. The host then reads and applies the
+first burst's tokens while the device computes the second. A request that a stop token ends in the first burst is
+still computed by the second; its update skips it, as it skips aborted requests, and its pages and slot, freed
+meanwhile, are written again only by work queued after that burst. The chain breaks (the next step is scheduled
+as usual, after the sync) whenever a request waits or the burst conditions would not hold after the first burst.
 """
 
 from __future__ import annotations
@@ -124,7 +132,7 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
-            if scheduler_output.num_decode_steps > 1:
+            if scheduler_output.num_decode_steps > 1 or scheduler_output.chained:
                 sampled = runner_output.sampled_token_ids[req_id]
                 updates.append((req, self._append_burst(req, num_tokens * scheduler_output.num_decode_steps, sampled)))
                 continue
@@ -218,6 +226,35 @@ class Scheduler:
                 out.snapshot_saves.append(save[:2])
                 out.snapshot_save_steps.append(save[2])
         return steps
+
+    def schedule_chained(self, inflight: SchedulerOutput) -> SchedulerOutput | None:
+        """The decode burst that follows `inflight` (a burst whose tokens are not applied yet), for the same running
+        requests (module docstring, Chained bursts); None when it cannot be chained."""
+        pending = inflight.num_decode_steps
+        if ((pending < 2 and not inflight.chained) or self.waiting or not self.running
+                or any(req.req_id not in inflight.num_scheduled_tokens for req in self.running)):
+            return None
+        steps = self.num_decode_steps
+        for req in self.running:  # each decoded `pending` tokens in the burst: all were bursting, so all still may
+            room = min(req.sampling_params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
+            steps = min(steps, room - pending)
+        if steps < 1:
+            return None  # some request ends by length in the burst in flight
+        out = SchedulerOutput(chained=True, num_decode_steps=steps)
+        for req in self.running:
+            block_ids = self.cache.allocate_slots(req, pending + steps)
+            if block_ids is None:
+                return None  # pages taken for the others stay theirs, used by later steps (as _decode_burst's)
+            out.cached_reqs.append(CachedRequestData(req.req_id, block_ids, req.num_computed_tokens + pending))
+            out.num_scheduled_tokens[req.req_id] = 1
+        for req in self.running:
+            save = self.cache.plan_chained_snapshot_save(req, pending, steps)
+            if save is not None:
+                out.snapshot_saves.append(save[:2])
+                out.snapshot_save_steps.append(save[2])
+        out.finished_req_ids = self._finished_req_ids
+        self._finished_req_ids = set()
+        return out
 
     def _num_new_tokens(self, req: Request, start: int, budget: int) -> int:
         """Tokens to compute from `start`: all left, within the budget, cut to end at a snapshot position."""

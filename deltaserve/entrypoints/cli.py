@@ -43,6 +43,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-decode-steps", type=int, default=EngineConfig.num_decode_steps,
                    help="decode steps run back to back, one sync a burst, while no request asks for penalties, "
                         "logprobs or stop strings (1: one step at a time; streams then get one token a step)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="queue the next decode burst before reading this one's tokens, so the host's work between "
+                        "bursts overlaps the device's (default: on for a GPU, off on the CPU)")
 
 
 def _token_ids(text: str) -> list[int]:
@@ -102,7 +105,7 @@ def _make_llm(args, progress=None):
                threads=args.threads, load_format=args.load_format,
                enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
                enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-               num_decode_steps=args.num_decode_steps)
+               num_decode_steps=args.num_decode_steps, async_scheduling=args.async_scheduling)
 
 
 def cmd_generate(args) -> None:
@@ -155,7 +158,7 @@ def cmd_bench(args) -> None:
                           enable_prefix_caching=args.enable_prefix_caching,
                           tensor_parallel_size=args.tensor_parallel_size,
                           enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-                          num_decode_steps=args.num_decode_steps)
+                          num_decode_steps=args.num_decode_steps, async_scheduling=args.async_scheduling)
     result = bench(args.config or args.model or str(BUNDLED_MODEL), engine, args.batch_sizes, args.prompt_len,
                    args.output_len, args.long_prompt_len)
     print_report(result)

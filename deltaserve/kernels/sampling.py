@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from deltaserve.kernels.varlen import to_device
 from deltaserve.sampling_params import SamplingParams
 
 _SEED_STRIDE = 1_000_003  # a prime: (seed, step) pairs stay distinct for runs shorter than a million tokens
@@ -102,7 +103,7 @@ def build_sampling_metadata(
     seen_token_ids = [prompt + output for prompt, output in zip(prompt_token_ids, output_token_ids)]
 
     def column(name: str, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor([getattr(p, name) for p in params], dtype=dtype, device=device)
+        return to_device([getattr(p, name) for p in params], dtype, device)  # no wait: a chained burst queues it
 
     return SamplingMetadata(
         temperature=column("temperature", torch.float32),

@@ -37,21 +37,22 @@ class DecodeGraphs:
         n = self.sizes[-1]
         # a step's inputs reach the graph as one copy of this block (a padding row's values in every column past
         # the batch), staged in pinned host memory; plus one copy of the batch's block tables. num_stages staging
-        # blocks: the steps of a decode burst are queued without a sync, so each needs its own
+        # blocks: the steps of a decode burst are queued without a sync, so each needs its own; and two sets of
+        # them (sides): a chained burst is queued before the burst before it has synced
         self.inputs = torch.zeros(len(self.FIELDS), n, dtype=torch.int64, device=device)
         self.input_ids, self.positions, self.slot_mapping, self.state_slots, self.context_lens = self.inputs.unbind(0)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int64, device=device)
         pin = device.type == "cuda"
-        self.staging = torch.zeros(num_stages, len(self.FIELDS), n, dtype=torch.int64, pin_memory=pin)
-        self.table_staging = torch.zeros(0, dtype=torch.int64, pin_memory=pin)
+        self.staging = torch.zeros(2, num_stages, len(self.FIELDS), n, dtype=torch.int64, pin_memory=pin)
+        self.table_staging = [torch.zeros(0, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         # a padding row: one token into the scratch page, state in the scratch slot, a context of that one token,
         # so only its first table entry is read (whatever page that names: any page id in the table is valid, and
         # the row's output is dropped)
         self.padding = torch.tensor([0, 0, scratch_block * block_size, scratch_slot, 1], dtype=torch.int64)
         self.staging[:] = self.padding[:, None]
         self.block_tables[:, 0] = scratch_block
-        self.inputs.copy_(self.staging[0])
-        self.staged = [0] * num_stages  # per staging block, its columns from here on hold the padding row
+        self.inputs.copy_(self.staging[0, 0])
+        self.staged = [[0] * num_stages for _ in range(2)]  # per staging block, its columns from here on: padding
         self.scratch_slot = scratch_slot
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -79,29 +80,32 @@ class DecodeGraphs:
         return (all(n == 1 for n in host.query_lens) and host.num_seqs <= self.sizes[-1]
                 and host.table_width <= self.max_blocks)
 
-    def run(self, host: HostBatch, input_ids: torch.Tensor | None = None, stage: int = 0) -> torch.Tensor:
+    def run(self, host: HostBatch, input_ids: torch.Tensor | None = None, stage: int = 0, side: int = 0
+            ) -> torch.Tensor:
         """Replay for a decode-only batch; returns logits [B, V] float32 (a view of a static buffer).
 
         input_ids: [B] on the device, instead of host.input_ids (the tokens of a decode burst's previous step).
         stage: which staging block to fill; a burst's step number, whose block tables are step 0's (not copied
-        again). A staging block is rewritten only by the next call with its stage, after the caller has read that
-        call's logits (a sync), so its asynchronous copy has completed."""
+        again). side: which set of staging blocks (0 or 1); consecutive bursts alternate. A staging block is
+        rewritten only by a later burst on its side, after the caller has read that call's logits (a sync), so its
+        asynchronous copy has completed."""
         B, width = host.num_seqs, host.table_width
         size = next(s for s in self.sizes if s >= B)
-        staging = self.staging[stage]
+        staging = self.staging[side, stage]
         values = (host.input_ids, host.positions, host.slot_mapping, host.state_slots, host.context_lens)
         staging[:, :B] = torch.tensor(values, dtype=torch.int64)
-        if self.staged[stage] > B:  # columns a larger batch used: back to the padding row
-            staging[:, B:self.staged[stage]] = self.padding[:, None]
-        self.staged[stage] = B
+        staged = self.staged[side]
+        if staged[stage] > B:  # columns a larger batch used: back to the padding row
+            staging[:, B:staged[stage]] = self.padding[:, None]
+        staged[stage] = B
         self.inputs.copy_(staging, non_blocking=True)
         if input_ids is not None:
             self.input_ids[:B].copy_(input_ids)
         if stage == 0:
-            if self.table_staging.numel() < B * width:
-                self.table_staging = torch.zeros(max(B * width, 2 * self.table_staging.numel()), dtype=torch.int64,
-                                                 pin_memory=self.staging.is_pinned())
-            tables = self.table_staging[:B * width].view(B, width)
+            if self.table_staging[side].numel() < B * width:
+                self.table_staging[side] = torch.zeros(max(B * width, 2 * self.table_staging[side].numel()),
+                                                       dtype=torch.int64, pin_memory=self.staging.is_pinned())
+            tables = self.table_staging[side][:B * width].view(B, width)
             tables.copy_(torch.tensor(host.padded_tables(), dtype=torch.int64))
             self.block_tables[:B, :width].copy_(tables, non_blocking=True)  # entries past a context are never read
         self.graphs[size].replay()

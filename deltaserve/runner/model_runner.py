@@ -19,6 +19,7 @@ from deltaserve.cache.sizing import CachePlan
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, check_divisible
 from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, row_generators, sample
+from deltaserve.kernels.varlen import to_device
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
 from deltaserve.runner.cuda_graph import DecodeGraphs, graph_width
 from deltaserve.runner.forward_batch import HostBatch, cache_slot
@@ -70,6 +71,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else None
         self.graphs = None
+        self._burst_side = 0  # the staging side of the next decode burst's CUDA graph inputs (DecodeGraphs.run)
         if cuda_graphs and self.device.type == "cuda" and dtype != torch.float32:  # float32: the exact, eager path
             # graph_max_context: the longest context decoded through a graph (the engine passes the model length;
             # never more than the cache holds), where the static block table stays small
@@ -111,32 +113,42 @@ class ModelRunner:
         weights = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
         return gpu_cache_budget(total, free, weights, engine.gpu_memory_utilization)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one scheduler step and return its sampled tokens (waits for the device)."""
+        return self.submit(sched).result()
+
+    @torch.inference_mode()
+    def submit(self, sched: SchedulerOutput, inflight: PendingOutput | None = None) -> PendingOutput:
+        """Queue one scheduler step. A decode burst is left running: its PendingOutput's result() waits for it; any
+        other step has run to its sampled tokens already. inflight: for a chained burst (sched.chained), the burst
+        still running whose last tokens are this one's first inputs."""
         from deltaserve.core.outputs import RunnerOutput
 
         self._update_requests(sched)
         order = sorted(sched.num_scheduled_tokens, key=lambda r: sched.num_scheduled_tokens[r] != 1)
         if not order:
-            return RunnerOutput([], {})
-        host = self._host_batch(order, sched.num_scheduled_tokens)
+            return PendingOutput(RunnerOutput([], {}))
+        if sched.chained and (inflight is None or inflight.last_tokens is None):
+            raise ValueError("a chained decode burst needs the burst in flight whose tokens it continues")
+        host = self._host_batch(order, sched.num_scheduled_tokens, placeholder_ids=sched.chained)
         if self.cpu_threads is not None:
             # a step of a few tokens is bound by memory bandwidth, which one core already saturates here, and
             # per-op overhead, which more threads only raise (and a busy machine multiplies): one thread for those
             few = len(host.input_ids) <= _ONE_THREAD_MAX_TOKENS
             torch.set_num_threads(1 if few else self.cpu_threads)
-        if sched.num_decode_steps > 1:
+        if sched.num_decode_steps > 1 or sched.chained:
+            first = inflight.tokens_of(order) if sched.chained else None
             out = self._decode_burst(order, host, sched.num_decode_steps, sched.snapshot_saves,
-                                     sched.snapshot_save_steps)
+                                     sched.snapshot_save_steps, first)
         elif self.graphs is not None and self.graphs.can_run(host):
             logits = self.graphs.run(host)
-            out = self._sample(order, host.query_lens, lambda rows: _rows(logits, rows))
+            out = PendingOutput(self._sample(order, host.query_lens, lambda rows: _rows(logits, rows)))
         else:
             input_ids, batch = host.to_device(self.device)
             hidden = self.model(input_ids, batch, self.caches)
-            out = self._sample(order, host.query_lens,
-                               lambda rows: self.model.compute_logits(_rows(hidden, rows)))
-        if sched.num_decode_steps == 1:
+            out = PendingOutput(self._sample(order, host.query_lens,
+                                             lambda rows: self.model.compute_logits(_rows(hidden, rows))))
+        if sched.num_decode_steps == 1 and not sched.chained:
             self._copy_states(sched.snapshot_saves, to_snapshots=True)  # the states after this step's tokens
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)  # the process's setting, as the caller left it
@@ -177,7 +189,8 @@ class ModelRunner:
         model is ~40 MiB, and 256 requests may cross a block boundary in the same step)."""
         if not pairs:
             return
-        src, dst = self._device_index([a for a, _ in pairs]), self._device_index([b for _, b in pairs])
+        src = to_device([a for a, _ in pairs], torch.int64, self.device)
+        dst = to_device([b for _, b in pairs], torch.int64, self.device)
         per_pair = sum(stack[:, 0].numel() * stack.element_size() for stack in self.caches.stacks.values())
         chunk = max(1, _COPY_CHUNK_BYTES // max(per_pair, 1))
         for name, snapshot in self.snapshots.items():
@@ -186,23 +199,18 @@ class ModelRunner:
             for i in range(0, len(pairs), chunk):
                 target[:, dst[i:i + chunk]] = source[:, src[i:i + chunk]]
 
-    def _device_index(self, values: list[int]) -> torch.Tensor:
-        """values as an int64 tensor on the device, copied without blocking the host."""
-        if self.device.type == "cpu":
-            return torch.tensor(values, dtype=torch.int64)
-        return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(self.device, non_blocking=True)
-
     def _reset_state(self, slot: int) -> None:
         for stack in self.caches.stacks.values():
             stack[:, slot].zero_()
 
-    def _host_batch(self, order: list[str], num_tokens: dict[str, int]) -> HostBatch:
+    def _host_batch(self, order: list[str], num_tokens: dict[str, int], placeholder_ids: bool = False) -> HostBatch:
+        """placeholder_ids: input ids 0, for a chained burst (its inputs are still being computed on the device)."""
         ids, positions, slots, query_lens, starts = [], [], [], [], []
         bs = self.plan.block_size
         for req_id in order:
             state, n = self.requests[req_id], num_tokens[req_id]
             start = state.num_computed_tokens
-            ids.extend(state.token_ids[start: start + n])
+            ids.extend([0] * n if placeholder_ids else state.token_ids[start: start + n])
             positions.extend(range(start, start + n))
             slots.extend(cache_slot(state.block_ids, p, bs) for p in range(start, start + n))
             query_lens.append(n)
@@ -212,11 +220,13 @@ class ModelRunner:
                          [s.block_ids for s in states])
 
     def _decode_burst(self, order: list[str], host: HostBatch, num_steps: int, saves: list[tuple[int, int]],
-                      save_steps: list[int]) -> RunnerOutput:
+                      save_steps: list[int], first_ids: torch.Tensor | None = None) -> PendingOutput:
         """num_steps decode steps of every request in `order` (all decodes, greedy or sampling without penalties or
         logprobs; the scheduler allocated their pages): each step's tokens are the next one's input, kept on the
-        device, so the host waits once, at the end. Each step runs exactly what a step of its own would (its CUDA
-        graph, or the eager model). saves: KDA states copied to snapshot slots after the burst step in save_steps."""
+        device, so the host waits once, in result(). Each step runs exactly what a step of its own would (its CUDA
+        graph, or the eager model). saves: KDA states copied to snapshot slots after the burst step in save_steps.
+        first_ids: [B] on the device, the first step's input ids (a chained burst's), else the requests' last
+        tokens. The requests' computed tokens advance now; their sampled tokens join them in result()."""
         from deltaserve.core.outputs import RunnerOutput
 
         states = [self.requests[req_id] for req_id in order]
@@ -224,12 +234,15 @@ class ModelRunner:
         meta = None if plain_greedy(params) else build_sampling_metadata(  # no penalties nor logprobs (scheduler)
             params, [s.token_ids[: s.num_prompt_tokens] for s in states], [s.output_token_ids for s in states],
             self.cfg.vocab_size, self.device, self.generator)
+        # outputs each request has before this burst, those of a burst still in flight included
+        num_outputs = [s.num_computed_tokens + 1 - s.num_prompt_tokens for s in states]
+        side, self._burst_side = self._burst_side, 1 - self._burst_side
         tokens = []  # per step, [B] int64 on the device
         for step in range(num_steps):
             batch_host = host if step == 0 else host.advanced(step, self.plan.block_size)
-            previous = tokens[-1] if tokens else None
+            previous = tokens[-1] if tokens else first_ids
             if self.graphs is not None and self.graphs.can_run(batch_host):
-                logits = self.graphs.run(batch_host, input_ids=previous, stage=step)
+                logits = self.graphs.run(batch_host, input_ids=previous, stage=step, side=side)
             else:
                 input_ids, batch = batch_host.to_device(self.device)
                 hidden = self.model(input_ids if previous is None else previous, batch, self.caches)
@@ -237,16 +250,34 @@ class ModelRunner:
             if meta is None:
                 tokens.append(logits.argmax(dim=-1))
             else:  # seeded rows draw from generators seeded for this step's output count, as single steps would
-                generators = row_generators(params, [len(s.output_token_ids) + step for s in states], self.device)
+                generators = row_generators(params, [n + step for n in num_outputs], self.device)
                 tokens.append(sample(logits, replace(meta, generators=generators)).token_ids)
             self._copy_states([pair for pair, at in zip(saves, save_steps) if at == step], to_snapshots=True)
-        sampled = torch.stack(tokens, dim=1).tolist()  # [B, num_steps]: the one sync
-        out = RunnerOutput(req_ids=list(order), sampled_token_ids={})
-        for req_id, state, row in zip(order, states, sampled):
+        for state in states:
             state.num_computed_tokens += num_steps
-            state.token_ids.extend(row)
-            out.sampled_token_ids[req_id] = row
-        return out
+        sampled, copied = self._to_host(torch.stack(tokens, dim=1))  # [B, num_steps]
+
+        def finish() -> RunnerOutput:
+            if copied is not None:
+                copied.synchronize()  # the one sync: for this burst's copy, not for work queued after it
+            out = RunnerOutput(req_ids=list(order), sampled_token_ids={})
+            for req_id, state, row in zip(order, states, sampled.tolist()):
+                state.token_ids.extend(row)
+                out.sampled_token_ids[req_id] = row
+            return out
+
+        return PendingOutput(finish=finish, order=order, last_tokens=tokens[-1])
+
+    def _to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """x copied to host memory, queued now: (the copy, an event that completes with it; None on the CPU). A
+        chained burst queued after this one does not delay it, as x.tolist() later would (it queues behind)."""
+        if self.device.type == "cpu":
+            return x, None
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host.copy_(x, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return host, copied
 
     def _sample(self, order: list[str], query_lens: list[int], logits_at) -> RunnerOutput:
         """logits_at(rows) -> logits [len(rows), V] float32 at those token rows of this step."""
@@ -292,6 +323,27 @@ class ModelRunner:
         logits = logits_at(list(range(first_row, first_row + last - start)))
         targets = state.token_ids[start + 1: last + 1]
         out.prompt_logprobs[state.req_id] = prompt_logprobs(logits, targets, state.sampling_params.prompt_logprobs)
+
+
+class PendingOutput:
+    """A step's RunnerOutput, ready or still being computed on the device (a decode burst): result() waits for it
+    once. A burst's last sampled tokens stay on the device (last_tokens, rows in `order`) for a chained burst."""
+
+    def __init__(self, output: RunnerOutput | None = None, finish=None, order: list[str] | None = None,
+                 last_tokens: torch.Tensor | None = None):
+        self._output, self._finish, self.order, self.last_tokens = output, finish, order, last_tokens
+
+    def result(self) -> RunnerOutput:
+        if self._output is None:
+            self._output, self._finish = self._finish(), None
+        return self._output
+
+    def tokens_of(self, req_ids: list[str]) -> torch.Tensor:
+        """last_tokens of req_ids, in that order (a chained burst may have fewer requests: some were aborted)."""
+        if req_ids == self.order:
+            return self.last_tokens
+        row = {r: i for i, r in enumerate(self.order)}
+        return self.last_tokens[torch.tensor([row[r] for r in req_ids], device=self.last_tokens.device)]
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The engine on a GPU: float32 equals the CPU's greedy tokens; CUDA graphs equal eager bf16. Skipped without CUDA."""
+"""The engine on a GPU: float32 equals the CPU's greedy tokens; CUDA graphs equal eager bf16; chained bursts equal
+unchained ones. Skipped without CUDA."""
 
 import json
 
@@ -71,3 +72,25 @@ def assert_graphs_match_eager(llm, prompts, max_tokens=24, TIE=0.1):
             continue
         top = sorted(e.logprobs[i].items(), key=lambda kv: -kv[1].logprob)[:2]
         assert g.token_ids[i] == top[1][0] and top[0][1].logprob - top[1][1].logprob < TIE, (i, top)
+
+
+def test_chained_bursts_replay_the_graphs_of_unchained_ones_exactly(tiny):
+    """bf16 with CUDA graphs: asynchronous scheduling (on by default on a GPU: each decode burst queued before the
+    one before it has synced, its graph inputs staged on the other side) gives the very tokens of synchronous
+    bursts, greedy and seeded sampling: the same graphs replay the same inputs in the same order."""
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS + [list(range(20, 60))]]
+    params = [SamplingParams(max_tokens=30 + 7 * i, temperature=0, ignore_eos=True) for i in range(3)]
+    params += [SamplingParams(max_tokens=41, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True),
+               SamplingParams(max_tokens=26, temperature=1.0, top_k=20, seed=6, ignore_eos=True)]
+    tokens = {}
+    for chained in (False, True):
+        llm = LLM(tiny, device="cuda", dtype="bfloat16", max_model_len=512, async_scheduling=chained)
+        assert llm.engine.runner.graphs is not None and llm.engine.async_scheduling == chained
+        plans = []
+        chain = llm.engine.scheduler.schedule_chained
+        llm.engine.scheduler.schedule_chained = lambda s: plans.append(chain(s)) or plans[-1]
+        tokens[chained] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert any(plans) == chained
+        del llm
+    assert tokens[True] == tokens[False]
+    assert LLM(tiny, device="cuda", dtype="bfloat16", max_model_len=512).engine.async_scheduling  # the default

@@ -1,0 +1,103 @@
+"""Asynchronous scheduling (chained decode bursts) gives the tokens of one decode step at a time: in float32 on the
+CPU, greedy and seeded sampled requests, stop tokens inside a burst, a chat's follow-up turn and an abort while a
+chained burst is in flight, against single steps; and the chained bursts did run."""
+
+from __future__ import annotations
+
+import pytest
+from helpers.engine import as_inputs, assert_same_outputs, random_prompts
+
+from deltaserve import SamplingParams
+
+
+def count_chains(llm) -> list[int]:
+    """Wrap the scheduler to record the steps of each chained burst it plans."""
+    scheduler = llm.engine.scheduler
+    seen, chain = [], scheduler.schedule_chained
+
+    def recording(inflight):
+        out = chain(inflight)
+        if out is not None:
+            seen.append(out.num_decode_steps)
+        return out
+
+    scheduler.schedule_chained = recording
+    return seen
+
+
+def test_async_scheduling_is_off_on_the_cpu_unless_asked(make_llm):
+    assert not make_llm().engine.async_scheduling
+    assert make_llm(async_scheduling=True).engine.async_scheduling
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_chained_bursts_give_the_tokens_of_single_steps(make_llm, prefix_caching):
+    prompts = random_prompts((1, 5, 17, 40, 63, 100), seed=3)
+    params = [SamplingParams(max_tokens=20 + 3 * i, temperature=0, ignore_eos=True) for i in range(3)]
+    params += [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
+               SamplingParams(max_tokens=19, temperature=1.2, top_k=20, min_p=0.05, seed=12, ignore_eos=True),
+               SamplingParams(max_tokens=30, temperature=0.5, seed=13, ignore_eos=True)]
+    single = make_llm(num_decode_steps=1, enable_prefix_caching=prefix_caching, max_num_seqs=8)
+    expected = single.generate(as_inputs(prompts), params, use_tqdm=False)
+    for steps in (3, 8):
+        llm = make_llm(num_decode_steps=steps, enable_prefix_caching=prefix_caching, max_num_seqs=8,
+                       async_scheduling=True)
+        chains = count_chains(llm)
+        got = llm.generate(as_inputs(prompts), params, use_tqdm=False)
+        assert chains and max(chains) == steps
+        assert_same_outputs(got, expected, f"chained bursts of {steps} vs single steps")
+
+
+def test_a_stop_token_before_a_chained_burst_ends_the_request_there(make_llm):
+    prompts = random_prompts((30, 9), seed=5)
+    free = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    single = make_llm(num_decode_steps=1).generate(as_inputs(prompts), free, use_tqdm=False)
+    tokens = single[0].outputs[0].token_ids
+    stop = tokens[12]  # in the second burst of 8, while the third is chained
+    first = tokens.index(stop)
+    params = [SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop]), free]
+    llm = make_llm(num_decode_steps=8, async_scheduling=True)
+    chains = count_chains(llm)
+    out = llm.generate(as_inputs(prompts), params, use_tqdm=False)
+    assert chains
+    assert out[0].outputs[0].token_ids == tokens[:first + 1]
+    assert out[0].outputs[0].finish_reason == "stop" and out[0].outputs[0].stop_reason == stop
+    assert out[1].outputs[0].token_ids == single[1].outputs[0].token_ids  # the other went on, exact
+
+
+def test_a_follow_up_finds_the_rolling_snapshot_chained_bursts_saved(make_llm):
+    (prompt,) = random_prompts((37,), seed=7)
+    results = {}
+    for steps, chained in ((1, False), (8, True)):
+        llm = make_llm(num_decode_steps=steps, async_scheduling=chained)
+        first = llm.generate(as_inputs([prompt]), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                             use_tqdm=False)[0]
+        follow_up = prompt + first.outputs[0].token_ids + [3, 4, 5]
+        second = llm.generate(as_inputs([follow_up]), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                              use_tqdm=False)[0]
+        results[steps] = (first.outputs[0].token_ids, second.outputs[0].token_ids, second.num_cached_tokens)
+    assert results[8] == results[1]
+    assert results[8][2] == (37 + 40 - 1) // 16 * 16  # the last boundary the first turn's tokens reached
+
+
+def test_an_abort_while_a_chained_burst_is_in_flight_leaves_the_others_exact(make_llm):
+    prompts = random_prompts((12, 33, 20), seed=9)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = make_llm(num_decode_steps=1).generate(as_inputs(prompts), params, use_tqdm=False)
+    llm = make_llm(num_decode_steps=4, async_scheduling=True)
+    engine = llm.engine
+    ids = [engine.add_request(p, params) for p in prompts]
+    final, aborted = {}, False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        if engine._inflight is not None and not aborted:
+            engine.abort(ids[1])
+            aborted = True
+    assert aborted and ids[1] not in final
+    for i in (0, 2):
+        assert final[ids[i]].outputs[0].token_ids == expected[i].outputs[0].token_ids
+    # the engine is idle and takes new work: the same prompt again gives the same tokens
+    again = llm.generate(as_inputs(prompts[:1]), params, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == expected[0].outputs[0].token_ids
