@@ -2,14 +2,17 @@
 # One lease on an H200: install the carried wheels, then the stages named in STAGES (default: all), each writing
 # its log under $OUT:
 #   tests     tests/gpu (kernels against their twins, float32 GPU = CPU, FP8 GPU = CPU fallback), one pytest a file
-#   (in this order:) tests, kernels, bench, fp8, pdl, parity, profile, prefill, baseline
+#   (in this order:) tests, kernels, bench, fp8, pdl, async, parity, profile, prefill, baseline
 #   kernels   benchmarks/gpu/kernels_bench.py: MLA decode, MLA prefill, FP8 experts, the decode experts' tiles, the
 #             dense GEMV and the router (KPARTS: a comma-separated subset of those parts)
 #   parity    the demo model: bfloat16 on the GPU against a float32 golden captured on the GPU, 8 prompts x 64
 #             tokens, and 4 random prompts of 32k tokens x 128 (the demo's config.json raised past its 4k limit)
 #   bench     the 48B shape (dummy weights), bf16: batch 1, 64, 256 at prompt 512, and one 8k-token prompt
 #   fp8       the 48B shape with --quantization fp8 at 51% of the card's memory (an 80 GB H100's share)
-#   pdl       batch-1 bench with programmatic dependent launch (the default) and without (DELTASERVE_PDL=0)
+#   pdl       batch-1 bench with programmatic dependent launch (the default) and without (DELTASERVE_PDL=0); the
+#             second recompiles every Triton kernel (PDL is a compile-time constant): over 100 s of engine start
+#   async     batch 1 with asynchronous scheduling and without, alternated on one engine (async_ab.py): the same
+#             greedy tokens, and TPOT each way
 #   profile   kernel time of a batch-1 decode step, bf16 (and fp8)
 #   prefill   one 8k-token prompt, bf16, alone
 #   baseline  4 layers (3 KDA + 1 MLA) of the 48B shape: deltaserve and transformers + fla-core, same call
@@ -19,7 +22,7 @@
 # then ran out of memory); the limits here kill the python processes themselves.
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STAGES=${STAGES:-tests kernels parity bench fp8 pdl profile prefill baseline}
+STAGES=${STAGES:-tests kernels parity bench fp8 pdl async profile prefill baseline}
 export PYTHONPATH=$PWD/.gpu/site:$PWD
 python3 -m pip install --no-deps --no-index --target "$PWD/.gpu/site" wheels/fla_core-0.6.0-py3-none-any.whl \
     wheels/transformers-5.24.0-py3-none-any.whl >/dev/null 2>&1 || echo "wheel install failed"
@@ -76,6 +79,11 @@ if has pdl; then
         --json-out "$OUT/bench_pdl$v.json" > "$OUT/bench_pdl$v.txt" 2>&1
     echo "DELTASERVE_PDL=$v"; grep -A2 "batch  " "$OUT/bench_pdl$v.txt" | cut -c1-130
   done
+fi
+if has async; then
+  timeout ${T_ASYNC:-300} python3 benchmarks/gpu/async_ab.py --config $CFG --batch 1 --rounds 3 --output-len 64 \
+      --json-out "$OUT/async_ab.json" > "$OUT/async_ab.txt" 2>&1
+  grep -E "^greedy|^round|Error" "$OUT/async_ab.txt" | cut -c1-200
 fi
 if has parity; then
   (
