@@ -19,7 +19,7 @@ share a page still being written; the second computes its own copy and the index
 A request's cached prefix (find_cached_prefix) is the longest run of whole blocks with both its pages and the
 snapshot at its end, leaving at least one token to compute so that the step produces logits to sample from.
 
-A chained decode burst (Scheduler.schedule_chained) is planned while the burst before it still runs, so its saves
+A chained decode burst (Scheduler.schedule_chained) is planned while the step before it still runs, so its saves
 (plan_chained_snapshot_save) wait in `_chained` until that burst's outputs are applied (end_step), then count as
 this step's saves. Such a save overwrites the request's rolling slot in place; if the request leaves before it is
 applied (a stop token in the burst before, an abort), the slot's old contents are gone, so it is dropped, not
@@ -203,15 +203,18 @@ class CacheManager:
         self._writes[req.req_id] = _SnapshotWrite(slot, end, False)
         return req.state_slot, slot, end - start - 1
 
-    def plan_chained_snapshot_save(self, req: Request, num_pending: int, num_steps: int) -> tuple[int, int, int] | None:
-        """plan_burst_snapshot_save for a chained burst: req decodes num_steps tokens after the num_pending that the
-        burst in flight computes (not yet applied: req.num_computed_tokens is still before them). The slot is the
-        one this step's save or the rolling snapshot holds (overwritten in place), else a new one."""
+    def plan_chained_snapshot_save(self, req: Request, num_inflight: int,
+                                   num_steps: int) -> tuple[int, int, int] | None:
+        """plan_burst_snapshot_save for a chained burst: req decodes num_steps tokens after the num_inflight that the
+        step in flight computes (not yet applied: req.num_computed_tokens is still before them). The slot is the
+        rolling one (overwritten in place) or that of the step in flight's rolling save, else a new one; never the
+        shared prompt-end snapshot's."""
         if self.prefix_cache is None:
             return None
-        start = req.num_computed_tokens + num_pending
+        start = req.num_computed_tokens + num_inflight
         end = (start + num_steps) // self.block_size * self.block_size
-        held = self._writes.get(req.req_id) or self._rolling.get(req.req_id)
+        write = self._writes.get(req.req_id)
+        held = write if write is not None and not write.shared else self._rolling.get(req.req_id)
         if end <= start or (held is None and self.snapshots.num_available == 0):
             return None
         slot = held.slot if held else self.snapshots.allocate()

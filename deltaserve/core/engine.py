@@ -4,10 +4,10 @@ add_request() queues; step() runs one scheduler step for every unfinished reques
 RequestOutput for each request that progressed. Stop strings are found by each request's incremental
 detokenizer and finish the request through the scheduler.
 
-With asynchronous scheduling (EngineConfig.async_scheduling), a step whose work is a decode burst first queues the
-burst that follows it (Scheduler.schedule_chained) and only then waits for its own tokens, so the device computes
-the next burst while the host applies, detokenizes and returns this one's. The next step() then starts from that
-burst in flight instead of scheduling.
+With asynchronous scheduling (EngineConfig.async_scheduling), a step whose requests all sample (a decode burst, or
+decodes and the last chunks of prompts) first queues the decode burst that follows it (Scheduler.schedule_chained)
+and only then waits for its own tokens, so the device computes the burst while the host applies, detokenizes and
+returns this step's. The next step() then starts from that burst in flight instead of scheduling.
 """
 
 from __future__ import annotations

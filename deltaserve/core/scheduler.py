@@ -36,13 +36,14 @@ caching, a request's rolling snapshot is saved inside the burst, after the step 
 saved it last (CacheManager.plan_burst_snapshot_save), and the burst's full blocks enter the page index once its
 tokens are appended.
 
-Chained bursts (asynchronous scheduling). While a burst runs on the device, schedule_chained plans the next one
-before the first one's tokens are known, as if none of them stopped its request: the same requests, pages for the
-tokens after both, each step's input the step before's token on the device. The host then reads and applies the
-first burst's tokens while the device computes the second. A request that a stop token ends in the first burst is
+Chained bursts (asynchronous scheduling). While a burst, or a step in which every request samples (decodes and the
+last chunks of prompts), runs on the device, schedule_chained plans the burst after it before its tokens are known,
+as if none of them stopped its request: the same requests, pages for the tokens after both, each step's input the
+step before's token on the device. The host then reads and applies the first step's tokens while the device
+computes the burst. A request that a stop token ends in the first burst is
 still computed by the second; its update skips it, as it skips aborted requests, and its pages and slot, freed
 meanwhile, are written again only by work queued after that burst. The chain breaks (the next step is scheduled
-as usual, after the sync) whenever a request waits or the burst conditions would not hold after the first burst.
+as usual, after the sync) whenever a request waits or the burst conditions would not hold after the first step.
 """
 
 from __future__ import annotations
@@ -228,27 +229,38 @@ class Scheduler:
         return steps
 
     def schedule_chained(self, inflight: SchedulerOutput) -> SchedulerOutput | None:
-        """The decode burst that follows `inflight` (a burst whose tokens are not applied yet), for the same running
-        requests (module docstring, Chained bursts); None when it cannot be chained."""
-        pending = inflight.num_decode_steps
-        if ((pending < 2 and not inflight.chained) or self.waiting or not self.running
-                or any(req.req_id not in inflight.num_scheduled_tokens for req in self.running)):
+        """The decode burst that follows `inflight`, a step whose sampled tokens are not applied yet (a burst, or a
+        step in which every request samples: decodes and prompts' last chunks), for the same running requests
+        (module docstring, Chained bursts); None when it cannot be chained."""
+        if self.waiting or not self.running or any(r.req_id not in inflight.num_scheduled_tokens for r in self.running):
             return None
+        produced = inflight.num_decode_steps  # tokens each request samples in the step in flight
+        computed = {}  # tokens each request computes in the step in flight
         steps = self.num_decode_steps
-        for req in self.running:  # each decoded `pending` tokens in the burst: all were bursting, so all still may
-            room = min(req.sampling_params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
-            steps = min(steps, room - pending)
+        for req in self.running:
+            params, num_tokens = req.sampling_params, inflight.num_scheduled_tokens[req.req_id]
+            if req.num_computed_tokens + num_tokens != req.num_tokens or params.logprobs is not None or params.stop \
+                    or params.penalized:
+                return None  # a prompt chunk short of its end samples nothing; the others never burst
+            computed[req.req_id] = num_tokens + produced - 1
+            room = min(params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
+            steps = min(steps, room - produced)
         if steps < 1:
-            return None  # some request ends by length in the burst in flight
+            return None  # some request ends by length in the step in flight
+        # all the pages or none: pages taken for some requests of a chain that is then dropped would never reach the
+        # runner (every request holds its state slot already, so pages are all allocate_slots can lack)
+        if sum(self.cache.blocks_needed(r, computed[r.req_id] + steps) for r in self.running) > \
+                self.cache.num_free_blocks:
+            return None
         out = SchedulerOutput(chained=True, num_decode_steps=steps)
         for req in self.running:
-            block_ids = self.cache.allocate_slots(req, pending + steps)
-            if block_ids is None:
-                return None  # pages taken for the others stay theirs, used by later steps (as _decode_burst's)
-            out.cached_reqs.append(CachedRequestData(req.req_id, block_ids, req.num_computed_tokens + pending))
+            block_ids = self.cache.allocate_slots(req, computed[req.req_id] + steps)
+            assert block_ids is not None, "counted free above"
+            out.cached_reqs.append(CachedRequestData(req.req_id, block_ids,
+                                                     req.num_computed_tokens + computed[req.req_id]))
             out.num_scheduled_tokens[req.req_id] = 1
         for req in self.running:
-            save = self.cache.plan_chained_snapshot_save(req, pending, steps)
+            save = self.cache.plan_chained_snapshot_save(req, computed[req.req_id], steps)
             if save is not None:
                 out.snapshot_saves.append(save[:2])
                 out.snapshot_save_steps.append(save[2])

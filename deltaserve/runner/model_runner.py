@@ -119,9 +119,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def submit(self, sched: SchedulerOutput, inflight: PendingOutput | None = None) -> PendingOutput:
-        """Queue one scheduler step. A decode burst is left running: its PendingOutput's result() waits for it; any
-        other step has run to its sampled tokens already. inflight: for a chained burst (sched.chained), the burst
-        still running whose last tokens are this one's first inputs."""
+        """Queue one scheduler step; its PendingOutput's result() waits for its sampled tokens (a step with prompt
+        logprobs has waited for those already). inflight: for a chained burst (sched.chained), the step still running
+        whose last tokens are this one's first inputs."""
         from deltaserve.core.outputs import RunnerOutput
 
         self._update_requests(sched)
@@ -129,7 +129,7 @@ class ModelRunner:
         if not order:
             return PendingOutput(RunnerOutput([], {}))
         if sched.chained and (inflight is None or inflight.last_tokens is None):
-            raise ValueError("a chained decode burst needs the burst in flight whose tokens it continues")
+            raise ValueError("a chained decode burst needs the step in flight whose sampled tokens it continues")
         host = self._host_batch(order, sched.num_scheduled_tokens, placeholder_ids=sched.chained)
         if self.cpu_threads is not None:
             # a step of a few tokens is bound by memory bandwidth, which one core already saturates here, and
@@ -142,12 +142,11 @@ class ModelRunner:
                                      sched.snapshot_save_steps, first)
         elif self.graphs is not None and self.graphs.can_run(host):
             logits = self.graphs.run(host)
-            out = PendingOutput(self._sample(order, host.query_lens, lambda rows: _rows(logits, rows)))
+            out = self._sample(order, host.query_lens, lambda rows: _rows(logits, rows))
         else:
             input_ids, batch = host.to_device(self.device)
             hidden = self.model(input_ids, batch, self.caches)
-            out = PendingOutput(self._sample(order, host.query_lens,
-                                             lambda rows: self.model.compute_logits(_rows(hidden, rows))))
+            out = self._sample(order, host.query_lens, lambda rows: self.model.compute_logits(_rows(hidden, rows)))
         if sched.num_decode_steps == 1 and not sched.chained:
             self._copy_states(sched.snapshot_saves, to_snapshots=True)  # the states after this step's tokens
         if self.cpu_threads is not None:
@@ -274,13 +273,15 @@ class ModelRunner:
         if self.device.type == "cpu":
             return x, None
         host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        host.copy_(x, non_blocking=True)
+        host.copy_(x, non_blocking=True)  # on x's device's current stream
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(x.device))  # that stream: the current device may be another card
         return host, copied
 
-    def _sample(self, order: list[str], query_lens: list[int], logits_at) -> RunnerOutput:
-        """logits_at(rows) -> logits [len(rows), V] float32 at those token rows of this step."""
+    def _sample(self, order: list[str], query_lens: list[int], logits_at) -> PendingOutput:
+        """logits_at(rows) -> logits [len(rows), V] float32 at those token rows of this step. The sampled tokens
+        reach the host in result(); when every request samples, they also stay on the device as last_tokens (the
+        inputs of a chained burst)."""
         from deltaserve.core.outputs import RunnerOutput
 
         out = RunnerOutput(req_ids=list(order), sampled_token_ids={r: [] for r in order})
@@ -292,27 +293,34 @@ class ModelRunner:
                 self._prompt_logprobs(state, end - n, n, logits_at, out)
             if state.num_computed_tokens >= len(state.token_ids):
                 sampling.append((state, end - 1))
-        if sampling:
-            self._sample_tokens([s for s, _ in sampling], logits_at([row for _, row in sampling]), out)
-        return out
-
-    def _sample_tokens(self, states: list[RequestState], logits: torch.Tensor, out: RunnerOutput) -> None:
-        """One token per state from logits [len(states), V] float32: appended to its tokens and recorded in out,
-        with its logprobs where asked."""
+        if not sampling:
+            return PendingOutput(out)
+        states = [s for s, _ in sampling]
         params = [s.sampling_params for s in states]
+        logits = logits_at([row for _, row in sampling])
         if plain_greedy(params):
-            token_ids, result = logits.argmax(dim=-1).tolist(), None
+            token_ids, result = logits.argmax(dim=-1), None
         else:
             result = sample(logits, build_sampling_metadata(
                 params, [s.token_ids[: s.num_prompt_tokens] for s in states], [s.output_token_ids for s in states],
                 self.cfg.vocab_size, self.device, self.generator))
-            token_ids = result.token_ids.tolist()
-        for state, token in zip(states, token_ids):
-            state.token_ids.append(token)
-            out.sampled_token_ids[state.req_id] = [token]
-        if result is not None and result.logprobs is not None:
-            entries = sampled_logprobs(result.logprobs, token_ids, [p.logprobs for p in params])
-            out.logprobs.update((s.req_id, [e]) for s, e in zip(states, entries) if e is not None)
+            token_ids = result.token_ids
+        sampled, copied = self._to_host(token_ids)
+
+        def finish() -> RunnerOutput:
+            if copied is not None:
+                copied.synchronize()
+            tokens = sampled.tolist()
+            for state, token in zip(states, tokens):
+                state.token_ids.append(token)
+                out.sampled_token_ids[state.req_id] = [token]
+            if result is not None and result.logprobs is not None:
+                entries = sampled_logprobs(result.logprobs, tokens, [p.logprobs for p in params])
+                out.logprobs.update((s.req_id, [e]) for s, e in zip(states, entries) if e is not None)
+            return out
+
+        every = len(states) == len(order)
+        return PendingOutput(finish=finish, order=order if every else None, last_tokens=token_ids if every else None)
 
     def _prompt_logprobs(self, state: RequestState, first_row: int, n: int, logits_at, out: RunnerOutput) -> None:
         """Logprobs of the prompt tokens this chunk predicts (position p predicts token p + 1)."""
@@ -326,8 +334,9 @@ class ModelRunner:
 
 
 class PendingOutput:
-    """A step's RunnerOutput, ready or still being computed on the device (a decode burst): result() waits for it
-    once. A burst's last sampled tokens stay on the device (last_tokens, rows in `order`) for a chained burst."""
+    """A step's RunnerOutput, ready or still being computed on the device: result() waits for it once. The last
+    tokens it sampled for its requests (a burst's last step's, or a step's where every request samples) stay on the
+    device (last_tokens, rows in `order`; None otherwise) as a chained burst's first inputs."""
 
     def __init__(self, output: RunnerOutput | None = None, finish=None, order: list[str] | None = None,
                  last_tokens: torch.Tensor | None = None):
@@ -343,7 +352,7 @@ class PendingOutput:
         if req_ids == self.order:
             return self.last_tokens
         row = {r: i for i, r in enumerate(self.order)}
-        return self.last_tokens[torch.tensor([row[r] for r in req_ids], device=self.last_tokens.device)]
+        return self.last_tokens[to_device([row[r] for r in req_ids], torch.int64, self.last_tokens.device)]
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

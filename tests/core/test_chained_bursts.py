@@ -64,12 +64,14 @@ def test_chained_bursts_follow_each_burst_and_give_the_unchained_outcome():
         outs = (run_chained if chained else run)(sched, reqs, tokens)
         results.append([(r.output_token_ids, r.finish_reason) for r in reqs])
     assert results[0] == results[1]
-    # prefill, one burst, then chained bursts until a request ends by length at the end of the one in flight
-    assert [(o.num_decode_steps, o.chained) for o in outs[:4]] == [(1, False), (4, False), (4, True), (2, True)]
+    # the prefill, then chained bursts until a request ends by length at the end of the one in flight (a's 11th
+    # token ends the third: 1 + 4 + 4 + 2), then bursts scheduled after the sync
+    assert [(o.num_decode_steps, o.chained) for o in outs[:5]] == [(1, False), (4, True), (4, True), (2, True),
+                                                                    (4, False)]
     assert results[1][0] == (stream(11, 1000), "length")
 
 
-def test_a_chained_burst_gets_the_pages_after_both_bursts_and_starts_where_the_first_ends():
+def test_a_chained_burst_gets_the_pages_after_both_steps_and_starts_where_the_first_ends():
     sched = new_scheduler(num_decode_steps=8, block_size=4, num_blocks=64)
     req = greedy("a", prompt_len=4, max_tokens=40, ignore_eos=True)
     sched.add_request(req)
@@ -84,24 +86,59 @@ def test_a_chained_burst_gets_the_pages_after_both_bursts_and_starts_where_the_f
     assert chained.cached_reqs[0].new_block_ids == req.block_ids[3:]
 
 
-def test_no_chain_when_a_request_waits_or_ends_in_the_burst_in_flight_or_the_step_is_not_a_burst():
-    sched = new_scheduler(num_decode_steps=4, block_size=4, num_blocks=64, max_num_seqs=2)
-    for req in (greedy("a", max_tokens=20, ignore_eos=True), greedy("b", max_tokens=5, ignore_eos=True)):
+def test_a_chain_that_cannot_have_all_its_pages_takes_none():
+    """Pages given to some requests of a chain that is then dropped would never reach the runner, whose block tables
+    would fall behind the scheduler's (found in review: an IndexError, or writes to another page)."""
+    sched = new_scheduler(num_decode_steps=4, block_size=4, num_blocks=5)
+    reqs = [greedy(r, prompt_len=4, max_tokens=12, ignore_eos=True) for r in "ab"]
+    for req in reqs:
         sched.add_request(req)
-    prefill = sched.schedule()
-    assert sched.schedule_chained(prefill) is None  # a prefill step: its tokens are the next step's inputs
-    sched.update_from_output(prefill, RunnerOutput(["a", "b"], {"a": [1], "b": [1]}))
-    burst = sched.schedule()
-    assert burst.num_decode_steps == 4
-    assert sched.schedule_chained(burst) is None  # b reaches max_tokens 5 at the burst's end
-    sched.update_from_output(burst, RunnerOutput(["a", "b"], {"a": stream(4), "b": stream(4)}))
-    assert sched.requests.get("b") is None
-    burst = sched.schedule()
-    sched.add_request(greedy("c"))
-    assert sched.schedule_chained(burst) is None  # c waits: it gets in at the next step
-    sched.update_from_output(burst, RunnerOutput(["a"], {"a": stream(4)}))
+    told = {}  # the block tables the runner has been sent
+
+    def tell(out):
+        told.update((new.req_id, list(new.block_ids)) for new in out.new_reqs)
+        for cached in out.cached_reqs:
+            told[cached.req_id].extend(cached.new_block_ids)
+
+    prompt = sched.schedule()
+    tell(prompt)
+    burst = sched.schedule_chained(prompt)  # pages for 4 tokens each: one more page each, 4 of 5 in use
+    tell(burst)
+    sched.update_from_output(prompt, RunnerOutput(["a", "b"], {"a": [1000], "b": [2000]}))
+    free = sched.cache.num_free_blocks
+    assert sched.schedule_chained(burst) is None  # the next 4 tokens need a page each, and one is free
+    assert sched.cache.num_free_blocks == free
+    sched.update_from_output(burst, RunnerOutput(["a", "b"], {"a": stream(4, 1001), "b": stream(4, 2001)}))
+    tell(sched.schedule())  # a's pages at the cost of b's (preempted)
+    assert all(told[r.req_id] == r.block_ids for r in reqs if r.block_ids)
+    for req in reqs:
+        sched.abort_request(req.req_id)
+    assert_pools_full(sched)
+
+
+def test_no_chain_after_a_prompt_chunk_short_of_its_end_nor_when_one_waits_or_ends_by_length_in_flight():
+    sched = new_scheduler(num_decode_steps=4, block_size=4, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=8)
+    a = greedy("a", prompt_len=10, max_tokens=20, ignore_eos=True)
+    sched.add_request(a)
+    chunk = sched.schedule()
+    assert chunk.num_scheduled_tokens == {"a": 8}
+    assert sched.schedule_chained(chunk) is None  # a has no token to feed a burst yet
+    sched.update_from_output(chunk, RunnerOutput(["a"], {"a": []}))
+    last_chunk = sched.schedule()
+    chained = sched.schedule_chained(last_chunk)  # the prompt's end samples its first token: a burst may follow
+    assert chained.chained and chained.num_decode_steps == 4 and chained.cached_reqs[0].num_computed_tokens == 10
+    sched.update_from_output(last_chunk, RunnerOutput(["a"], {"a": [1000]}))
+    sched.add_request(greedy("b", prompt_len=3, max_tokens=5, ignore_eos=True))
+    assert sched.schedule_chained(chained) is None  # b waits: it gets in at the next step
+    sched.update_from_output(chained, RunnerOutput(["a"], {"a": stream(4, 1001)}))
+    both = sched.schedule()  # a decodes, b's prompt: both sample
+    burst = sched.schedule_chained(both)
+    assert burst.num_decode_steps == 4 and set(burst.num_scheduled_tokens) == {"a", "b"}
+    sched.update_from_output(both, RunnerOutput(["a", "b"], {"a": [1005], "b": [2000]}))
+    assert sched.schedule_chained(burst) is None  # b reaches max_tokens 5 at that burst's end
+    sched.update_from_output(burst, RunnerOutput(["a", "b"], {"a": stream(4, 1006), "b": stream(4, 2001)}))
+    assert "b" not in sched.requests and a.output_token_ids == stream(10, 1000)
     sched.abort_request("a")
-    sched.abort_request("c")
     assert_pools_full(sched)
 
 
@@ -138,6 +175,9 @@ def test_chained_bursts_save_the_rolling_snapshot_where_unchained_ones_do():
         req = greedy("a", prompt_len=4, max_tokens=22, ignore_eos=True)
         outs = (run_chained if chained else run)(sched, [req], {"a": stream(22)})
         runs[chained] = [(o.num_decode_steps, o.snapshot_save_steps) for o in outs], sched
+        slots = [o.snapshot_saves[0][1] for o in outs]
+        assert slots[0] not in slots[1:], "the prompt-end snapshot is never rewritten"
+        assert len(set(slots[1:])) == 1, "one rolling slot, rewritten"
     assert runs[True][0] == runs[False][0] == [(1, []), (8, [7]), (8, [7]), (5, [3])]
     for _, sched in runs.values():
         assert sched.cache.snapshots.num_committed == 2  # the prompt-end one, and the rolling one at the finish

@@ -101,3 +101,22 @@ def test_an_abort_while_a_chained_burst_is_in_flight_leaves_the_others_exact(mak
     # the engine is idle and takes new work: the same prompt again gives the same tokens
     again = llm.generate(as_inputs(prompts[:1]), params, use_tqdm=False)[0]
     assert again.outputs[0].token_ids == expected[0].outputs[0].token_ids
+
+
+def test_a_burst_chained_after_the_prompts_last_chunk_keeps_prompt_logprobs_and_chunked_prefill_exact(make_llm):
+    """The burst after a step where every request samples (here prompts' last chunks, split by a small token budget,
+    with prompt logprobs asked) is chained too, and changes nothing."""
+    prompts = random_prompts((70, 23, 41), seed=12)
+    params = [SamplingParams(max_tokens=21, temperature=0, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(max_tokens=17, temperature=0.9, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)]
+    expected = make_llm(num_decode_steps=1, max_num_batched_tokens=32).generate(
+        as_inputs(prompts), params, use_tqdm=False)
+    llm = make_llm(num_decode_steps=8, max_num_batched_tokens=32, async_scheduling=True)
+    scheduler = llm.engine.scheduler
+    after, chain = [], scheduler.schedule_chained
+    scheduler.schedule_chained = lambda s: after.append((s.num_decode_steps > 1 or s.chained,
+                                                          (out := chain(s)) is not None)) or out
+    got = llm.generate(as_inputs(prompts), params, use_tqdm=False)
+    assert (False, True) in after  # a burst chained after a step that was not a burst
+    assert_same_outputs(got, expected, "chained after the prompt vs single steps")
