@@ -71,7 +71,9 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else None
         self.graphs = None
-        self._burst_side = 0  # the staging side of the next decode burst's CUDA graph inputs (DecodeGraphs.run)
+        # the staging side of the next graph step's inputs (DecodeGraphs.run): steps alternate, since a chained burst
+        # stages its inputs while the step before it (a burst, or a step where every request samples) is unsynced
+        self._staging_side = 0
         if cuda_graphs and self.device.type == "cuda" and dtype != torch.float32:  # float32: the exact, eager path
             # graph_max_context: the longest context decoded through a graph (the engine passes the model length;
             # never more than the cache holds), where the static block table stays small
@@ -141,7 +143,7 @@ class ModelRunner:
             out = self._decode_burst(order, host, sched.num_decode_steps, sched.snapshot_saves,
                                      sched.snapshot_save_steps, first)
         elif self.graphs is not None and self.graphs.can_run(host):
-            logits = self.graphs.run(host)
+            logits = self.graphs.run(host, side=self._next_side())
             out = self._sample(order, host.query_lens, lambda rows: _rows(logits, rows))
         else:
             input_ids, batch = host.to_device(self.device)
@@ -235,7 +237,7 @@ class ModelRunner:
             self.cfg.vocab_size, self.device, self.generator)
         # outputs each request has before this burst, those of a burst still in flight included
         num_outputs = [s.num_computed_tokens + 1 - s.num_prompt_tokens for s in states]
-        side, self._burst_side = self._burst_side, 1 - self._burst_side
+        side = self._next_side()
         tokens = []  # per step, [B] int64 on the device
         for step in range(num_steps):
             batch_host = host if step == 0 else host.advanced(step, self.plan.block_size)
@@ -266,6 +268,10 @@ class ModelRunner:
             return out
 
         return PendingOutput(finish=finish, order=order, last_tokens=tokens[-1])
+
+    def _next_side(self) -> int:
+        side, self._staging_side = self._staging_side, 1 - self._staging_side
+        return side
 
     def _to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """x copied to host memory, queued now: (the copy, an event that completes with it; None on the CPU). A

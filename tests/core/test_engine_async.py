@@ -120,3 +120,55 @@ def test_a_burst_chained_after_the_prompts_last_chunk_keeps_prompt_logprobs_and_
     got = llm.generate(as_inputs(prompts), params, use_tqdm=False)
     assert (False, True) in after  # a burst chained after a step that was not a burst
     assert_same_outputs(got, expected, "chained after the prompt vs single steps")
+
+
+class StagingRecorder:
+    """Stands in for DecodeGraphs (computing eagerly) and records which staging block (side, stage) each replay would
+    fill; a block may be filled again only after the step that filled it last has been waited for (result())."""
+
+    def __init__(self, runner):
+        self.runner, self.held, self.violations, self.current = runner, {}, [], 0
+
+    def can_run(self, host):
+        return all(n == 1 for n in host.query_lens)
+
+    def run(self, host, input_ids=None, stage=0, side=0):
+        if (side, stage) in self.held:
+            self.violations.append((side, stage, self.held[side, stage], self.current))
+        self.held[side, stage] = self.current
+        ids, batch = host.to_device(self.runner.device)
+        hidden = self.runner.model(ids if input_ids is None else input_ids, batch, self.runner.caches)
+        return self.runner.model.compute_logits(hidden)
+
+
+def test_graph_staging_blocks_are_refilled_only_after_the_step_that_used_them_was_waited_for(make_llm, monkeypatch):
+    """Found in review: a one-token-a-request step that is not a burst (one-token prompts) staged on side 0, and the
+    burst chained after it, queued before the step's sync, staged on side 0 too: its copies could read the burst's
+    positions. Steps and bursts alternate sides now."""
+    from deltaserve.runner import model_runner
+
+    submit, result = model_runner.ModelRunner.submit, model_runner.PendingOutput.result
+
+    def recording_submit(self, sched, inflight=None):
+        self.graphs.current += 1
+        pending = submit(self, sched, inflight)
+        pending.step = self.graphs.current
+        pending.recorder = self.graphs
+        return pending
+
+    def recording_result(self):
+        recorder = getattr(self, "recorder", None)
+        if recorder is not None:  # every block filled by this step or one before it is free again
+            recorder.held = {key: step for key, step in recorder.held.items() if step > self.step}
+        return result(self)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "submit", recording_submit)
+    monkeypatch.setattr(model_runner.PendingOutput, "result", recording_result)
+    for steps in (1, 8):
+        llm = make_llm(num_decode_steps=steps, async_scheduling=True, enable_prefix_caching=False)
+        recorder = llm.engine.runner.graphs = StagingRecorder(llm.engine.runner)
+        chains = count_chains(llm)
+        llm.generate(as_inputs([[5 + i] for i in range(4)]), SamplingParams(max_tokens=20, temperature=0,
+                                                                          ignore_eos=True), use_tqdm=False)
+        assert chains
+        assert not recorder.violations, recorder.violations[:3]
