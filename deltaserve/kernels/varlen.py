@@ -38,9 +38,8 @@ class PackedSeqs:
         cpu = torch.tensor(cu_seqlens, dtype=torch.int64)
         lengths = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
         tiles = [(seq, t) for seq, n in enumerate(lengths) for t in range(0, n, TOKEN_TILE)]
-        return PackedSeqs(torch.tensor(state_slots, dtype=torch.int64, device=device), cpu.to(device), cpu,
-                          max(lengths, default=0),
-                          torch.tensor(tiles, dtype=torch.int64).view(-1, 2).to(device))
+        return PackedSeqs(to_device(state_slots, torch.int64, device), to_device(cu_seqlens, torch.int64, device), cpu,
+                          max(lengths, default=0), to_device(tiles, torch.int64, device).view(-1, 2))
 
 
 TOKEN_TILE = 32  # tokens a tile of PackedSeqs.token_tiles (kernels.conv1d_triton's prefill conv)

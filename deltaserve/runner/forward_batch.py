@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltaserve.kernels.varlen import PackedSeqs
+from deltaserve.kernels.varlen import PackedSeqs, to_device
 
 
 @dataclass
@@ -94,8 +94,8 @@ class HostBatch:
             self.query_lens, [s + steps for s in self.start_positions], self.state_slots, self.block_tables)
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, ForwardBatch]:
-        """(input_ids [N] int64, ForwardBatch) on device."""
-        tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+        """(input_ids [N] int64, ForwardBatch) on device, copied without waiting for the device (to_device)."""
+        tensor = lambda x: to_device(x, torch.int64, device)  # noqa: E731
         return tensor(self.input_ids), ForwardBatch(
             positions=tensor(self.positions), slot_mapping=tensor(self.slot_mapping),
             state_slots=tensor(self.state_slots), block_tables=tensor(self.padded_tables()),
