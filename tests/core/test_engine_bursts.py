@@ -62,13 +62,15 @@ def test_streaming_a_burst_yields_its_tokens_together(make_llm):
     assert counts == [1, 5, 9]  # the prefill's token, then two bursts of 4
 
 
-def test_a_follow_up_finds_the_rolling_snapshot_a_burst_saved(make_llm):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_follow_up_finds_the_rolling_snapshot_a_burst_saved(make_llm, async_scheduling):
     """A chat's next turn extends prompt + output: with bursts it restores from the same block boundary (the rolling
-    KDA snapshot saved inside a burst) and gives the same tokens as with single steps."""
+    KDA snapshot saved inside a burst; with asynchronous scheduling, inside chained bursts, which rewrite the rolling
+    slot in place) and gives the same tokens as with single steps."""
     (prompt,) = random_prompts((37,), seed=7)
     results = {}
     for steps in (1, 8):
-        llm = make_llm(num_decode_steps=steps)
+        llm = make_llm(num_decode_steps=steps, async_scheduling=async_scheduling and steps > 1)
         first = llm.generate(as_inputs([prompt]), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
                              use_tqdm=False)[0]
         follow_up = prompt + first.outputs[0].token_ids + [3, 4, 5]
