@@ -329,8 +329,9 @@ class EngineConfig:
     # logprobs or stop strings (README, "Decode bursts"): the host schedules, syncs and detokenizes once per burst,
     # not once per token; 1 turns it off
     num_decode_steps: int = 8
-    # queue the decode burst that follows a burst before reading the first one's tokens (core/scheduler.py,
-    # Chained bursts), so the host's work between bursts overlaps the device's; None: on for a GPU, off on the CPU
+    # queue the decode burst that follows a step (a burst, or one where every request samples) before reading that
+    # step's tokens (core/scheduler.py, Chained bursts), so the host's work between them overlaps the device's;
+    # None: on for a GPU, off on the CPU
     # (where the host is the device, and a request that stops would cost a burst of tokens computed for nothing)
     async_scheduling: bool | None = None
 

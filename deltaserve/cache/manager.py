@@ -20,9 +20,9 @@ A request's cached prefix (find_cached_prefix) is the longest run of whole block
 snapshot at its end, leaving at least one token to compute so that the step produces logits to sample from.
 
 A chained decode burst (Scheduler.schedule_chained) is planned while the step before it still runs, so its saves
-(plan_chained_snapshot_save) wait in `_chained` until that burst's outputs are applied (end_step), then count as
-this step's saves. Such a save overwrites the request's rolling slot in place; if the request leaves before it is
-applied (a stop token in the burst before, an abort), the slot's old contents are gone, so it is dropped, not
+(plan_chained_snapshot_save) wait in `_chained` until that step's outputs are applied (end_step), then count as
+the next step's saves. Such a save overwrites the request's rolling slot in place; if the request leaves before it
+is applied (a stop token in the step before, an abort), the slot's old contents are gone, so it is dropped, not
 published.
 """
 

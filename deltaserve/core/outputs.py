@@ -43,8 +43,8 @@ class SchedulerOutput:
     # > 1: a decode burst: every scheduled request decodes this many tokens, each step's sampled token the next
     # one's input, with one sync at the end; the runner returns that many sampled tokens per request
     num_decode_steps: int = 1
-    # a decode burst scheduled while the burst before it runs (Scheduler.schedule_chained): its first step's inputs
-    # are that burst's last tokens, on the device; the runner returns num_decode_steps tokens per request
+    # a decode burst scheduled while the step before it runs (Scheduler.schedule_chained): its first step's inputs
+    # are the tokens that step samples, on the device; the runner returns num_decode_steps tokens per request
     chained: bool = False
 
     @property

@@ -40,9 +40,9 @@ Chained bursts (asynchronous scheduling). While a burst, or a step in which ever
 last chunks of prompts), runs on the device, schedule_chained plans the burst after it before its tokens are known,
 as if none of them stopped its request: the same requests, pages for the tokens after both, each step's input the
 step before's token on the device. The host then reads and applies the first step's tokens while the device
-computes the burst. A request that a stop token ends in the first burst is
-still computed by the second; its update skips it, as it skips aborted requests, and its pages and slot, freed
-meanwhile, are written again only by work queued after that burst. The chain breaks (the next step is scheduled
+computes the burst. A request that a stop token ends in the first step is still computed by the burst; its
+update skips it, as it skips aborted requests, and its pages and slot, freed meanwhile, are written again only by
+work queued after that burst. The chain breaks (the next step is scheduled
 as usual, after the sync) whenever a request waits or the burst conditions would not hold after the first step.
 """
 

@@ -44,8 +44,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                    help="decode steps run back to back, one sync a burst, while no request asks for penalties, "
                         "logprobs or stop strings (1: one step at a time; streams then get one token a step)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="queue the next decode burst before reading this one's tokens, so the host's work between "
-                        "bursts overlaps the device's (default: on for a GPU, off on the CPU)")
+                   help="queue the next decode burst before reading this step's tokens, so the host's work between "
+                        "steps overlaps the device's (default: on for a GPU, off on the CPU)")
 
 
 def _token_ids(text: str) -> list[int]:
