@@ -43,7 +43,8 @@ step before's token on the device. The host then reads and applies the first ste
 computes the burst. A request that a stop token ends in the first step is still computed by the burst; its
 update skips it, as it skips aborted requests, and its pages and slot, freed meanwhile, are written again only by
 work queued after that burst. The chain breaks (the next step is scheduled
-as usual, after the sync) whenever a request waits or the burst conditions would not hold after the first step.
+as usual, after the sync) whenever a request waits or the burst conditions would not hold after the first step; a
+request that ends by length in the step in flight is left out of the chain.
 """
 
 from __future__ import annotations
@@ -236,30 +237,31 @@ class Scheduler:
             return None
         produced = inflight.num_decode_steps  # tokens each request samples in the step in flight
         computed = {}  # tokens each request computes in the step in flight
-        steps = self.num_decode_steps
+        steps, chain = self.num_decode_steps, []
         for req in self.running:
             params, num_tokens = req.sampling_params, inflight.num_scheduled_tokens[req.req_id]
             if req.num_computed_tokens + num_tokens != req.num_tokens or params.logprobs is not None or params.stop \
                     or params.penalized:
                 return None  # a prompt chunk short of its end samples nothing; the others never burst
+            room = min(params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - produced
+            if room < 1:
+                continue  # it ends by length in the step in flight: the others go on without it
             computed[req.req_id] = num_tokens + produced - 1
-            room = min(params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
-            steps = min(steps, room - produced)
-        if steps < 1:
-            return None  # some request ends by length in the step in flight
+            steps = min(steps, room)
+            chain.append(req)
         # all the pages or none: pages taken for some requests of a chain that is then dropped would never reach the
         # runner (every request holds its state slot already, so pages are all allocate_slots can lack)
-        if sum(self.cache.blocks_needed(r, computed[r.req_id] + steps) for r in self.running) > \
+        if not chain or sum(self.cache.blocks_needed(r, computed[r.req_id] + steps) for r in chain) > \
                 self.cache.num_free_blocks:
             return None
         out = SchedulerOutput(chained=True, num_decode_steps=steps)
-        for req in self.running:
+        for req in chain:
             block_ids = self.cache.allocate_slots(req, computed[req.req_id] + steps)
             assert block_ids is not None, "counted free above"
             out.cached_reqs.append(CachedRequestData(req.req_id, block_ids,
                                                      req.num_computed_tokens + computed[req.req_id]))
             out.num_scheduled_tokens[req.req_id] = 1
-        for req in self.running:
+        for req in chain:
             save = self.cache.plan_chained_snapshot_save(req, computed[req.req_id], steps)
             if save is not None:
                 out.snapshot_saves.append(save[:2])

@@ -64,10 +64,12 @@ def test_chained_bursts_follow_each_burst_and_give_the_unchained_outcome():
         outs = (run_chained if chained else run)(sched, reqs, tokens)
         results.append([(r.output_token_ids, r.finish_reason) for r in reqs])
     assert results[0] == results[1]
-    # the prefill, then chained bursts until a request ends by length at the end of the one in flight (a's 11th
-    # token ends the third: 1 + 4 + 4 + 2), then bursts scheduled after the sync
+    # the prefill, then chained bursts only: a's 11th token ends the third (1 + 4 + 4 + 2), and the chain goes on
+    # without it
     assert [(o.num_decode_steps, o.chained) for o in outs[:5]] == [(1, False), (4, True), (4, True), (2, True),
-                                                                    (4, False)]
+                                                                    (4, True)]
+    assert "a" in outs[3].num_scheduled_tokens and "a" not in outs[4].num_scheduled_tokens
+    assert all(o.chained for o in outs[1:])
     assert results[1][0] == (stream(11, 1000), "length")
 
 
@@ -116,7 +118,7 @@ def test_a_chain_that_cannot_have_all_its_pages_takes_none():
     assert_pools_full(sched)
 
 
-def test_no_chain_after_a_prompt_chunk_short_of_its_end_nor_when_one_waits_or_ends_by_length_in_flight():
+def test_no_chain_after_a_prompt_chunk_short_of_its_end_nor_while_one_waits_and_none_for_who_ends_in_flight():
     sched = new_scheduler(num_decode_steps=4, block_size=4, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=8)
     a = greedy("a", prompt_len=10, max_tokens=20, ignore_eos=True)
     sched.add_request(a)
@@ -135,9 +137,12 @@ def test_no_chain_after_a_prompt_chunk_short_of_its_end_nor_when_one_waits_or_en
     burst = sched.schedule_chained(both)
     assert burst.num_decode_steps == 4 and set(burst.num_scheduled_tokens) == {"a", "b"}
     sched.update_from_output(both, RunnerOutput(["a", "b"], {"a": [1005], "b": [2000]}))
-    assert sched.schedule_chained(burst) is None  # b reaches max_tokens 5 at that burst's end
+    without_b = sched.schedule_chained(burst)  # b reaches max_tokens 5 at that burst's end: a goes on alone
+    assert without_b.num_scheduled_tokens == {"a": 1} and without_b.cached_reqs[0].num_computed_tokens == 19
     sched.update_from_output(burst, RunnerOutput(["a", "b"], {"a": stream(4, 1006), "b": stream(4, 2001)}))
     assert "b" not in sched.requests and a.output_token_ids == stream(10, 1000)
+    sched.update_from_output(without_b, RunnerOutput(["a"], {"a": stream(4, 1010)}))
+    assert a.output_token_ids == stream(14, 1000)
     sched.abort_request("a")
     assert_pools_full(sched)
 
