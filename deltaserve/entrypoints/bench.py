@@ -141,6 +141,7 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
             "quantization": cfg.quantization.method if cfg.quantization else None, "tensor_parallel_size": world,
             "expert_parallel": engine_config.enable_expert_parallel,
             "programmatic_dependent_launch": pdl_args(torch.device(device))["PDL"],
+            "async_scheduling": engine.async_scheduling,
             "copy_GBps": bandwidth / 1e9, "peak_memory_GiB": peak / 2**30 if peak else None,
             "prompt_len": prompt_len, "output_len": output_len, "capacity": cache_capacity(engine.runner.plan),
             "rows": rows}
@@ -161,7 +162,8 @@ def print_report(result: dict) -> None:
     cols = ("batch", "prompt_len", "ttft_ms", "tpot_ms", "prefill_tok_s", "output_tok_s", "floor_ms", "floor_tok_s")
     weights = f" ({result['quantization']} weights)" if result.get("quantization") else ""
     pdl = ", programmatic dependent launch" if result.get("programmatic_dependent_launch") else ""
-    print(f"device {result['device']}, {result['dtype']}{weights}{pdl}, copy {result['copy_GBps']:.0f} GB/s, "
+    chained = ", asynchronous scheduling" if result.get("async_scheduling") else ""
+    print(f"device {result['device']}, {result['dtype']}{weights}{pdl}{chained}, copy {result['copy_GBps']:.0f} GB/s, "
           f"peak memory {result['peak_memory_GiB'] or 0:.1f} GiB, prompt {result['prompt_len']}, "
           f"output {result['output_len']}")
     capacity = result["capacity"]

@@ -21,6 +21,7 @@ def test_bench_command_writes_rows_and_capacity(tiny_model, tmp_path, capsys):
         assert row["tpot_ms"] > 0 and row["output_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["floor_ms"] > 0
     assert result["capacity"]["max_context_batch1"] > 0 and "requests of 4k tokens" in printed
     assert result["programmatic_dependent_launch"] is False  # the CPU: off, and said in the JSON
+    assert result["async_scheduling"] is False  # off by default on the CPU
 
 
 def test_cache_capacity_spends_the_allocated_bytes_on_one_request_or_on_4k_requests():
