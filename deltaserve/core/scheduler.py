@@ -231,7 +231,7 @@ class Scheduler:
 
     def schedule_chained(self, inflight: SchedulerOutput) -> SchedulerOutput | None:
         """The decode burst that follows `inflight`, a step whose sampled tokens are not applied yet (a burst, or a
-        step in which every request samples: decodes and prompts' last chunks), for the same running requests
+        step in which every request samples: decodes and prompts' last chunks), for its requests that go on past it
         (module docstring, Chained bursts); None when it cannot be chained."""
         if self.waiting or not self.running or any(r.req_id not in inflight.num_scheduled_tokens for r in self.running):
             return None
