@@ -90,6 +90,11 @@ def test_chained_bursts_replay_the_graphs_of_unchained_ones_exactly(tiny):
         chain = llm.engine.scheduler.schedule_chained
         llm.engine.scheduler.schedule_chained = lambda s: plans.append(chain(s)) or plans[-1]
         tokens[chained] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        # one-token prompts: their first step replays a graph, and the burst chained after it stages its inputs
+        # while that step is unsynced (on the other staging side)
+        short = [{"prompt_token_ids": [5 + i]} for i in range(4)]
+        greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        tokens[chained] += [o.outputs[0].token_ids for o in llm.generate(short, greedy, use_tqdm=False)]
         assert any(plans) == chained
         del llm
     assert tokens[True] == tokens[False]
