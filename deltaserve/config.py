@@ -367,7 +367,7 @@ class EngineConfig:
             bad("enable_expert_parallel", True, "needs tensor_parallel_size > 1 (experts are split over its ranks)")
         if self.num_cache_blocks is not None and self.num_cache_blocks < 1:
             bad("num_cache_blocks", self.num_cache_blocks, "must be a positive integer")
-        if self.async_scheduling not in (None, True, False):
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             bad("async_scheduling", self.async_scheduling, "must be True, False or None (on for a GPU)")
         if self.num_snapshot_slots is not None and (not isinstance(self.num_snapshot_slots, int)
                                                     or self.num_snapshot_slots < 1):

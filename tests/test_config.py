@@ -246,11 +246,17 @@ def test_engine_config_defaults_are_valid():
     ("block_size", 2048), ("max_model_len", 0), ("max_model_len", "4k"), ("dtype", "float64"), ("device", "tpu"),
     ("gpu_memory_utilization", 0.0), ("gpu_memory_utilization", 1.5), ("load_format", "pt"), ("threads", 0),
     ("num_cache_blocks", 0), ("num_decode_steps", 0), ("num_decode_steps", 65), ("num_decode_steps", 2.0),
+    ("async_scheduling", "yes"), ("async_scheduling", 1),
 ])
 def test_engine_config_rejections_name_the_option(option, value):
     with pytest.raises(ConfigError) as info:
         EngineConfig(**{option: value})
     assert f"engine option {option} = {value!r}" in str(info.value)
+
+
+def test_async_scheduling_error_says_what_it_takes():
+    with pytest.raises(ConfigError, match=r"async_scheduling = 'on': must be True, False or None \(on for a GPU\)"):
+        EngineConfig(async_scheduling="on")
 
 
 @pytest.mark.parametrize("value", [0, 65])
