@@ -259,15 +259,13 @@ class ModelRunner:
         sampled, copied = self._to_host(torch.stack(tokens, dim=1))  # [B, num_steps]
 
         def finish() -> RunnerOutput:
-            if copied is not None:
-                copied.synchronize()  # the one sync: for this burst's copy, not for work queued after it
             out = RunnerOutput(req_ids=list(order), sampled_token_ids={})
             for req_id, state, row in zip(order, states, sampled.tolist()):
                 state.token_ids.extend(row)
                 out.sampled_token_ids[req_id] = row
             return out
 
-        return PendingOutput(finish=finish, order=order, last_tokens=tokens[-1])
+        return PendingOutput(finish=finish, copied=copied, order=order, last_tokens=tokens[-1])
 
     def _next_side(self) -> int:
         side, self._staging_side = self._staging_side, 1 - self._staging_side
@@ -314,8 +312,6 @@ class ModelRunner:
         sampled, copied = self._to_host(token_ids)
 
         def finish() -> RunnerOutput:
-            if copied is not None:
-                copied.synchronize()
             tokens = sampled.tolist()
             for state, token in zip(states, tokens):
                 state.token_ids.append(token)
@@ -326,7 +322,8 @@ class ModelRunner:
             return out
 
         every = len(states) == len(order)
-        return PendingOutput(finish=finish, order=order if every else None, last_tokens=token_ids if every else None)
+        return PendingOutput(finish=finish, copied=copied, order=order if every else None,
+                             last_tokens=token_ids if every else None)
 
     def _prompt_logprobs(self, state: RequestState, first_row: int, n: int, logits_at, out: RunnerOutput) -> None:
         """Logprobs of the prompt tokens this chunk predicts (position p predicts token p + 1)."""
@@ -340,16 +337,20 @@ class ModelRunner:
 
 
 class PendingOutput:
-    """A step's RunnerOutput, ready or still being computed on the device: result() waits for it once. The last
-    tokens it sampled for its requests (a burst's last step's, or a step's where every request samples) stay on the
-    device (last_tokens, rows in `order`; None otherwise) as a chained burst's first inputs."""
+    """A step's RunnerOutput, ready or still being computed on the device: result() waits once for `copied` (the
+    event after its sampled tokens' copy to the host; None on the CPU), then builds it with finish(). The last tokens
+    it sampled for its requests (a burst's last step's, or a step's where every request samples) stay on the device
+    (last_tokens, rows in `order`; None otherwise) as a chained burst's first inputs."""
 
-    def __init__(self, output: RunnerOutput | None = None, finish=None, order: list[str] | None = None,
-                 last_tokens: torch.Tensor | None = None):
-        self._output, self._finish, self.order, self.last_tokens = output, finish, order, last_tokens
+    def __init__(self, output: RunnerOutput | None = None, finish=None, copied: torch.cuda.Event | None = None,
+                 order: list[str] | None = None, last_tokens: torch.Tensor | None = None):
+        self._output, self._finish, self._copied = output, finish, copied
+        self.order, self.last_tokens = order, last_tokens
 
     def result(self) -> RunnerOutput:
         if self._output is None:
+            if self._copied is not None:
+                self._copied.synchronize()  # the step's one sync: for its copy, not for work queued after it
             self._output, self._finish = self._finish(), None
         return self._output
 
