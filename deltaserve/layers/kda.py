@@ -27,7 +27,8 @@ class KimiDeltaAttention(nn.Module):
         H, K, D = cfg.kda_num_heads // parallel.world_size, cfg.kda_head_dim, cfg.hidden_size
         self.num_heads, self.head_dim, self.eps, self.parallel = H, K, cfg.rms_norm_eps, parallel
         self.split = [3 * H * K, 2 * K, H]  # in_proj's outputs: q, k, v (the conv's channel order), f_a and g_a, b
-        # cuBLAS for one token too: at the 48B shape it took 17.2 us against our GEMV's 17.7 on an H200
+        # cuBLAS for one token too: at the 48B shape it took 17.2 us against our GEMV's 17.7 on an H200 (but the
+        # decoder layer runs it with the input norm inside, kernels.norm_gemv, where that serves)
         self.in_proj = Linear(D, sum(self.split), gemv=False)
         self.conv_weight = nn.Parameter(torch.empty(3 * H * K, cfg.conv_kernel_size))
         self.fg_b_proj = Linear(K, 2 * H * K)  # f_b_proj's rows, then g_b_proj's: both up-projections, one launch
@@ -43,21 +44,37 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
         """x [N, D] -> [N, D]; reads and updates the conv and recurrent states of batch.state_slots."""
-        N, nd, H, K = x.shape[0], batch.num_decodes, self.num_heads, self.head_dim
-        qkv, fg_a, b = self.in_proj(x).split(self.split, dim=-1)  # [N, 3HK], [N, 2K], [N, H]
+        return self.forward_projected(self.in_proj(x), batch, cache)
+
+    def forward_projected(self, projected: torch.Tensor, batch: ForwardBatch,
+                          cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        """forward() from in_proj's output [N, sum(split)] (the decoder layer may fuse its norm into in_proj)."""
+        N, nd, H, K = projected.shape[0], batch.num_decodes, self.num_heads, self.head_dim
+        qkv, fg_a, b = projected.split(self.split, dim=-1)  # [N, 3HK], [N, 2K], [N, H]
         conv_parts = []
         if nd:
             conv_parts.append(causal_conv1d_update(qkv[:nd], self.conv_weight, cache["conv"], batch.state_slots[:nd]))
         if N > nd:
             conv_parts.append(causal_conv1d_varlen(
                 qkv[nd:], self.conv_weight, cache["conv"], batch.state_slot_list[nd:], batch.prefill_cu_seqlens(),
-                batch.prefill_packed() if x.is_cuda else None))
+                batch.prefill_packed() if projected.is_cuda else None))
         qkv = (conv_parts[0] if len(conv_parts) == 1 else torch.cat(conv_parts)).view(N, 3, H, K)
-        g_raw, gate = self._gate_up_projections(fg_a, batched=x.is_cuda and nd == N)
+        g_raw, gate = self._gate_up_projections(fg_a, batched=projected.is_cuda and nd == N)
         o = self._delta_rule(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b, batch, cache["recurrent"])
-        gate = gate.view(N, H, K)
-        return all_reduce(self.o_proj(gated_rms_norm(o, gate, self.o_norm_weight, self.eps).view(N, H * K)),
-                          self.parallel)
+        return all_reduce(self._gated_norm_out(o, gate), self.parallel)
+
+    def _gated_norm_out(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o [N, H, K], gate [N, H*K] -> o_proj(gated_rms_norm(o, gate)); for one token on a GPU in one kernel
+        (kernels.norm_gemv: the norm inside o_proj's GEMV, one launch less a layer)."""
+        N, H, K = o.shape
+        weight = self.o_proj.weight
+        if o.is_cuda and type(self.o_proj) is Linear:
+            from deltaserve.kernels.norm_gemv import MAX_HEAD, NORM_GEMV_MAX_TOKENS, fits, gated_norm_gemv  # Triton
+
+            if fits(o, self.o_norm_weight, weight, NORM_GEMV_MAX_TOKENS) and weight.dtype == o.dtype \
+                    and MAX_HEAD % K == 0:
+                return gated_norm_gemv(o, gate, self.o_norm_weight, self.eps, weight)
+        return self.o_proj(gated_rms_norm(o, gate.view(N, H, K), self.o_norm_weight, self.eps).view(N, H * K))
 
     def _gate_up_projections(self, fg_a: torch.Tensor, batched: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, 2K] (f_a, g_a) -> (f_b_proj(f_a), g_b_proj(g_a)), each [N, HK]. batched (GPU decode steps, bound by

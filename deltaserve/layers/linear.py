@@ -23,3 +23,19 @@ class Linear(nn.Module):
             if use_gemv(x, self.weight):
                 return gemv(x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight)
+
+
+def norm_then_project(norm, proj: Linear, x: torch.Tensor, residual: torch.Tensor | None):
+    """(proj(h), s) for (h, s) = norm(x, residual) (s = x when residual is None): a decoder layer's input norm and
+    its attention's first projection. For one token on a GPU with the residual add, one kernel
+    (kernels.norm_gemv.add_norm_gemv: the norm inside the projection's GEMV, a launch less a layer)."""
+    if residual is None:
+        return proj(norm(x)), x
+    if x.is_cuda and type(proj) is Linear:
+        from deltaserve.kernels.norm_gemv import NORM_GEMV_MAX_TOKENS, add_norm_gemv, fits  # Triton
+
+        if fits(x, norm.weight, proj.weight, NORM_GEMV_MAX_TOKENS) and proj.weight.dtype == x.dtype:
+            y, residual, _ = add_norm_gemv(x, residual, norm.weight, norm.eps, proj.weight)
+            return y, residual
+    h, residual = norm(x, residual)
+    return proj(h), residual

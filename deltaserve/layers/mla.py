@@ -46,13 +46,18 @@ class MultiheadLatentAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
         """x [N, D] -> [N, D]; writes this step's latents, then attends over each sequence's cached ones."""
-        N, nd, H, R = x.shape[0], batch.num_decodes, self.num_heads, self.kv_lora_rank
-        q, ckv = self.in_proj(x).split(self.split, dim=-1)  # [N, H*(Dn+Dr)], [N, R+Dr]
+        return self.forward_projected(self.in_proj(x), batch, cache)
+
+    def forward_projected(self, projected: torch.Tensor, batch: ForwardBatch,
+                          cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        """forward() from in_proj's output [N, sum(split)] (the decoder layer may fuse its norm into in_proj)."""
+        N, nd, H, R = projected.shape[0], batch.num_decodes, self.num_heads, self.kv_lora_rank
+        q, ckv = projected.split(self.split, dim=-1)  # [N, H*(Dn+Dr)], [N, R+Dr]
         q = q.view(N, H, self.nope_dim + self.rope_dim)
         q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim:]
         latents = torch.cat([rms_norm(ckv[:, :R], self.kv_a_norm_weight, self.kv_norm_eps), ckv[:, R:]], dim=-1)
         write_latents(cache["latent"], batch.slot_mapping, latents)
-        out = x.new_empty(N, H, self.v_dim)
+        out = projected.new_empty(N, H, self.v_dim)
         if nd:
             out[:nd] = self._decode(q_nope[:nd], q_rope[:nd], batch, cache["latent"])
         row = nd

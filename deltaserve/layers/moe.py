@@ -11,6 +11,7 @@ from deltaserve.kernels.moe.experts import FEW_ASSIGNMENTS_GPU
 from deltaserve.kernels.quant import FP8, fp8_fused_experts
 from deltaserve.kernels.quant.experts import MAX_PAIRS_PER_PAIR_GEMV
 from deltaserve.layers.linear import Linear
+from deltaserve.layers.norm import RMSNorm
 
 
 class SwiGLU(nn.Module):
@@ -31,6 +32,12 @@ class SwiGLU(nn.Module):
         out = self.down_proj(F.silu(gate) * up)
         return all_reduce(out, self.parallel) if self.reduce else out
 
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(h), s) for (h, s) = norm(x, residual): the decoder layer's post-attention norm, then this block."""
+        h, residual = norm(x, residual)
+        return self(h), residual
+
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig = SINGLE):
@@ -49,8 +56,26 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> routed experts (scaled) + shared expert (unscaled), [N, D]."""
+        return self._route_and_run(x, self._router_logits(x))
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(h), s) for (h, s) = norm(x, residual): the decoder layer's post-attention norm, then this block.
+        Where the router's GEMV serves the step, the norm runs inside it (kernels.norm_gemv: one launch less a
+        layer), which also stores h for the experts."""
+        if self._router_gemv(x):
+            from deltaserve.kernels.norm_gemv import ROUTER_NORM_MAX_TOKENS, add_norm_gemv, fits  # Triton
+
+            if fits(x, norm.weight, self.gate_weight, ROUTER_NORM_MAX_TOKENS):
+                logits, residual, h = add_norm_gemv(x, residual, norm.weight, norm.eps, self.gate_weight,
+                                                    store_normed=True)
+                return self._route_and_run(h, logits), residual
+        h, residual = norm(x, residual)
+        return self(h), residual
+
+    def _route_and_run(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """x [N, D] and its router logits [N, E] float32 -> the block's output [N, D]."""
         cfg = self.cfg
-        logits = self._router_logits(x)  # [N, E] float32
         weights, ids = select_experts(logits, self.e_score_correction_bias.float(), cfg.num_experts_per_token,
                                       cfg.num_expert_group, cfg.topk_group, cfg.moe_renormalize,
                                       cfg.routed_scaling_factor, exact=x.dtype == torch.float32)
@@ -69,14 +94,21 @@ class MoE(nn.Module):
 
     def _router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> router logits [N, E], in float32 whatever x's dtype (the reference's router)."""
-        # one process only: ranks autotune the kernel apart, and a different summation order could tip a near-tie
-        # of the top-k one way on one rank and the other way on another
-        if x.is_cuda and x.dtype != torch.float32 and self.parallel.world_size == 1:
-            from deltaserve.kernels.moe.triton_routing import ROUTER_GEMV_MAX_TOKENS, router_logits
+        if self._router_gemv(x):
+            from deltaserve.kernels.moe.triton_routing import router_logits
 
-            if x.shape[0] <= ROUTER_GEMV_MAX_TOKENS:
-                return router_logits(x, self.gate_weight)
+            return router_logits(x, self.gate_weight)
         return F.linear(x.float(), self.gate_weight.float())
+
+    def _router_gemv(self, x: torch.Tensor) -> bool:
+        """Whether the router's logits come from our GEMV kernel: a few half-precision tokens on a GPU, one process
+        only (ranks autotune the kernel apart, and a different summation order could tip a near-tie of the top-k one
+        way on one rank and the other way on another)."""
+        if not x.is_cuda or x.dtype == torch.float32 or self.parallel.world_size > 1:
+            return False
+        from deltaserve.kernels.moe.triton_routing import ROUTER_GEMV_MAX_TOKENS  # Triton
+
+        return x.shape[0] <= ROUTER_GEMV_MAX_TOKENS and self.gate_weight.dtype == torch.float32
 
     def _shared_in_decode_kernels(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """The shared expert's weights (gate_up, down; with FP8, then their block scales) where the few-token GPU

@@ -42,6 +42,30 @@ def test_cuda_graphs_match_eager_bf16_up_to_near_ties():
     assert_graphs_match_eager(llm, PROMPTS)
 
 
+def test_norms_inside_the_projections_match_them_apart_up_to_near_ties(tiny, monkeypatch):
+    """bf16, batch 1, eager: the decoder layers' norms run inside the GEMVs that read them (kernels.norm_gemv) or
+    apart; the same greedy tokens up to near ties (the mean square is summed in another order)."""
+    import deltaserve.kernels.norm_gemv as norm_gemv
+
+    calls = []
+    for name in ("add_norm_gemv", "gated_norm_gemv"):
+        real = getattr(norm_gemv, name)
+        monkeypatch.setattr(norm_gemv, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    llm = LLM(tiny, device="cuda", dtype="bfloat16", max_model_len=512, enable_prefix_caching=False,
+              max_num_seqs=1)
+    llm.engine.runner.graphs = None
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert {"add_norm_gemv", "gated_norm_gemv"} <= set(calls)
+    monkeypatch.setattr(norm_gemv, "ENABLED", False)
+    calls.clear()
+    apart = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert not calls
+    for f, a in zip(fused, apart):
+        assert_same_up_to_near_ties(f, a)
+
+
 def test_cuda_graphs_cover_contexts_up_to_the_model_length(tmp_path):
     """The graphs' block table spans the model length (the paged MLA kernel reads only each context), so a decode
     at 5k tokens of context (past the old 4k limit) replays a graph, and gives eager's tokens up to near ties."""
@@ -67,11 +91,17 @@ def assert_graphs_match_eager(llm, prompts, max_tokens=24, TIE=0.1):
     llm.engine.runner.graphs = None
     eager = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     for g, e in zip(with_graphs, eager):
-        i = next((i for i, (a, b) in enumerate(zip(g.token_ids, e.token_ids)) if a != b), None)
-        if i is None:
-            continue
-        top = sorted(e.logprobs[i].items(), key=lambda kv: -kv[1].logprob)[:2]
-        assert g.token_ids[i] == top[1][0] and top[0][1].logprob - top[1][1].logprob < TIE, (i, top)
+        assert_same_up_to_near_ties(g, e, TIE)
+
+
+def assert_same_up_to_near_ties(got, expected, TIE=0.1):
+    """The same tokens, or up to the first difference, where `expected`'s own top two are within TIE logprob of each
+    other and `got` took the second."""
+    i = next((i for i, (a, b) in enumerate(zip(got.token_ids, expected.token_ids)) if a != b), None)
+    if i is None:
+        return
+    top = sorted(expected.logprobs[i].items(), key=lambda kv: -kv[1].logprob)[:2]
+    assert got.token_ids[i] == top[1][0] and top[0][1].logprob - top[1][1].logprob < TIE, (i, top)
 
 
 def test_chained_bursts_replay_the_graphs_of_unchained_ones_exactly(tiny):

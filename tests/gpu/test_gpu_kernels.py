@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers.kernels import PagedLatents, rel_err
+from helpers.kernels import PagedLatents, norm_gemv_inputs, rel_err, within_ulps
 
 from deltaserve.kernels.kda import fused_recurrent_kda, kda_decode, kda_gate, l2norm
 from deltaserve.kernels.kda.chunk import chunk_kda
@@ -252,3 +252,28 @@ def test_grouped_gemv_matches_kdas_two_up_projections():
     F = torch.nn.functional
     assert rel_err(y[:, :4096], F.linear(x[:, :128].float(), weight[:4096].float())) < 5e-3
     assert rel_err(y[:, 4096:], F.linear(x[:, 128:].float(), weight[4096:].float())) < 5e-3
+
+
+@pytest.mark.parametrize("T,N,weight_dtype", [(1, 12576, torch.bfloat16), (1, 6720, torch.bfloat16),  # KDA, MLA in_proj
+                                              (1, 256, torch.float32), (5, 256, torch.float32),  # the router
+                                              (16, 256, torch.float32), (1, 1000, torch.bfloat16)])
+def test_add_norm_gemv_matches_norm_then_linear(T, N, weight_dtype):
+    """The residual stream bit for bit; the normalised input within one unit in the last place (the mean square is
+    summed in another order) and nearly always equal; the product as the twin's."""
+    from deltaserve.kernels.norm_gemv import add_norm_gemv, naive_add_norm_linear
+
+    case = norm_gemv_inputs(T, 2304, N, weight_dtype, seed=T * N, device=DEV)
+    args = case["x"], case["residual"], case["norm_weight"], case["eps"], case["weight"]
+    y, s, h = add_norm_gemv(*args, store_normed=True)
+    y_twin, s_twin, h_twin = naive_add_norm_linear(*args)
+    assert torch.equal(s, s_twin) and within_ulps(h, h_twin) and (h == h_twin).float().mean() > 0.99
+    assert y.dtype == weight_dtype and rel_err(y, y_twin) < (5e-3 if weight_dtype == torch.bfloat16 else 1e-3)
+
+
+@pytest.mark.parametrize("T,H,K,N", [(1, 32, 128, 2304), (1, 7, 64, 1000)])  # the 48B's o_proj, a ragged one
+def test_gated_norm_gemv_matches_gated_norm_then_linear(T, H, K, N):
+    from deltaserve.kernels.norm_gemv import gated_norm_gemv, naive_gated_norm_linear
+
+    case = norm_gemv_inputs(T, K, N, torch.bfloat16, seed=H * N, device=DEV, gated_heads=H)
+    args = case["o"], case["gate"], case["norm_weight"], case["eps"], case["weight"]
+    assert rel_err(gated_norm_gemv(*args), naive_gated_norm_linear(*args)) < 5e-3

@@ -76,3 +76,27 @@ class PagedLatents:
         """[B, width] int64 (default: the longest table), padded with page 0."""
         width = width or max(len(t) for t in self.tables)
         return torch.tensor([t + [0] * (width - len(t)) for t in self.tables], device=self.cache.device)
+
+
+def norm_gemv_inputs(T: int, D: int, N: int, weight_dtype: torch.dtype, seed: int, device: str = "cpu",
+                     gated_heads: int = 0) -> dict:
+    """Random inputs of kernels.norm_gemv at ragged shapes, bf16 activations as strided views (a split leaves them
+    so). Not gated: x, residual [T, D]; gated (gated_heads H, D the head dim): o [T, H, D], gate [T, H * D]."""
+    gen = torch.Generator().manual_seed(seed)
+    width = gated_heads * D if gated_heads else D
+    case = {"norm_weight": (torch.rand(D, generator=gen) + 0.5).bfloat16(), "eps": 1e-6,
+            "weight": (torch.randn(N, width, generator=gen) * 0.05).to(weight_dtype)}
+    if gated_heads:
+        case["o"] = torch.randn(T, gated_heads, D, generator=gen).bfloat16()
+        case["gate"] = torch.randn(T, 3 * width, generator=gen).bfloat16()[:, width: 2 * width]
+    else:
+        case["x"] = (torch.randn(T, 2 * D, generator=gen) * 4).bfloat16()[:, :D]
+        case["residual"] = (torch.randn(T, D, generator=gen) * 4).bfloat16()
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.items()}
+
+
+def within_ulps(a: torch.Tensor, b: torch.Tensor, ulps: int = 1) -> bool:
+    """Whether two bf16 tensors differ by at most `ulps` units in the last place (bf16's 8 significant bits)."""
+    a, b = a.float().cpu(), b.float().cpu()
+    ulp = torch.maximum(a.abs(), b.abs()).clamp_min(1e-30) * 2.0 ** -7
+    return bool(((a - b).abs() <= ulps * ulp).all())

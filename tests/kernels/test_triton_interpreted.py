@@ -3,7 +3,7 @@ checks them without a GPU. On a machine with CUDA, tests/gpu runs the same kerne
 
 import pytest
 import torch
-from helpers.kernels import PagedLatents, rel_err, require_triton_interpreter
+from helpers.kernels import PagedLatents, norm_gemv_inputs, rel_err, require_triton_interpreter, within_ulps
 
 require_triton_interpreter()
 
@@ -19,6 +19,7 @@ from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk  # no
 from deltaserve.kernels.moe.triton_combine import weighted_sum  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import decode_experts  # noqa: E402
 from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, router_logits, triton_topk  # noqa: E402
+from deltaserve.kernels.norm_gemv import add_norm_gemv, gated_norm_gemv, naive_add_norm_linear, naive_gated_norm_linear  # noqa: E402
 from deltaserve.kernels.varlen import PackedSeqs  # noqa: E402
 
 
@@ -208,3 +209,31 @@ def test_grouped_gemv_gives_each_group_its_own_input(tile):
     F = torch.nn.functional
     assert rel_err(y[:, :half], F.linear(x[:, :K].float(), weight[:half].float())) < 5e-3
     assert rel_err(y[:, half:], F.linear(x[:, K:].float(), weight[half:].float())) < 5e-3
+
+
+# The interpreter rounds float32 to bf16 by truncation where the GPU rounds to nearest even, so the kernel's bf16 values
+# (the residual stream, the normalised input) may sit one unit in the last place off the twin's here, and the
+# products by the few percent that biased roundings add up to; tests/gpu checks the compiled kernels tighter.
+@pytest.mark.parametrize("tile", [None, (4, 1024), (64, 128)])
+@pytest.mark.parametrize("T,D,N,weight_dtype", [(1, 300, 70, torch.bfloat16), (3, 2304, 256, torch.float32),
+                                                (2, 100, 10, torch.float32)])
+def test_add_norm_gemv_matches_norm_then_linear(T, D, N, weight_dtype, tile):
+    case = norm_gemv_inputs(T, D, N, weight_dtype, seed=T * D + N)
+    args = case["x"], case["residual"], case["norm_weight"], case["eps"], case["weight"]
+    y, s, h = add_norm_gemv(*args, store_normed=True, tile=tile)
+    y_twin, s_twin, h_twin = naive_add_norm_linear(*args)
+    assert y.dtype == weight_dtype and y.shape == (T, N) and s.shape == h.shape == (T, D)
+    assert within_ulps(s, s_twin) and within_ulps(h, h_twin, ulps=4)  # three truncations: s, normed, h
+    assert rel_err(y, y_twin) < 2e-2
+    assert add_norm_gemv(*args)[2] is None  # h stored only when asked for
+
+
+@pytest.mark.parametrize("tile", [None, (8, 256), (4, 1024)])
+@pytest.mark.parametrize("T,H,K,N", [(1, 4, 128, 70), (2, 3, 64, 129), (1, 5, 16, 33)])
+def test_gated_norm_gemv_matches_gated_norm_then_linear(T, H, K, N, tile):
+    """Heads of 128, 64 and 16 (a column tile holds several), ragged head counts and rows, a strided gate."""
+    case = norm_gemv_inputs(T, K, N, torch.bfloat16, seed=T * H + N, gated_heads=H)
+    args = case["o"], case["gate"], case["norm_weight"], case["eps"], case["weight"]
+    y = gated_norm_gemv(*args, tile=tile)
+    assert y.dtype == torch.bfloat16 and y.shape == (T, N)
+    assert rel_err(y, naive_gated_norm_linear(*args)) < 2e-2
