@@ -13,6 +13,7 @@ outputs cross-checked (relative error against the first variant) so a fast wrong
                 cuBLAS
   router        the router's logits for a few tokens: our GEMV, autotuned and each tile, against the float32 copy
                 and cuBLAS GEMV
+  norm_gemv     a decoder layer's norms inside the GEMVs that read them, one token, against norm and projection apart
 
 Times are CUDA-graph replays (triton.testing.do_bench_cudagraph), in microseconds per call; with the bytes each
 variant must read, the achieved bandwidth. `--smoke` runs tiny shapes on the CPU (Triton through its interpreter)
@@ -230,8 +231,52 @@ def router_rows(device: str, smoke: bool) -> list[dict]:
     return rows
 
 
+def norm_gemv_rows(device: str, smoke: bool) -> list[dict]:
+    """A decoder layer's norms inside the GEMVs that read them (kernels.norm_gemv), one token, against the norm and
+    the projection apart as the layers run them otherwise: the norm (compiled by torch.compile on a GPU), then
+    cuBLAS (KDA's in_proj), our GEMV (MLA's in_proj, o_proj) or the router's GEMV. A graph of the two launches
+    against one, so the time between them counts."""
+    from deltaserve.kernels.gemv import gemv
+    from deltaserve.kernels.moe.triton_routing import router_logits
+    from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm
+    from deltaserve.kernels.norm_gemv import (
+        add_norm_gemv,
+        gated_norm_gemv,
+        naive_add_norm_linear,
+        naive_gated_norm_linear,
+    )
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    D, H, Kh = (100, 3, 16) if smoke else (2304, 32, 128)
+    x, residual = torch.randn(2, 1, D, device=device).to(dtype)
+    norm_weight = (torch.rand(D, device=device) + 0.5).to(dtype)
+    rows = []
+    adds = {"kda in_proj": (70 if smoke else 12576, dtype, F.linear),
+            "mla in_proj": (50 if smoke else 6720, dtype, gemv),
+            "router": (10 if smoke else 256, torch.float32, router_logits)}
+    for name, (N, weight_dtype, project) in adds.items():
+        weight = (torch.randn(N, D, device=device) * 0.02).to(weight_dtype)
+        variants = {"apart": lambda: project(add_rms_norm(x, residual, norm_weight, 1e-6)[0], weight),
+                    "fused": lambda: add_norm_gemv(x, residual, norm_weight, 1e-6, weight)[0]}
+        expected = naive_add_norm_linear(x, residual, norm_weight, 1e-6, weight)[0]
+        for variant, fn in variants.items():
+            emit("norm_gemv", rows, {"shape": name, "variant": variant, "us": timed(fn, device),
+                                     "rel_err": rel_err(fn(), expected)})
+    o = torch.randn(1, H, Kh, device=device).to(dtype)
+    gate = torch.randn(1, H * Kh, device=device).to(dtype)
+    head_weight = (torch.rand(Kh, device=device) + 0.5).to(dtype)
+    weight = (torch.randn(D, H * Kh, device=device) * 0.02).to(dtype)
+    variants = {"apart": lambda: gemv(gated_rms_norm(o, gate.view(o.shape), head_weight, 1e-6).view(1, -1), weight),
+                "fused": lambda: gated_norm_gemv(o, gate, head_weight, 1e-6, weight)}
+    expected = naive_gated_norm_linear(o, gate, head_weight, 1e-6, weight)
+    for variant, fn in variants.items():
+        emit("norm_gemv", rows, {"shape": "kda o_proj (gated)", "variant": variant, "us": timed(fn, device),
+                                 "rel_err": rel_err(fn(), expected)})
+    return rows
+
+
 PARTS = {"mla_decode": mla_decode_rows, "mla_prefill": mla_prefill_rows, "fp8_experts": fp8_expert_rows,
-         "decode_experts": decode_expert_rows, "gemv": gemv_rows, "router": router_rows}
+         "decode_experts": decode_expert_rows, "gemv": gemv_rows, "router": router_rows, "norm_gemv": norm_gemv_rows}
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 # One lease on an H200: install the carried wheels, then the stages named in STAGES (default: all), each writing
 # its log under $OUT:
 #   tests     tests/gpu (kernels against their twins, float32 GPU = CPU, FP8 GPU = CPU fallback), one pytest a file
-#   (in this order:) tests, kernels, bench, fp8, pdl, async, parity, profile, prefill, baseline
+#   (in this order:) tests, kernels, bench, fp8, pdl, async, normgemv, parity, profile, prefill, baseline
 #   kernels   benchmarks/gpu/kernels_bench.py: MLA decode, MLA prefill, FP8 experts, the decode experts' tiles, the
 #             dense GEMV and the router (KPARTS: a comma-separated subset of those parts)
 #   parity    the demo model: bfloat16 on the GPU against a float32 golden captured on the GPU, 8 prompts x 64
@@ -13,6 +13,8 @@
 #             second recompiles every Triton kernel (PDL is a compile-time constant): over 100 s of engine start
 #   async     batch 1 with asynchronous scheduling and without, alternated on one engine (async_ab.py): the same
 #             greedy tokens, and TPOT each way
+#   normgemv  batch 1 (and 16) with the norms inside the GEMVs (the default) and apart (DELTASERVE_NORM_GEMV=0),
+#             one process each
 #   profile   kernel time of a batch-1 decode step, bf16 (and fp8)
 #   prefill   one 8k-token prompt, bf16, alone
 #   baseline  4 layers (3 KDA + 1 MLA) of the 48B shape: deltaserve and transformers + fla-core, same call
@@ -22,7 +24,7 @@
 # then ran out of memory); the limits here kill the python processes themselves.
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STAGES=${STAGES:-tests kernels parity bench fp8 pdl async profile prefill baseline}
+STAGES=${STAGES:-tests kernels parity bench fp8 pdl async normgemv profile prefill baseline}
 export PYTHONPATH=$PWD/.gpu/site:$PWD
 python3 -m pip install --no-deps --no-index --target "$PWD/.gpu/site" wheels/fla_core-0.6.0-py3-none-any.whl \
     wheels/transformers-5.24.0-py3-none-any.whl >/dev/null 2>&1 || echo "wheel install failed"
@@ -84,6 +86,13 @@ if has async; then
   timeout ${T_ASYNC:-300} python3 benchmarks/gpu/async_ab.py --config $CFG --batch 1 --rounds 3 --output-len 64 \
       --json-out "$OUT/async_ab.json" > "$OUT/async_ab.txt" 2>&1
   grep -E "^greedy|^round|Error" "$OUT/async_ab.txt" | cut -c1-200
+fi
+if has normgemv; then
+  for v in 1 0; do
+    DELTASERVE_NORM_GEMV=$v timeout ${T_NORM:-250} $B --config $CFG --batch-sizes 1,16 --prompt-len 512 --output-len 64 \
+        --json-out "$OUT/bench_norm_gemv$v.json" > "$OUT/bench_norm_gemv$v.txt" 2>&1
+    echo "DELTASERVE_NORM_GEMV=$v"; grep -A3 "batch  " "$OUT/bench_norm_gemv$v.txt" | cut -c1-130
+  done
 fi
 if has parity; then
   (

@@ -29,10 +29,11 @@ import triton.language as tl
 
 from deltaserve.kernels.autotune import tile_configs, with_tile
 from deltaserve.kernels.gemv import GEMV_NAMES, GEMV_TILES
+from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, ROUTER_GEMV_MAX_TOKENS
 from deltaserve.kernels.pdl import pdl_args, pdl_enter
 
 NORM_GEMV_MAX_TOKENS = 1  # bf16 weights: a token's programs re-read them (kernels.gemv's GEMV_MAX_TOKENS)
-ROUTER_NORM_MAX_TOKENS = 16  # the router's float32 weights are 2.4 MB: re-read from L2 (triton_routing's limit)
+ROUTER_NORM_MAX_TOKENS = ROUTER_GEMV_MAX_TOKENS  # the router's 2.4 MB of float32 weights: re-read from L2
 ENABLED = os.environ.get("DELTASERVE_NORM_GEMV", "1") != "0"
 MAX_HEAD = 128  # gated: a tile's columns (every BLOCK_K candidate is a multiple of 128) hold whole heads
 
@@ -90,21 +91,9 @@ def _norm_gemv_jit(x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, h_ptr, s_ptr, x_stride, r
 _KEY = ["N", "K", "GATED", "STORE_H", "T_BUCKET"]
 _half_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, GEMV_TILES, (16, 256), warps=(4, 8)),
                                key=_KEY)(_norm_gemv_jit)
-# float32 weights (the router): its own tiles, as kernels.moe.triton_routing's logits (imported late: that module
-# imports kernels.gemv, as this one does)
-_router_kernel = None
-
-
-def _kernel_for(weight: torch.Tensor):
-    global _router_kernel
-    if weight.dtype != torch.float32:
-        return _half_kernel
-    if _router_kernel is None:
-        from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES
-
-        _router_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, _ROUTER_TILES, (2, 512), warps=(2, 4)),
-                                         key=_KEY)(_norm_gemv_jit)
-    return _router_kernel
+# float32 weights (the router): the router logits' own tiles
+_router_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, _ROUTER_TILES, (2, 512), warps=(2, 4)),
+                                 key=_KEY)(_norm_gemv_jit)
 
 
 def add_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
@@ -122,7 +111,8 @@ def add_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
     s = torch.empty(T, D, dtype=x.dtype, device=x.device)
     h = torch.empty(T, D, dtype=x.dtype, device=x.device) if store_normed else None
     if T:
-        kernel, chosen = with_tile(_kernel_for(weight), GEMV_NAMES, tile)
+        kernel, chosen = with_tile(_router_kernel if weight.dtype == torch.float32 else _half_kernel,
+                                   GEMV_NAMES, tile)
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), T)](
             x, residual, norm_weight, weight, y, h, s, x.stride(0), residual.stride(0), y.stride(0), float(eps),
             triton.next_power_of_2(T), N=N, K=D, GATED=False, HEAD=1, STORE_H=store_normed, **pdl_args(x.device),

@@ -108,7 +108,7 @@ class MoE(nn.Module):
             return False
         from deltaserve.kernels.moe.triton_routing import ROUTER_GEMV_MAX_TOKENS  # Triton
 
-        return x.shape[0] <= ROUTER_GEMV_MAX_TOKENS and self.gate_weight.dtype == torch.float32
+        return x.shape[0] <= ROUTER_GEMV_MAX_TOKENS
 
     def _shared_in_decode_kernels(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
         """The shared expert's weights (gate_up, down; with FP8, then their block scales) where the few-token GPU
