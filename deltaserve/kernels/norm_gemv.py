@@ -106,6 +106,7 @@ def add_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
     T, D = x.shape
     N = weight.shape[0]
     assert residual.shape == x.shape and weight.shape[1] == D and norm_weight.shape == (D,)
+    assert residual.dtype == norm_weight.dtype == x.dtype, "x, residual and the norm weight share one dtype"
     assert x.stride(1) == 1 and residual.stride(1) == 1 and weight.is_contiguous() and norm_weight.is_contiguous()
     y = torch.empty(T, N, dtype=weight.dtype, device=x.device)
     s = torch.empty(T, D, dtype=x.dtype, device=x.device)
@@ -127,6 +128,7 @@ def gated_norm_gemv(o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tens
     T, H, head = o.shape
     N = weight.shape[0]
     assert o.is_contiguous() and gate.shape == (T, H * head) and gate.stride(1) == 1 and MAX_HEAD % head == 0
+    assert gate.dtype == norm_weight.dtype == weight.dtype == o.dtype, "o, gate and both weights share one dtype"
     assert weight.shape[1] == H * head and weight.is_contiguous() and norm_weight.shape == (head,)
     y = torch.empty(T, N, dtype=o.dtype, device=o.device)
     if T:
@@ -138,12 +140,14 @@ def gated_norm_gemv(o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tens
     return y
 
 
-def fits(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, max_tokens: int) -> bool:
-    """Whether the fused kernels serve this step: a GPU, half-precision activations with a norm weight of their
-    dtype, a plain contiguous weight of their dtype (or float32: the router), at most max_tokens tokens."""
-    return (ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and norm_weight.dtype == x.dtype
-            and weight.dtype in (x.dtype, torch.float32) and x.shape[0] <= max_tokens and weight.dim() == 2
-            and weight.is_contiguous())
+def fits(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, max_tokens: int,
+         other: torch.Tensor) -> bool:
+    """Whether the fused kernels serve this step: a GPU, at most max_tokens tokens of half-precision activations x
+    and `other` (the residual, or the gate) of one dtype with contiguous columns (x contiguous: KDA's o is read as
+    [T, H * K]), a norm weight of their dtype, a plain contiguous weight of their dtype (or float32: the router)."""
+    return (ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= max_tokens
+            and x.is_contiguous() and other.dtype == norm_weight.dtype == x.dtype and other.stride(-1) == 1
+            and weight.dtype in (x.dtype, torch.float32) and weight.dim() == 2 and weight.is_contiguous())
 
 
 def naive_add_norm_linear(x, residual, norm_weight, eps, weight):

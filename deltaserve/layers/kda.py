@@ -71,7 +71,7 @@ class KimiDeltaAttention(nn.Module):
         if o.is_cuda and type(self.o_proj) is Linear:
             from deltaserve.kernels.norm_gemv import MAX_HEAD, NORM_GEMV_MAX_TOKENS, fits, gated_norm_gemv  # Triton
 
-            if fits(o, self.o_norm_weight, weight, NORM_GEMV_MAX_TOKENS) and weight.dtype == o.dtype \
+            if fits(o, self.o_norm_weight, weight, NORM_GEMV_MAX_TOKENS, gate) and weight.dtype == o.dtype \
                     and MAX_HEAD % K == 0:
                 return gated_norm_gemv(o, gate, self.o_norm_weight, self.eps, weight)
         return self.o_proj(gated_rms_norm(o, gate.view(N, H, K), self.o_norm_weight, self.eps).view(N, H * K))

@@ -34,7 +34,7 @@ def norm_then_project(norm, proj: Linear, x: torch.Tensor, residual: torch.Tenso
     if x.is_cuda and type(proj) is Linear:
         from deltaserve.kernels.norm_gemv import NORM_GEMV_MAX_TOKENS, add_norm_gemv, fits  # Triton
 
-        if fits(x, norm.weight, proj.weight, NORM_GEMV_MAX_TOKENS) and proj.weight.dtype == x.dtype:
+        if fits(x, norm.weight, proj.weight, NORM_GEMV_MAX_TOKENS, residual) and proj.weight.dtype == x.dtype:
             y, residual, _ = add_norm_gemv(x, residual, norm.weight, norm.eps, proj.weight)
             return y, residual
     h, residual = norm(x, residual)

@@ -66,7 +66,7 @@ class MoE(nn.Module):
         if self._router_gemv(x):
             from deltaserve.kernels.norm_gemv import ROUTER_NORM_MAX_TOKENS, add_norm_gemv, fits  # Triton
 
-            if fits(x, norm.weight, self.gate_weight, ROUTER_NORM_MAX_TOKENS):
+            if fits(x, norm.weight, self.gate_weight, ROUTER_NORM_MAX_TOKENS, residual):
                 logits, residual, h = add_norm_gemv(x, residual, norm.weight, norm.eps, self.gate_weight,
                                                     store_normed=True)
                 return self._route_and_run(h, logits), residual
