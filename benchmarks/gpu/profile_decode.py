@@ -6,6 +6,11 @@ With `--burst N` each engine step is a decode burst of N steps (the bench's defa
 what a burst costs beyond its graphs' replays; `--prefill-len L` also profiles the prefill of one L-token prompt
 (same engine, after the decode steps).
 
+With programmatic dependent launch (the default on Hopper: kernels/pdl.py) a kernel is scheduled early and waits
+inside itself for the one before, so the profiler's kernel times overlap and include those waits (their sum exceeded
+the graph's replay by 30% in the sixth lease); for each kernel's own time, profile with DELTASERVE_PDL=0 (every Triton
+kernel recompiles at the engine's start).
+
     python benchmarks/gpu/profile_decode.py --config benchmarks/configs/kimi-linear-48b-a3b.json --batch 1
 """
 
