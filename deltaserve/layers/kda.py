@@ -13,6 +13,7 @@ from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
 from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from deltaserve.kernels.kda import kda_decode, kda_prefill
 from deltaserve.kernels.norm import gated_rms_norm
+from deltaserve.layers import linear
 from deltaserve.layers.linear import Linear
 
 if TYPE_CHECKING:
@@ -68,12 +69,11 @@ class KimiDeltaAttention(nn.Module):
         (kernels.norm_gemv: the norm inside o_proj's GEMV, one launch less a layer)."""
         N, H, K = o.shape
         weight = self.o_proj.weight
-        if o.is_cuda and type(self.o_proj) is Linear:
-            from deltaserve.kernels.norm_gemv import MAX_HEAD, NORM_GEMV_MAX_TOKENS, fits, gated_norm_gemv  # Triton
-
-            if fits(o, self.o_norm_weight, weight, NORM_GEMV_MAX_TOKENS, gate) and weight.dtype == o.dtype \
-                    and MAX_HEAD % K == 0:
-                return gated_norm_gemv(o, gate, self.o_norm_weight, self.eps, weight)
+        kernels = linear.norm_gemv_kernels(o)
+        if kernels is not None and type(self.o_proj) is Linear and weight.dtype == o.dtype \
+                and kernels.MAX_HEAD % K == 0 \
+                and kernels.fits(o, self.o_norm_weight, weight, kernels.NORM_GEMV_MAX_TOKENS, gate):
+            return kernels.gated_norm_gemv(o, gate, self.o_norm_weight, self.eps, weight)
         return self.o_proj(gated_rms_norm(o, gate.view(N, H, K), self.o_norm_weight, self.eps).view(N, H * K))
 
     def _gate_up_projections(self, fg_a: torch.Tensor, batched: bool) -> tuple[torch.Tensor, torch.Tensor]:

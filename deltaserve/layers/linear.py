@@ -25,17 +25,27 @@ class Linear(nn.Module):
         return F.linear(x, self.weight)
 
 
+def norm_gemv_kernels(x: torch.Tensor):
+    """The module kernels.norm_gemv (norms inside the GEMVs that read them) where its kernels may serve x's step (a
+    GPU; imported here, since it needs Triton), else None. The layers ask this one function, so a test can stand
+    the kernels' twins in for them on the CPU."""
+    if not x.is_cuda:
+        return None
+    from deltaserve.kernels import norm_gemv
+
+    return norm_gemv
+
+
 def norm_then_project(norm, proj: Linear, x: torch.Tensor, residual: torch.Tensor | None):
     """(proj(h), s) for (h, s) = norm(x, residual) (s = x when residual is None): a decoder layer's input norm and
     its attention's first projection. For one token on a GPU with the residual add, one kernel
     (kernels.norm_gemv.add_norm_gemv: the norm inside the projection's GEMV, a launch less a layer)."""
     if residual is None:
         return proj(norm(x)), x
-    if x.is_cuda and type(proj) is Linear:
-        from deltaserve.kernels.norm_gemv import NORM_GEMV_MAX_TOKENS, add_norm_gemv, fits  # Triton
-
-        if fits(x, norm.weight, proj.weight, NORM_GEMV_MAX_TOKENS, residual) and proj.weight.dtype == x.dtype:
-            y, residual, _ = add_norm_gemv(x, residual, norm.weight, norm.eps, proj.weight)
-            return y, residual
+    kernels = norm_gemv_kernels(x)
+    if kernels is not None and type(proj) is Linear and proj.weight.dtype == x.dtype \
+            and kernels.fits(x, norm.weight, proj.weight, kernels.NORM_GEMV_MAX_TOKENS, residual):
+        y, residual, _ = kernels.add_norm_gemv(x, residual, norm.weight, norm.eps, proj.weight)
+        return y, residual
     h, residual = norm(x, residual)
     return proj(h), residual

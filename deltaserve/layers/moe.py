@@ -10,6 +10,7 @@ from deltaserve.kernels.moe import fused_experts, select_experts
 from deltaserve.kernels.moe.experts import FEW_ASSIGNMENTS_GPU
 from deltaserve.kernels.quant import FP8, fp8_fused_experts
 from deltaserve.kernels.quant.experts import MAX_PAIRS_PER_PAIR_GEMV
+from deltaserve.layers import linear
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.norm import RMSNorm
 
@@ -61,15 +62,14 @@ class MoE(nn.Module):
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor,
                        norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(h), s) for (h, s) = norm(x, residual): the decoder layer's post-attention norm, then this block.
-        Where the router's GEMV serves the step, the norm runs inside it (kernels.norm_gemv: one launch less a
-        layer), which also stores h for the experts."""
-        if self._router_gemv(x):
-            from deltaserve.kernels.norm_gemv import ROUTER_NORM_MAX_TOKENS, add_norm_gemv, fits  # Triton
-
-            if fits(x, norm.weight, self.gate_weight, ROUTER_NORM_MAX_TOKENS, residual):
-                logits, residual, h = add_norm_gemv(x, residual, norm.weight, norm.eps, self.gate_weight,
-                                                    store_normed=True)
-                return self._route_and_run(h, logits), residual
+        Where the router's GEMV serves the step (a few half-precision tokens on a GPU, one process: _router_gemv),
+        the norm runs inside it (kernels.norm_gemv: one launch less a layer), which also stores h for the experts."""
+        kernels = linear.norm_gemv_kernels(x)
+        if kernels is not None and self.parallel.world_size == 1 \
+                and kernels.fits(x, norm.weight, self.gate_weight, kernels.ROUTER_NORM_MAX_TOKENS, residual):
+            logits, residual, h = kernels.add_norm_gemv(x, residual, norm.weight, norm.eps, self.gate_weight,
+                                                        store_normed=True)
+            return self._route_and_run(h, logits), residual
         h, residual = norm(x, residual)
         return self(h), residual
 

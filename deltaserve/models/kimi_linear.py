@@ -14,8 +14,9 @@ from torch import nn
 
 from deltaserve.config import KDA, MOE, ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig
+from deltaserve.layers import linear
 from deltaserve.layers.kda import KimiDeltaAttention
-from deltaserve.layers.linear import Linear, norm_then_project
+from deltaserve.layers.linear import Linear
 from deltaserve.layers.mla import MultiheadLatentAttention
 from deltaserve.layers.moe import MoE, SwiGLU
 from deltaserve.layers.norm import RMSNorm
@@ -39,7 +40,7 @@ class DecoderLayer(nn.Module):
                 cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embedding for layer 0, with residual None); residual: the stream
         before it. Returns this layer's (MLP output, stream before it); adds are fused into the next norm."""
-        projected, residual = norm_then_project(self.input_layernorm, self.self_attn.in_proj, x, residual)
+        projected, residual = linear.norm_then_project(self.input_layernorm, self.self_attn.in_proj, x, residual)
         attn = self.self_attn.forward_projected(projected, batch, cache)
         return self.mlp.forward_normed(attn, residual, self.post_attention_layernorm)
 
