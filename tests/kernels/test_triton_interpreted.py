@@ -237,3 +237,18 @@ def test_gated_norm_gemv_matches_gated_norm_then_linear(T, H, K, N, tile):
     y = gated_norm_gemv(*args, tile=tile)
     assert y.dtype == torch.bfloat16 and y.shape == (T, N)
     assert rel_err(y, naive_gated_norm_linear(*args)) < 2e-2
+
+
+def test_norm_gemv_wrappers_refuse_inputs_of_another_dtype():
+    """The kernels read every input in x's (o's) dtype: a float32 residual, norm weight or gate is refused by name,
+    not rounded silently (the layers' fits() sends such steps down the unfused path)."""
+    case = norm_gemv_inputs(1, 64, 8, torch.bfloat16, seed=1)
+    args = case["x"], case["residual"], case["norm_weight"], case["eps"], case["weight"]
+    for i in (1, 2):  # the residual, the norm weight
+        bad = list(args)
+        bad[i] = bad[i].float()
+        with pytest.raises(AssertionError, match="share one dtype"):
+            add_norm_gemv(*bad)
+    gated = norm_gemv_inputs(1, 16, 8, torch.bfloat16, seed=2, gated_heads=2)
+    with pytest.raises(AssertionError, match="share one dtype"):
+        gated_norm_gemv(gated["o"], gated["gate"].float(), gated["norm_weight"], gated["eps"], gated["weight"])
