@@ -16,7 +16,12 @@ and sum its rows against it. Two norms, with the reference's order of operations
   rounded to o's dtype, then o_proj. A program's column tile holds whole heads, so each head's statistics come from
   one load.
 
-Twins: kernels.norm's add_rms_norm / gated_rms_norm (eager) followed by F.linear. DELTASERVE_NORM_GEMV=0 in the
+Both take FP8 weights (float8_e4m3fn with block scales, layers.fp8.Fp8Linear's in_proj and o_proj) and apply the
+scales as kernels.gemv's FP8 GEMV does: folded into the normalised input where a tile's rows share a row of scale
+blocks, else one per weight.
+
+Twins: kernels.norm's add_rms_norm / gated_rms_norm (eager) followed by F.linear (FP8: by the dequantizing twin,
+kernels.quant.naive.naive_fp8_linear). DELTASERVE_NORM_GEMV=0 in the
 environment (read at import; tests set ENABLED) keeps the norms and projections apart, for an A/B.
 """
 
@@ -30,13 +35,14 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels.autotune import tile_configs, with_tile
-from deltaserve.kernels.gemv import GEMV_NAMES, GEMV_TILES
+from deltaserve.kernels.gemv import FP8_GEMV_TILES, GEMV_NAMES, GEMV_TILES, NO_SCALES
 from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, ROUTER_GEMV_MAX_TOKENS
 from deltaserve.kernels.pdl import pdl_args, pdl_enter
 
 NORM_GEMV_MAX_TOKENS = 1  # bf16 weights: a token's programs re-read them (kernels.gemv's GEMV_MAX_TOKENS)
 ROUTER_NORM_MAX_TOKENS = ROUTER_GEMV_MAX_TOKENS  # the router's 2.4 MB of float32 weights: re-read from L2
 ENABLED = os.environ.get("DELTASERVE_NORM_GEMV", "1") != "0"
+FP8 = torch.float8_e4m3fn  # kernels.quant's weight dtype
 MAX_HEAD = 128  # gated: a tile's columns (every BLOCK_K candidate is a multiple of 128) hold whole heads
 
 
@@ -49,12 +55,14 @@ def _stream(x_row, r_row, cols, K: tl.constexpr):
 
 
 @triton.jit
-def _norm_gemv_jit(x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, h_ptr, s_ptr, x_stride, r_stride, y_stride, eps, T_BUCKET,
+def _norm_gemv_jit(x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, h_ptr, stream_ptr, x_stride, r_stride, y_stride, eps, T_BUCKET,
                    N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr, HEAD: tl.constexpr, STORE_H: tl.constexpr,
+                   s_ptr, SCALED: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y[t, rows] = norm(x[t]) . w[rows] in float32, stored in y's dtype. Not GATED: the norm of x + r (r the
-    residual), s = x + r and, with STORE_H, the normalised h stored [T, K] by the first row block's programs. GATED:
-    x is KDA's output [T, K = heads * HEAD], r its gate, each head normalised apart. T_BUCKET: the autotuner's key."""
+    residual), the stream x + r stored [T, K] and, with STORE_H, the normalised h, by the first row block's programs.
+    GATED: x is KDA's output [T, K = heads * HEAD], r its gate, each head normalised apart. T_BUCKET: the autotuner's
+    key. SCALED: FP8 weights, w[n, k] times s[n // BN, k // BK], applied as kernels.gemv.gemv_jit applies them."""
     pdl_enter(PDL)
     pid_n, token = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,11 +89,16 @@ def _norm_gemv_jit(x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, h_ptr, s_ptr, x_stride, r
             normed = (s * rstd).to(dtype).to(tl.float32)
             h = (tl.load(nw_ptr + cols, mask=cols < K, other=0.0).to(tl.float32) * normed).to(dtype).to(tl.float32)
             if pid_n == 0:
-                tl.store(s_ptr + token * K + cols, s.to(dtype), mask=cols < K)
+                tl.store(stream_ptr + token * K + cols, s.to(dtype), mask=cols < K)
                 if STORE_H:
                     tl.store(h_ptr + token * K + cols, h.to(dtype), mask=cols < K)
         w_mask = (rows[:, None] < N) & (cols[None, :] < K)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        if SCALED:
+            if BN % BLOCK_N == 0:  # the tile's rows share one row of scale blocks: fold its scales into h
+                h *= tl.load(s_ptr + (pid_n * BLOCK_N // BN) * S_COLS + cols // BK, mask=cols < K, other=0.0)
+            else:
+                w *= tl.load(s_ptr + (rows[:, None] // BN) * S_COLS + cols[None, :] // BK, mask=w_mask, other=0.0)
         acc += tl.sum(w * h[None, :], axis=1)
     tl.store(y_ptr + token * y_stride + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
 
@@ -93,76 +106,111 @@ def _norm_gemv_jit(x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, h_ptr, s_ptr, x_stride, r
 _KEY = ["N", "K", "GATED", "STORE_H", "T_BUCKET"]
 _half_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, GEMV_TILES, (16, 256), warps=(4, 8)),
                                key=_KEY)(_norm_gemv_jit)
+_fp8_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, FP8_GEMV_TILES, (16, 512), warps=(4, 8)),
+                              key=_KEY + ["BN", "BK"])(_norm_gemv_jit)
 # float32 weights (the router): the router logits' own tiles
 _router_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, _ROUTER_TILES, (2, 512), warps=(2, 4)),
                                  key=_KEY)(_norm_gemv_jit)
 
 
 def add_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                  weight: torch.Tensor, store_normed: bool = False,
-                  tile: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                  weight: torch.Tensor, store_normed: bool = False, tile: tuple[int, int] | None = None,
+                  scale_inv: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x, residual [T, D] (half precision, columns contiguous), norm_weight [D] in x's dtype, weight [N, D] (x's dtype,
-    or float32 for the router) -> (y [T, N] in weight's dtype, s = x + residual [T, D], h [T, D] or None):
-    y = add_rms_norm(x, residual)[0] @ weight^T, summed in float32; h the normalised input when store_normed.
+    float32 for the router, or float8_e4m3fn with scale_inv and block as kernels.quant.fp8_linear takes them) ->
+    (y [T, N], s = x + residual [T, D], h [T, D] or None): y = add_rms_norm(x, residual)[0] @ weight^T, summed in
+    float32, in float32 for float32 weights, else in x's dtype; h the normalised input when store_normed.
     tile: (BLOCK_N, BLOCK_K) instead of the autotuned choice."""
     T, D = x.shape
     N = weight.shape[0]
     assert residual.shape == x.shape and weight.shape[1] == D and norm_weight.shape == (D,)
     assert residual.dtype == norm_weight.dtype == x.dtype, "x, residual and the norm weight share one dtype"
     assert x.stride(1) == 1 and residual.stride(1) == 1 and weight.is_contiguous() and norm_weight.is_contiguous()
-    y = torch.empty(T, N, dtype=weight.dtype, device=x.device)
+    kernel, scales = _kernel_for(weight, x.dtype, scale_inv, block)
+    y = torch.empty(T, N, dtype=torch.float32 if weight.dtype == torch.float32 else x.dtype, device=x.device)
     s = torch.empty(T, D, dtype=x.dtype, device=x.device)
     h = torch.empty(T, D, dtype=x.dtype, device=x.device) if store_normed else None
     if T:
-        kernel, chosen = with_tile(_router_kernel if weight.dtype == torch.float32 else _half_kernel,
-                                   GEMV_NAMES, tile)
+        kernel, chosen = with_tile(kernel, GEMV_NAMES, tile)
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), T)](
             x, residual, norm_weight, weight, y, h, s, x.stride(0), residual.stride(0), y.stride(0), float(eps),
-            triton.next_power_of_2(T), N=N, K=D, GATED=False, HEAD=1, STORE_H=store_normed, **pdl_args(x.device),
-            **chosen)
+            triton.next_power_of_2(T), N=N, K=D, GATED=False, HEAD=1, STORE_H=store_normed, **scales,
+            **pdl_args(x.device), **chosen)
     return y, s, h
 
 
 def gated_norm_gemv(o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, tile: tuple[int, int] | None = None) -> torch.Tensor:
-    """o [T, H, Kh] (contiguous), gate [T, H * Kh] (columns contiguous), norm_weight [Kh], weight [N, H * Kh], all in
-    o's dtype -> gated_rms_norm(o, gate, norm_weight, eps) @ weight^T [T, N] in o's dtype, summed in float32."""
+                    weight: torch.Tensor, tile: tuple[int, int] | None = None, scale_inv: torch.Tensor | None = None,
+                    block: tuple[int, int] | None = None) -> torch.Tensor:
+    """o [T, H, Kh] (contiguous), gate [T, H * Kh] (columns contiguous), norm_weight [Kh], weight [N, H * Kh] (all in
+    o's dtype, or an FP8 weight with scale_inv and block) -> gated_rms_norm(o, gate, norm_weight, eps) @ weight^T
+    [T, N] in o's dtype, summed in float32."""
     T, H, head = o.shape
     N = weight.shape[0]
     assert o.is_contiguous() and gate.shape == (T, H * head) and gate.stride(1) == 1 and MAX_HEAD % head == 0
-    assert gate.dtype == norm_weight.dtype == weight.dtype == o.dtype, "o, gate and both weights share one dtype"
+    assert gate.dtype == norm_weight.dtype == o.dtype, "o, gate and the norm weight share one dtype"
+    assert weight.dtype in (o.dtype, FP8), f"weight {weight.dtype}: o's dtype {o.dtype} or FP8"
     assert weight.shape[1] == H * head and weight.is_contiguous() and norm_weight.shape == (head,)
+    kernel, scales = _kernel_for(weight, o.dtype, scale_inv, block)
     y = torch.empty(T, N, dtype=o.dtype, device=o.device)
     if T:
-        kernel, chosen = with_tile(_half_kernel, GEMV_NAMES, tile)
+        kernel, chosen = with_tile(kernel, GEMV_NAMES, tile)
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), T)](
             o, gate, norm_weight.contiguous(), weight, y, None, None, H * head, gate.stride(0), y.stride(0),
-            float(eps), triton.next_power_of_2(T), N=N, K=H * head, GATED=True, HEAD=head, STORE_H=False,
+            float(eps), triton.next_power_of_2(T), N=N, K=H * head, GATED=True, HEAD=head, STORE_H=False, **scales,
             **pdl_args(o.device), **chosen)
     return y
+
+
+def _kernel_for(weight: torch.Tensor, dtype: torch.dtype, scale_inv: torch.Tensor | None,
+                block: tuple[int, int] | None):
+    """(autotuned kernel, its scale arguments) for a weight: FP8 (block scales given), float32 (the router's) or the
+    activations' own dtype."""
+    if weight.dtype != FP8:
+        assert scale_inv is None, "block scales go with FP8 weights only"
+        assert weight.dtype in (dtype, torch.float32), f"weight {weight.dtype}: the activations' {dtype} or float32"
+        return (_router_kernel if weight.dtype == torch.float32 else _half_kernel), NO_SCALES
+    N, K = weight.shape
+    assert scale_inv is not None and block is not None, "FP8 weights need their block scales (scale_inv, block)"
+    assert scale_inv.shape == (triton.cdiv(N, block[0]), triton.cdiv(K, block[1])) and scale_inv.is_contiguous(), \
+        f"scales {tuple(scale_inv.shape)} do not fit a [{N}, {K}] weight in blocks of {block}"
+    return _fp8_kernel, {"s_ptr": scale_inv.float(), "SCALED": True, "S_COLS": scale_inv.shape[1], "BN": block[0],
+                         "BK": block[1]}
 
 
 def fits(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, max_tokens: int,
          other: torch.Tensor) -> bool:
     """Whether the fused kernels serve this step: a GPU, at most max_tokens tokens of half-precision activations x
     and `other` (the residual, or the gate) of one dtype with contiguous columns (x contiguous: KDA's o is read as
-    [T, H * K]), a norm weight of their dtype, a plain contiguous weight of their dtype (or float32: the router)."""
+    [T, H * K]), a norm weight of their dtype, a plain contiguous weight of their dtype, float32 (the router) or FP8
+    (with its block scales)."""
     return (ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= max_tokens
             and x.is_contiguous() and other.dtype == norm_weight.dtype == x.dtype and other.stride(-1) == 1
-            and weight.dtype in (x.dtype, torch.float32) and weight.dim() == 2 and weight.is_contiguous())
+            and weight.dtype in (x.dtype, torch.float32, FP8) and weight.dim() == 2 and weight.is_contiguous())
 
 
-def naive_add_norm_linear(x, residual, norm_weight, eps, weight):
+def _naive_linear(h, weight, scale_inv, block):
+    """F.linear, or for FP8 weights the dequantizing twin (float32, rounded to h's dtype like fp8_linear)."""
+    if scale_inv is None:
+        return F.linear(h.to(weight.dtype), weight)
+    from deltaserve.kernels.quant.naive import naive_fp8_linear
+
+    return naive_fp8_linear(h, weight, scale_inv, block).to(h.dtype)
+
+
+def naive_add_norm_linear(x, residual, norm_weight, eps, weight, scale_inv=None, block=None):
     """Twin of add_norm_gemv: (y, s, h)."""
     from deltaserve.kernels.norm import add_rms_norm
 
     h, s = add_rms_norm.eager(x, residual, norm_weight, eps)
-    return F.linear(h.to(weight.dtype), weight), s, h
+    return _naive_linear(h, weight, scale_inv, block), s, h
 
 
-def naive_gated_norm_linear(o, gate, norm_weight, eps, weight):
+def naive_gated_norm_linear(o, gate, norm_weight, eps, weight, scale_inv=None, block=None):
     """Twin of gated_norm_gemv."""
     from deltaserve.kernels.norm import gated_rms_norm
 
     T = o.shape[0]
-    return F.linear(gated_rms_norm.eager(o, gate.view(o.shape), norm_weight, eps).view(T, -1), weight)
+    return _naive_linear(gated_rms_norm.eager(o, gate.view(o.shape), norm_weight, eps).view(T, -1), weight, scale_inv,
+                         block)

@@ -68,12 +68,11 @@ class KimiDeltaAttention(nn.Module):
         """o [N, H, K], gate [N, H*K] -> o_proj(gated_rms_norm(o, gate)); for one token on a GPU in one kernel
         (kernels.norm_gemv: the norm inside o_proj's GEMV, one launch less a layer)."""
         N, H, K = o.shape
-        weight = self.o_proj.weight
         kernels = linear.norm_gemv_kernels(o)
-        if kernels is not None and type(self.o_proj) is Linear and weight.dtype == o.dtype \
-                and kernels.MAX_HEAD % K == 0 \
-                and kernels.fits(o, self.o_norm_weight, weight, kernels.NORM_GEMV_MAX_TOKENS, gate):
-            return kernels.gated_norm_gemv(o, gate, self.o_norm_weight, self.eps, weight)
+        weight = linear.gemv_weight(self.o_proj, o)
+        if kernels is not None and weight is not None and kernels.MAX_HEAD % K == 0 \
+                and kernels.fits(o, self.o_norm_weight, weight["weight"], kernels.NORM_GEMV_MAX_TOKENS, gate):
+            return kernels.gated_norm_gemv(o, gate, self.o_norm_weight, self.eps, **weight)
         return self.o_proj(gated_rms_norm(o, gate.view(N, H, K), self.o_norm_weight, self.eps).view(N, H * K))
 
     def _gate_up_projections(self, fg_a: torch.Tensor, batched: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,16 +36,29 @@ def norm_gemv_kernels(x: torch.Tensor):
     return norm_gemv
 
 
+def gemv_weight(proj: nn.Module, x: torch.Tensor) -> dict | None:
+    """A projection's weight as kernels.norm_gemv's wrappers take it: a plain Linear's of x's dtype, or an FP8
+    layer's (layers.fp8.Fp8Linear: its float8 weight, block scales and block); None for any other projection (those
+    keep their norm apart)."""
+    if type(proj) is Linear:
+        return {"weight": proj.weight} if proj.weight.dtype == x.dtype else None
+    if hasattr(proj, "weight_scale_inv"):
+        return {"weight": proj.weight, "scale_inv": proj.weight_scale_inv, "block": proj.block}
+    return None
+
+
 def norm_then_project(norm, proj: Linear, x: torch.Tensor, residual: torch.Tensor | None):
     """(proj(h), s) for (h, s) = norm(x, residual) (s = x when residual is None): a decoder layer's input norm and
     its attention's first projection. For one token on a GPU with the residual add, one kernel
-    (kernels.norm_gemv.add_norm_gemv: the norm inside the projection's GEMV, a launch less a layer)."""
+    (kernels.norm_gemv.add_norm_gemv: the norm inside the projection's GEMV, a launch less a layer; bf16 or FP8
+    weights)."""
     if residual is None:
         return proj(norm(x)), x
     kernels = norm_gemv_kernels(x)
-    if kernels is not None and type(proj) is Linear and proj.weight.dtype == x.dtype \
-            and kernels.fits(x, norm.weight, proj.weight, kernels.NORM_GEMV_MAX_TOKENS, residual):
-        y, residual, _ = kernels.add_norm_gemv(x, residual, norm.weight, norm.eps, proj.weight)
+    weight = gemv_weight(proj, x)
+    if kernels is not None and weight is not None \
+            and kernels.fits(x, norm.weight, weight["weight"], kernels.NORM_GEMV_MAX_TOKENS, residual):
+        y, residual, _ = kernels.add_norm_gemv(x, residual, norm.weight, norm.eps, **weight)
         return y, residual
     h, residual = norm(x, residual)
     return proj(h), residual

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from deltaserve import SamplingParams
 from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm
+from deltaserve.kernels.quant import dequantize_fp8
 from deltaserve.layers import linear
 
 
@@ -27,14 +29,22 @@ class TwinKernels:
     def fits(self, x, norm_weight, weight, max_tokens, other) -> bool:
         return x.shape[0] <= max_tokens
 
-    def add_norm_gemv(self, x, residual, norm_weight, eps, weight, store_normed=False):
+    def add_norm_gemv(self, x, residual, norm_weight, eps, weight, store_normed=False, scale_inv=None, block=None):
         self.calls["router" if store_normed else "in_proj"] += 1
         h, s = add_rms_norm.eager(x, residual, norm_weight, eps)
-        return F.linear(h.to(weight.dtype), weight), s, h if store_normed else None
+        return self.linear(h, weight, scale_inv, block), s, h if store_normed else None
 
-    def gated_norm_gemv(self, o, gate, norm_weight, eps, weight):
+    def gated_norm_gemv(self, o, gate, norm_weight, eps, weight, scale_inv=None, block=None):
         self.calls["o_proj"] += 1
-        return F.linear(gated_rms_norm.eager(o, gate.view(o.shape), norm_weight, eps).view(o.shape[0], -1), weight)
+        h = gated_rms_norm.eager(o, gate.view(o.shape), norm_weight, eps).view(o.shape[0], -1)
+        return self.linear(h, weight, scale_inv, block)
+
+    def linear(self, h, weight, scale_inv, block):
+        """F.linear, or for FP8 weights the CPU fallback's dequantize-then-F.linear (kernels.quant.fp8_linear)."""
+        if scale_inv is not None:
+            self.calls["fp8"] += 1
+            weight = dequantize_fp8(weight, scale_inv, block, h.dtype)
+        return F.linear(h.to(weight.dtype), weight)
 
 
 def greedy(llm, prompts, n=12):
@@ -43,11 +53,13 @@ def greedy(llm, prompts, n=12):
                                                          use_tqdm=False)]
 
 
-def test_layers_through_the_norm_gemv_interface_give_the_same_tokens(make_llm, monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_layers_through_the_norm_gemv_interface_give_the_same_tokens(make_llm, monkeypatch, quantization):
     """One request at a time (every decode step one token: the fused in_proj and o_proj serve it), a one-token
-    prompt (its prefill too), and steps of several tokens, which keep the norms apart."""
+    prompt (its prefill too), and steps of several tokens, which keep the norms apart. FP8: the projections hand
+    their float8 weights and block scales to the kernels (layers.linear.gemv_weight)."""
     prompts = [[5], list(range(10, 50)), [7, 8, 9]]
-    llm = make_llm(max_num_seqs=1, enable_prefix_caching=False)
+    llm = make_llm(max_num_seqs=1, enable_prefix_caching=False, quantization=quantization)
     apart = greedy(llm, prompts)
     twins = TwinKernels()
     monkeypatch.setattr(linear, "norm_gemv_kernels", lambda x: twins)
@@ -56,6 +68,8 @@ def test_layers_through_the_norm_gemv_interface_give_the_same_tokens(make_llm, m
     assert twins.calls["in_proj"] >= 3 * 11 * (layers - 1)  # every decode step's layers past the first
     assert twins.calls["router"] > twins.calls["in_proj"]  # also in steps of up to 16 tokens (prompts' chunks)
     assert twins.calls["o_proj"] > 0
+    assert (twins.calls["fp8"] == twins.calls["in_proj"] + twins.calls["o_proj"]) if quantization \
+        else not twins.calls["fp8"]
 
 
 def test_the_kernels_are_asked_for_only_on_a_gpu():

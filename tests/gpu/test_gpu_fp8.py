@@ -3,9 +3,10 @@ Skipped without CUDA."""
 
 import pytest
 import torch
-from helpers.kernels import fp8_expert_case, quantized, rel_err
+from helpers.kernels import fp8_expert_case, norm_gemv_inputs, quantized, rel_err, within_ulps
 
 from deltaserve.kernels.gemv import FP8_GEMV_TILES, fp8_gemv
+from deltaserve.kernels.norm_gemv import add_norm_gemv, gated_norm_gemv, naive_add_norm_linear, naive_gated_norm_linear
 from deltaserve.kernels.quant import dequantize_fp8, fp8_fused_experts, fp8_linear
 from deltaserve.kernels.quant.naive import naive_fp8_linear
 from deltaserve.kernels.quant.triton_linear import fp8_dequantize_triton, fp8_matmul
@@ -84,3 +85,27 @@ def test_gpu_engine_runs_fp8_and_agrees_with_the_cpu_fallback(tiny_model):
     cpu = LLM(str(tiny_model), device="cpu", quantization="fp8", max_model_len=64, threads=1)
     assert [o.outputs[0].token_ids for o in gpu.generate(prompts, params, use_tqdm=False)] == [
         o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("tile", [None, (4, 1024), (64, 128)])  # autotuned, scales folded into h, a scale a weight
+@pytest.mark.parametrize("N,block", [(12576, (128, 128)), (6720, (128, 128)), (1000, (16, 24))])  # KDA, MLA in_proj
+def test_gpu_add_norm_fp8_gemv_matches_norm_then_dequantized_linear(N, block, tile):
+    """One bf16 token of the 48B's width (2304) through FP8 in_proj weights: the residual stream bit for bit, the
+    normalised input within one unit in the last place, the product as the dequantizing twin's."""
+    case = norm_gemv_inputs(1, 2304, N, torch.bfloat16, seed=N, device=DEV)
+    q, scale = quantized((N, 2304), block, N)
+    args = case["x"], case["residual"], case["norm_weight"], case["eps"]
+    y, s, h = add_norm_gemv(*args, q.to(DEV), store_normed=True, tile=tile, scale_inv=scale.to(DEV), block=block)
+    y_twin, s_twin, h_twin = naive_add_norm_linear(*args, q.to(DEV), scale_inv=scale.to(DEV), block=block)
+    assert torch.equal(s, s_twin) and within_ulps(h, h_twin)
+    assert y.dtype == torch.bfloat16 and rel_err(y, y_twin) < 5e-3
+
+
+@pytest.mark.parametrize("tile", [None, (8, 256), (32, 512)])
+@pytest.mark.parametrize("H,K,N,block", [(32, 128, 2304, (128, 128)), (7, 64, 1000, (16, 24))])  # the 48B's o_proj
+def test_gpu_gated_norm_fp8_gemv_matches_gated_norm_then_dequantized_linear(H, K, N, block, tile):
+    case = norm_gemv_inputs(1, K, N, torch.bfloat16, seed=H * N, device=DEV, gated_heads=H)
+    q, scale = quantized((N, H * K), block, H + N)
+    args = case["o"], case["gate"], case["norm_weight"], case["eps"], q.to(DEV)
+    y = gated_norm_gemv(*args, tile=tile, scale_inv=scale.to(DEV), block=block)
+    assert rel_err(y, naive_gated_norm_linear(*args, scale_inv=scale.to(DEV), block=block)) < 5e-3

@@ -4,13 +4,21 @@ naive twins. On a machine with CUDA, tests/gpu/test_gpu_fp8.py runs them compile
 
 import pytest
 import torch
-from helpers.kernels import fp8_expert_case, quantized, rel_err, require_triton_interpreter
+from helpers.kernels import (
+    fp8_expert_case,
+    norm_gemv_inputs,
+    quantized,
+    rel_err,
+    require_triton_interpreter,
+    within_ulps,
+)
 
 require_triton_interpreter()
 
 from deltaserve.kernels.gemv import FP8_GEMV_TILES, fp8_gemv  # noqa: E402
 from deltaserve.kernels.moe.naive import naive_experts  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import _DOWN_TILES, _GATE_UP_TILES, decode_experts  # noqa: E402
+from deltaserve.kernels.norm_gemv import add_norm_gemv, gated_norm_gemv, naive_add_norm_linear, naive_gated_norm_linear  # noqa: E402
 from deltaserve.kernels.quant import FP8, dequantize_fp8  # noqa: E402
 from deltaserve.kernels.quant.naive import naive_fp8_linear  # noqa: E402
 from deltaserve.kernels.quant.triton_linear import fp8_dequantize_triton, fp8_matmul  # noqa: E402
@@ -105,3 +113,41 @@ def test_fp8_gemv_reads_a_strided_row():
     q, scale = quantized((96, 300), block, 9)
     x = torch.randn(1, 2, 300, generator=torch.Generator().manual_seed(9))[:, 1]
     assert rel_err(fp8_gemv(x, q, scale, block), naive_fp8_linear(x, q, scale, block)) < 1e-5
+
+
+# Norms inside FP8 GEMVs (kernels.norm_gemv with SCALED). bf16 activations: the interpreter truncates where the GPU
+# rounds (tests/kernels/test_triton_interpreted.py says why the bounds are looser here than in tests/gpu).
+@pytest.mark.parametrize("tile", [(4, 1024), (16, 512), (64, 128)])  # inside one row of scale blocks, and across
+@pytest.mark.parametrize("T,D,N,block", [(1, 300, 70, (128, 128)), (1, 256, 130, (32, 64)), (2, 200, 40, (16, 24))])
+def test_add_norm_fp8_gemv_matches_norm_then_dequantized_linear(T, D, N, block, tile):
+    case = norm_gemv_inputs(T, D, N, torch.bfloat16, seed=T + D + N)
+    q, scale = quantized((N, D), block, N)
+    args = case["x"], case["residual"], case["norm_weight"], case["eps"], q
+    y, s, h = add_norm_gemv(*args, store_normed=True, tile=tile, scale_inv=scale, block=block)
+    y_twin, s_twin, h_twin = naive_add_norm_linear(*args, scale_inv=scale, block=block)
+    assert y.dtype == torch.bfloat16 and y.shape == (T, N)
+    assert within_ulps(s, s_twin) and within_ulps(h, h_twin, ulps=4)  # h stored before the scales are folded in
+    assert rel_err(y, y_twin) < 2e-2
+
+
+@pytest.mark.parametrize("tile", [(8, 256), (4, 1024), (32, 512)])
+@pytest.mark.parametrize("H,K,N,block", [(4, 128, 70, (128, 128)), (3, 64, 129, (32, 64)), (5, 16, 33, (16, 24))])
+def test_gated_norm_fp8_gemv_matches_gated_norm_then_dequantized_linear(H, K, N, block, tile):
+    case = norm_gemv_inputs(1, K, N, torch.bfloat16, seed=H * K + N, gated_heads=H)
+    q, scale = quantized((N, H * K), block, N + 1)
+    args = case["o"], case["gate"], case["norm_weight"], case["eps"], q
+    y = gated_norm_gemv(*args, tile=tile, scale_inv=scale, block=block)
+    assert y.dtype == torch.bfloat16 and y.shape == (1, N)
+    assert rel_err(y, naive_gated_norm_linear(*args, scale_inv=scale, block=block)) < 2e-2
+
+
+def test_fp8_norm_gemv_refuses_missing_or_misshapen_scales():
+    case = norm_gemv_inputs(1, 64, 8, torch.bfloat16, seed=3)
+    q, scale = quantized((8, 64), (16, 16), 3)
+    args = case["x"], case["residual"], case["norm_weight"], case["eps"], q
+    with pytest.raises(AssertionError, match="need their block scales"):
+        add_norm_gemv(*args)
+    with pytest.raises(AssertionError, match="do not fit"):
+        add_norm_gemv(*args, scale_inv=scale[:, :2].contiguous(), block=(16, 16))
+    with pytest.raises(AssertionError, match="FP8 weights only"):
+        add_norm_gemv(*args[:4], case["weight"], scale_inv=scale, block=(16, 16))
