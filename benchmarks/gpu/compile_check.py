@@ -57,19 +57,22 @@ def main() -> int:
             ok &= check(f"gemv {block_n}x{block_k}, {N}x{K} in groups of {group_n}", jit_of(gemv._gemv_kernel), dict(
                 x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", x_stride="i32", y_stride="i32", T_BUCKET="i32", N=N,
                 K=K, GROUP_N=group_n, BLOCK_N=block_n, BLOCK_K=block_k, **gemv.NO_SCALES, PDL=True))
-    norm_args = dict(x_ptr="*bf16", r_ptr="*bf16", nw_ptr="*bf16", h_ptr="*bf16", s_ptr="*bf16", x_stride="i32",
-                     r_stride="i32", y_stride="i32", eps="fp32", T_BUCKET="i32", PDL=True)
-    for block_n, block_k in gemv.GEMV_TILES:  # norms inside GEMVs: KDA's in_proj, o_proj; the router's logits
-        ok &= check(f"add norm gemv {block_n}x{block_k}", norm_gemv._norm_gemv_jit, dict(
-            **norm_args, w_ptr="*bf16", y_ptr="*bf16", N=12576, K=2304, GATED=False, HEAD=1, STORE_H=False,
-            BLOCK_N=block_n, BLOCK_K=block_k))
-        ok &= check(f"gated norm gemv {block_n}x{block_k}", norm_gemv._norm_gemv_jit, dict(
-            **norm_args, w_ptr="*bf16", y_ptr="*bf16", N=2304, K=4096, GATED=True, HEAD=128, STORE_H=False,
-            BLOCK_N=block_n, BLOCK_K=block_k))
+    norm_args = dict(x_ptr="*bf16", r_ptr="*bf16", nw_ptr="*bf16", h_ptr="*bf16", stream_ptr="*bf16",
+                     x_stride="i32", r_stride="i32", y_stride="i32", eps="fp32", T_BUCKET="i32", PDL=True)
+    fp8_scales = dict(s_ptr="*fp32", SCALED=True, S_COLS=18, BN=128, BK=128)
+    for weights, scales, tiles in (("*bf16", gemv.NO_SCALES, gemv.GEMV_TILES),
+                                   ("*fp8e4nv", fp8_scales, gemv.FP8_GEMV_TILES)):
+        for block_n, block_k in tiles:  # norms inside GEMVs: KDA's in_proj, o_proj; the router's logits
+            ok &= check(f"add norm gemv {weights} {block_n}x{block_k}", norm_gemv._norm_gemv_jit, dict(
+                **norm_args, w_ptr=weights, y_ptr="*bf16", N=12576, K=2304, GATED=False, HEAD=1, STORE_H=False,
+                **scales, BLOCK_N=block_n, BLOCK_K=block_k))
+            ok &= check(f"gated norm gemv {weights} {block_n}x{block_k}", norm_gemv._norm_gemv_jit, dict(
+                **norm_args, w_ptr=weights, y_ptr="*bf16", N=2304, K=4096, GATED=True, HEAD=128, STORE_H=False,
+                **dict(scales, S_COLS=32), BLOCK_N=block_n, BLOCK_K=block_k))
     for block_e, block_d in triton_routing._ROUTER_TILES:
         ok &= check(f"add norm router {block_e}x{block_d}", norm_gemv._norm_gemv_jit, dict(
             **norm_args, w_ptr="*fp32", y_ptr="*fp32", N=256, K=2304, GATED=False, HEAD=1, STORE_H=True,
-            BLOCK_N=block_e, BLOCK_K=block_d))
+            **gemv.NO_SCALES, BLOCK_N=block_e, BLOCK_K=block_d))
     ok &= check("moe weighted sum", triton_combine._weighted_sum_kernel, dict(
         y_ptr="*bf16", where_ptr="*i64", w_ptr="*fp32", out_ptr="*bf16", D=2304, K_SLOTS=8, BLOCK_D=512))
     ok &= check("conv update", conv1d_triton._conv_update_kernel, dict(

@@ -42,9 +42,11 @@ def test_cuda_graphs_match_eager_bf16_up_to_near_ties():
     assert_graphs_match_eager(llm, PROMPTS)
 
 
-def test_norms_inside_the_projections_match_them_apart_up_to_near_ties(tiny, monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_norms_inside_the_projections_match_them_apart_up_to_near_ties(tiny, monkeypatch, quantization):
     """bf16, batch 1, eager: the decoder layers' norms run inside the GEMVs that read them (kernels.norm_gemv) or
-    apart; the same greedy tokens up to near ties (the mean square is summed in another order)."""
+    apart; the same greedy tokens up to near ties (the mean square is summed in another order). FP8: the kernels
+    read the float8 weights and their block scales."""
     import deltaserve.kernels.norm_gemv as norm_gemv
 
     calls = []
@@ -52,7 +54,7 @@ def test_norms_inside_the_projections_match_them_apart_up_to_near_ties(tiny, mon
         real = getattr(norm_gemv, name)
         monkeypatch.setattr(norm_gemv, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     llm = LLM(tiny, device="cuda", dtype="bfloat16", max_model_len=512, enable_prefix_caching=False,
-              max_num_seqs=1)
+              max_num_seqs=1, quantization=quantization, gpu_memory_utilization=0.3)
     llm.engine.runner.graphs = None
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
