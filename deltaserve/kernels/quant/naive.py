@@ -27,7 +27,7 @@ def naive_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int,
                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Same contract as kernels.quant.fp8.dequantize_fp8, for q [N, K]: each block times its scale."""
     bn, bk = block
-    out = torch.empty(q.shape, dtype=dtype)
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
     for i in range(scale_inv.shape[0]):
         for j in range(scale_inv.shape[1]):
             tile = q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].float() * scale_inv[i, j].float()
