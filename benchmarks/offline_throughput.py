@@ -5,8 +5,9 @@
 Measures, float32 on the CPU: prefill tokens/s of one prompt, batch-1 time per output token, and output
 tokens/s with `concurrency` requests together (transformers: the same requests one at a time). The prefill and
 batch-1 runs are each the median of `--repeats` runs (single runs of this machine class spread by up to 2x);
-the concurrent run, long enough to average itself, runs once. Prints a table and one JSON line with the machine,
-the date and the commit.
+the concurrent run, long enough to average itself, runs once. `--compile-decode` adds a row for deltaserve with
+its decode steps compiled (EngineConfig.compile_decode). Prints a table and one JSON line with the machine, the date
+and the commit.
 """
 
 from __future__ import annotations
@@ -64,13 +65,15 @@ def prompts(num: int, length: int, vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(num)]
 
 
-def bench_deltaserve(folder: Path, batch: list[list[int]], output_len: int, concurrency: int, repeats: int) -> dict:
+def bench_deltaserve(folder: Path, batch: list[list[int]], output_len: int, concurrency: int, repeats: int,
+                     compile_decode: bool = False) -> dict:
     from deltaserve import LLM, SamplingParams
 
     llm = LLM(folder, device="cpu", max_model_len=4096, max_num_seqs=max(concurrency, 1),
-              max_num_batched_tokens=max(2048, len(batch[0])))
+              max_num_batched_tokens=max(2048, len(batch[0])), compile_decode=compile_decode)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
-    llm.generate([{"prompt_token_ids": batch[0]}], greedy(2), use_tqdm=False)  # warm-up
+    # warm-up, a whole batch-1 run: with compile_decode its decode steps' graphs compile here, not in a timed run
+    llm.generate([{"prompt_token_ids": batch[0]}], greedy(output_len + 1), use_tqdm=False)
     prefill = _timed(lambda: llm.generate([{"prompt_token_ids": batch[0]}], greedy(1), use_tqdm=False), repeats)
     full = _timed(lambda: llm.generate([{"prompt_token_ids": batch[0]}], greedy(output_len + 1), use_tqdm=False),
                   repeats)
@@ -120,6 +123,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="also run deltaserve with compile_decode (decode steps through torch.compile)")
     parser.add_argument("--repeats", type=int, default=5, help="runs of the prefill and batch-1 figures (median)")
     args = parser.parse_args()
     if args.repeats < 1:
@@ -129,6 +134,9 @@ def main() -> None:
     folder = make_model(args.preset)
     batch = prompts(max(args.concurrency, 1), args.prompt_len, PRESETS[args.preset]["vocab_size"])
     results = {"deltaserve": bench_deltaserve(folder, batch, args.output_len, args.concurrency, args.repeats)}
+    if args.compile_decode:
+        results["ds-compiled"] = bench_deltaserve(folder, batch, args.output_len, args.concurrency, args.repeats,
+                                                  compile_decode=True)
     if not args.skip_transformers:
         results["transformers"] = bench_transformers(folder, batch, args.output_len, args.concurrency, args.repeats)
     _report(args, results)
@@ -139,10 +147,12 @@ def _report(args, results: dict) -> None:
     print(f"{'engine':<14}" + "".join(f"{k:>18}" for k in keys))
     for engine, figures in results.items():
         print(f"{engine:<14}" + "".join(f"{figures[k]:>18.2f}" for k in keys))
-    if "transformers" in results:
-        ratio = {k: results["deltaserve"][k] / results["transformers"][k] for k in keys}
-        ratio["tpot_ms"] = 1 / ratio["tpot_ms"]
-        print(f"{'ratio':<14}" + "".join(f"{ratio[k]:>17.2f}x" for k in keys))
+    for engine in ("deltaserve", "ds-compiled"):
+        if "transformers" in results and engine in results:
+            ratio = {k: results[engine][k] / results["transformers"][k] for k in keys}
+            ratio["tpot_ms"] = 1 / ratio["tpot_ms"]
+            label = "ratio" if engine == "deltaserve" else "ratio compiled"
+            print(f"{label:<14}" + "".join(f"{ratio[k]:>17.2f}x" for k in keys))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(json.dumps({"preset": args.preset, "prompt_len": args.prompt_len, "output_len": args.output_len,
                       "concurrency": args.concurrency, "repeats": args.repeats, "threads": torch.get_num_threads(),

@@ -334,6 +334,11 @@ class EngineConfig:
     # None: on for a GPU, off on the CPU
     # (where the host is the device, and a request that stops would cost a burst of tokens computed for nothing)
     async_scheduling: bool | None = None
+    # CPU: decode-only steps of up to runner.model_runner.COMPILED_DECODE_MAX_SEQS requests run the model's forward
+    # through torch.compile (one graph a batch size, compiled at its first step: seconds). ~2x faster a token at
+    # batch 1 on small models (BENCHMARKS.md, CPU), but inductor's kernels sum in their own order: logits within
+    # ~1e-5 of eager's, not bit-exact, so off by default (float32 eager is the exact regime)
+    compile_decode: bool = False
 
     def __post_init__(self):
         def bad(name, value, expectation):
@@ -367,6 +372,10 @@ class EngineConfig:
             bad("enable_expert_parallel", True, "needs tensor_parallel_size > 1 (experts are split over its ranks)")
         if self.num_cache_blocks is not None and self.num_cache_blocks < 1:
             bad("num_cache_blocks", self.num_cache_blocks, "must be a positive integer")
+        if not isinstance(self.compile_decode, bool):
+            bad("compile_decode", self.compile_decode, "must be True or False")
+        if self.compile_decode and self.device != "cpu":
+            bad("compile_decode", True, "is for the CPU (on a GPU, decode steps replay CUDA graphs)")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             bad("async_scheduling", self.async_scheduling, "must be True, False or None (on for a GPU)")
         if self.num_snapshot_slots is not None and (not isinstance(self.num_snapshot_slots, int)

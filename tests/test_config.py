@@ -263,3 +263,11 @@ def test_async_scheduling_error_says_what_it_takes():
 def test_num_decode_steps_error_says_the_range(value):
     with pytest.raises(ConfigError, match=r"num_decode_steps = .*: must be an integer in \[1, 64\]"):
         EngineConfig(num_decode_steps=value)
+
+
+def test_compile_decode_is_a_bool_and_for_the_cpu():
+    assert EngineConfig(compile_decode=True).compile_decode
+    with pytest.raises(ConfigError, match=r"compile_decode = 'yes': must be True or False"):
+        EngineConfig(compile_decode="yes")
+    with pytest.raises(ConfigError, match=r"compile_decode = True: is for the CPU \(on a GPU, decode steps replay"):
+        EngineConfig(compile_decode=True, device="cuda")

@@ -16,7 +16,9 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
         from deltaserve.kernels.conv1d_triton import conv1d_update
 
         return conv1d_update(x, weight, conv_state, state_slots)
-    if x.shape[0] == 1:  # batch 1 on the CPU: the state row as a view, no gather and scatter (same sums)
+    # batch 1 on the CPU: the state row as a view, no gather and scatter (same sums); not while torch.compile traces
+    # a decode step (runner.model_runner, compile_decode): int() reads the slot on the host, a graph break
+    if x.shape[0] == 1 and not torch.compiler.is_compiling():
         state = conv_state[int(state_slots)]  # [D, W-1]
         window = torch.cat([state, x.t()], dim=-1)  # [D, W]
         state.copy_(window[:, 1:])

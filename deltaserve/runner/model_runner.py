@@ -22,7 +22,7 @@ from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, r
 from deltaserve.kernels.varlen import to_device
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
 from deltaserve.runner.cuda_graph import DecodeGraphs, graph_width
-from deltaserve.runner.forward_batch import HostBatch, cache_slot
+from deltaserve.runner.forward_batch import ForwardBatch, HostBatch, cache_slot
 from deltaserve.runner.logprobs import prompt_logprobs, sampled_logprobs
 from deltaserve.sampling_params import SamplingParams
 
@@ -51,12 +51,15 @@ class RequestState:
 
 _COPY_CHUNK_BYTES = 256 << 20  # KDA states gathered at once by a snapshot copy (ACTIVATION_RESERVE_BYTES covers it)
 _ONE_THREAD_MAX_TOKENS = 4  # measured on 2 cores: 1 thread as fast at 4 decode tokens, slower at 16
+# compile_decode: decode steps of up to this many requests (bound by per-op costs; larger ones by their matrix
+# products, where a graph a batch size would cost compile time for little)
+COMPILED_DECODE_MAX_SEQS = _ONE_THREAD_MAX_TOKENS
 
 
 class ModelRunner:
     def __init__(self, model, model_config: ModelConfig, plan: CachePlan, dtype: torch.dtype, device: str,
                  seed: int = 0, cuda_graphs: bool = True, graph_max_context: int | None = None,
-                 num_decode_steps: int = 1):
+                 num_decode_steps: int = 1, compile_decode: bool = False):
         self.model, self.cfg, self.plan, self.device = model, model_config, plan, torch.device(device)
         if self.device.type == "cuda" and dtype == torch.float32:
             # float32 is the exact regime: no TF32 in matmuls, nor in any cuDNN convolution (PyTorch allows it there
@@ -70,6 +73,15 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else None
+        self.compiled_decode = None
+        if compile_decode and self.device.type == "cpu":
+            # the CPU's CUDA graphs: a decode step's ~460 small ops in one compiled graph (EngineConfig.compile_decode).
+            # One graph a batch size (up to COMPILED_DECODE_MAX_SEQS) and thread count; the block table's width is
+            # dynamic. fullgraph: a graph break is a bug (the CPU kernels take graph-safe forms while traced)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                       4 * COMPILED_DECODE_MAX_SEQS)
+            self.compiled_decode = torch.compile(model.forward, fullgraph=True, dynamic=False,
+                                                 options={"cpp_wrapper": True})
         self.graphs = None
         # the staging side of the next graph step's inputs (DecodeGraphs.run): steps alternate, since a chained burst
         # stages its inputs while the step before it (a burst, or a step where every request samples) is unsynced
@@ -147,13 +159,21 @@ class ModelRunner:
             out = self._sample(order, host.query_lens, lambda rows: _rows(logits, rows))
         else:
             input_ids, batch = host.to_device(self.device)
-            hidden = self.model(input_ids, batch, self.caches)
+            hidden = self._forward(input_ids, batch)
             out = self._sample(order, host.query_lens, lambda rows: self.model.compute_logits(_rows(hidden, rows)))
         if sched.num_decode_steps == 1 and not sched.chained:
             self._copy_states(sched.snapshot_saves, to_snapshots=True)  # the states after this step's tokens
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)  # the process's setting, as the caller left it
         return out
+
+    def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward, through the compiled graph for a CPU decode step of a few requests (compile_decode)."""
+        if self.compiled_decode is not None and batch.num_decodes == batch.num_seqs <= COMPILED_DECODE_MAX_SEQS:
+            if batch.block_tables.shape[1] > 1:  # one graph for every width (dynamo specialises a size of 1)
+                torch._dynamo.mark_dynamic(batch.block_tables, 1)
+            return self.compiled_decode(input_ids, batch, self.caches)
+        return self.model(input_ids, batch, self.caches)
 
     def _update_requests(self, sched: SchedulerOutput) -> None:
         for req_id in sched.finished_req_ids:
@@ -246,7 +266,7 @@ class ModelRunner:
                 logits = self.graphs.run(batch_host, input_ids=previous, stage=step, side=side)
             else:
                 input_ids, batch = batch_host.to_device(self.device)
-                hidden = self.model(input_ids if previous is None else previous, batch, self.caches)
+                hidden = self._forward(input_ids if previous is None else previous, batch)
                 logits = self.model.compute_logits(hidden)
             if meta is None:
                 tokens.append(logits.argmax(dim=-1))

@@ -25,6 +25,8 @@ def fused_experts(
         return decode_experts(x, w13, w2, weights, ids)
     if x.is_cuda and x.dtype == torch.bfloat16:
         return grouped_experts(x, w13, w2, weights, ids)
+    if not x.is_cuda and torch.compiler.is_compiling():  # a traced CPU decode step (runner: compile_decode)
+        return _gathered(x, w13, w2, weights, ids)
     if x.shape[0] == 1 and not x.is_cuda:
         return _one_token(x, w13, w2, weights, ids)
     out = torch.zeros_like(x)
@@ -44,6 +46,24 @@ def _one_token(x, w13, w2, weights, ids) -> torch.Tensor:
         gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
         y = (F.linear(F.silu(gate) * up, w2[expert]) * weights[:, slot, None]).to(x.dtype)
         out = y if out is None else out + y
+    return out
+
+
+def _gathered(x, w13, w2, weights, ids) -> torch.Tensor:
+    """fused_experts with no host reads (torch.compile captures it whole): each token's experts sorted ascending on
+    the device, their weights gathered [T * k, ...] for two batched products, the k contributions summed in that
+    order (the grouped path's order, as _one_token's). Gathers k weight copies a token: for decode steps only."""
+    T, k = ids.shape
+    ids, order = ids.sort(dim=-1)
+    weights = weights.gather(1, order)
+    flat = ids.flatten()
+    rows = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, -1, 1)
+    gate, up = torch.bmm(w13[flat], rows)[..., 0].chunk(2, dim=-1)  # [T * k, I] each
+    y = torch.bmm(w2[flat], (F.silu(gate) * up)[..., None])[..., 0].view(T, k, -1)
+    y = (y * weights[..., None]).to(x.dtype)
+    out = y[:, 0]
+    for slot in range(1, k):
+        out = out + y[:, slot]
     return out
 
 
