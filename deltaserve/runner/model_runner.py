@@ -80,8 +80,10 @@ class ModelRunner:
             # dynamic. fullgraph: a graph break is a bug (the CPU kernels take graph-safe forms while traced)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                        4 * COMPILED_DECODE_MAX_SEQS)
-            self.compiled_decode = torch.compile(model.forward, fullgraph=True, dynamic=False,
-                                                 options={"cpp_wrapper": True})
+            # guard_filter_fn: no guards on the model's modules and parameters, which nothing changes after loading
+            # (their checks were most of each call's guard evaluation); the batch's and caches' guards stay
+            self.compiled_decode = torch.compile(model.forward, fullgraph=True, dynamic=False, options={
+                "cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         self.graphs = None
         # the staging side of the next graph step's inputs (DecodeGraphs.run): steps alternate, since a chained burst
         # stages its inputs while the step before it (a burst, or a step where every request samples) is unsynced
