@@ -80,10 +80,8 @@ class ModelRunner:
             # dynamic. fullgraph: a graph break is a bug (the CPU kernels take graph-safe forms while traced)
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
                                                        4 * COMPILED_DECODE_MAX_SEQS)
-            # guard_filter_fn: no guards on the model's modules and parameters, which nothing changes after loading
-            # (their checks were most of each call's guard evaluation); the batch's and caches' guards stay
             self.compiled_decode = torch.compile(model.forward, fullgraph=True, dynamic=False, options={
-                "cpp_wrapper": True, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+                "cpp_wrapper": True, "guard_filter_fn": _model_shape_guards})
         self.graphs = None
         # the staging side of the next graph step's inputs (DecodeGraphs.run): steps alternate, since a chained burst
         # stages its inputs while the step before it (a burst, or a step where every request samples) is unsynced
@@ -382,6 +380,19 @@ class PendingOutput:
             return self.last_tokens
         row = {r: i for i, r in enumerate(self.order)}
         return self.last_tokens[to_device([row[r] for r in req_ids], torch.int64, self.last_tokens.device)]
+
+
+# of the guards dynamo puts on the model's modules, those that tell one model's shape from another's (layer counts,
+# config constants, parameter shapes and dtypes): compiled graphs are cached per code object, so a second engine in
+# the process, on another model, must not match the first's. The rest (hooks dicts, types, attribute absence: ~70%
+# of them) check that nothing changed the modules after loading, which nothing does.
+_MODEL_SHAPE_GUARDS = ("SEQUENCE_LENGTH", "CONSTANT_MATCH", "EQUALS_MATCH", "TENSOR_MATCH")
+
+
+def _model_shape_guards(entries) -> list[bool]:
+    """compile_decode's guard_filter_fn: every guard on the inputs; on the model's modules, the shape-telling ones."""
+    return [not e.orig_guard.source.is_unspecialized_nn_module() or e.guard_type in _MODEL_SHAPE_GUARDS
+            for e in entries]
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -3,6 +3,9 @@ one torch.compile graph (runner.model_runner). The CPU kernels take graph-safe f
 and the KDA step batched, the experts gathered), and inductor sums in its own order, so the logits are close to
 eager's, not equal: these prompts' greedy tokens, and the compiled graph actually serving the decode steps."""
 
+import json
+import shutil
+
 import pytest
 
 from deltaserve import SamplingParams
@@ -35,3 +38,22 @@ def test_compiled_decode_steps_give_the_eager_tokens(make_llm):
     calls.clear()
     assert greedy(compiled, six, n=6) == greedy(eager, six, n=6)
     assert all(n <= COMPILED_DECODE_MAX_SEQS for n in calls)
+
+
+def test_a_second_model_in_the_process_gets_its_own_graph(make_llm, tmp_path):
+    """Dynamo caches compiled graphs per code object (the model's forward), and compile_decode drops most guards on
+    the model's modules: an engine on another model whose caches have the same shapes (the tiny model with another
+    routed_scaling_factor, a constant the graph bakes in) must compile its own graph, not replay the first's."""
+    other = tmp_path / "other"
+    shutil.copytree(make_llm.model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["routed_scaling_factor"] = 3 * config.get("routed_scaling_factor", 1.0)
+    (other / "config.json").write_text(json.dumps(config))
+    prompt = [list(range(3, 30))]
+    first = make_llm(compile_decode=True, enable_prefix_caching=False)
+    first_tokens = greedy(first, prompt)
+    second = make_llm(other, compile_decode=True, enable_prefix_caching=False)
+    second_eager = greedy(make_llm(other, enable_prefix_caching=False), prompt)
+    assert second_eager != first_tokens  # the constant matters to these tokens
+    assert greedy(second, prompt) == second_eager
+    assert greedy(first, prompt) == first_tokens == greedy(make_llm(enable_prefix_caching=False), prompt)
