@@ -335,9 +335,9 @@ class EngineConfig:
     # (where the host is the device, and a request that stops would cost a burst of tokens computed for nothing)
     async_scheduling: bool | None = None
     # CPU: decode-only steps of up to runner.model_runner.COMPILED_DECODE_MAX_SEQS requests run the model's forward
-    # through torch.compile (one graph a batch size, compiled at its first step: seconds). ~2x faster a token at
-    # batch 1 on small models (BENCHMARKS.md, CPU), but inductor's kernels sum in their own order: logits within
-    # ~1e-5 of eager's, not bit-exact, so off by default (float32 eager is the exact regime)
+    # through torch.compile (one graph a batch size, compiled at its first step: seconds). ~1.4x faster a token at
+    # batch 1 on the small benchmark model (BENCHMARKS.md, CPU), but inductor's kernels sum in their own order: logits
+    # within ~1e-5 of eager's, not bit-exact, so off by default (float32 eager is the exact regime)
     compile_decode: bool = False
 
     def __post_init__(self):
@@ -376,6 +376,8 @@ class EngineConfig:
             bad("compile_decode", self.compile_decode, "must be True or False")
         if self.compile_decode and self.device != "cpu":
             bad("compile_decode", True, "is for the CPU (on a GPU, decode steps replay CUDA graphs)")
+        if self.compile_decode and self.tensor_parallel_size > 1:
+            bad("compile_decode", True, "runs one process's whole forward: needs tensor_parallel_size 1")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             bad("async_scheduling", self.async_scheduling, "must be True, False or None (on for a GPU)")
         if self.num_snapshot_slots is not None and (not isinstance(self.num_snapshot_slots, int)

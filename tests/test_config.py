@@ -271,3 +271,5 @@ def test_compile_decode_is_a_bool_and_for_the_cpu():
         EngineConfig(compile_decode="yes")
     with pytest.raises(ConfigError, match=r"compile_decode = True: is for the CPU \(on a GPU, decode steps replay"):
         EngineConfig(compile_decode=True, device="cuda")
+    with pytest.raises(ConfigError, match=r"compile_decode = True: runs one process's whole forward"):
+        EngineConfig(compile_decode=True, tensor_parallel_size=2)

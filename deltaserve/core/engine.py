@@ -69,7 +69,7 @@ class Engine:
         self.runner = ModelRunner(weights, self.model_config, plan, DTYPES[engine_config.dtype], engine_config.device,
                                   engine_config.seed, cuda_graphs=parallel.world_size == 1,
                                   graph_max_context=self.max_model_len, num_decode_steps=engine_config.num_decode_steps,
-                                  compile_decode=engine_config.compile_decode and parallel.world_size == 1)
+                                  compile_decode=engine_config.compile_decode)
         self.scheduler = Scheduler(engine_config, CacheManager.from_plan(plan), self.max_model_len)
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(
             self.tokenizer.eos_token_ids if self.tokenizer else ())))

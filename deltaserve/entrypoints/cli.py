@@ -48,7 +48,7 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
                         "steps overlaps the device's (default: on for a GPU, off on the CPU)")
     g.add_argument("--compile-decode", action="store_true",
                    help="CPU: run decode steps of up to 4 requests through torch.compile (seconds to compile per "
-                        "batch size; ~2x faster a token on small models; not bit-exact: logits within ~1e-5)")
+                        "batch size; ~1.4x faster a token on small models; not bit-exact: logits within ~1e-5)")
 
 
 def _token_ids(text: str) -> list[int]:

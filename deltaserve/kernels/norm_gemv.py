@@ -21,8 +21,8 @@ scales as kernels.gemv's FP8 GEMV does: folded into the normalised input where a
 blocks, else one per weight.
 
 Twins: kernels.norm's add_rms_norm / gated_rms_norm (eager) followed by F.linear (FP8: by the dequantizing twin,
-kernels.quant.naive.naive_fp8_linear). DELTASERVE_NORM_GEMV=0 in the
-environment (read at import; tests set ENABLED) keeps the norms and projections apart, for an A/B.
+kernels.quant.naive.naive_fp8_linear). DELTASERVE_NORM_GEMV=0 in the environment (read at import; tests set ENABLED)
+keeps the norms and projections apart, for an A/B.
 """
 
 from __future__ import annotations
