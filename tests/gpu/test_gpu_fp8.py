@@ -87,7 +87,7 @@ def test_gpu_engine_runs_fp8_and_agrees_with_the_cpu_fallback(tiny_model):
         o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("tile", [None, (4, 1024), (64, 128)])  # autotuned, scales folded into h, a scale a weight
+@pytest.mark.parametrize("tile", [None, (4, 1024), (64, 128)])  # autotuned; 64 rows span 16-row scale blocks
 @pytest.mark.parametrize("N,block", [(12576, (128, 128)), (6720, (128, 128)), (1000, (16, 24))])  # KDA, MLA in_proj
 def test_gpu_add_norm_fp8_gemv_matches_norm_then_dequantized_linear(N, block, tile):
     """One bf16 token of the 48B's width (2304) through FP8 in_proj weights: the residual stream bit for bit, the
