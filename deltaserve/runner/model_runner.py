@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from deltaserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from deltaserve.core.outputs import RunnerOutput, SchedulerOutput
 
+log = logging.getLogger("deltaserve")
 ACTIVATION_RESERVE_BYTES = 4 << 30  # left free on a GPU for a step's activations and the CUDA graphs
 
 
@@ -172,7 +174,13 @@ class ModelRunner:
         if self.compiled_decode is not None and batch.num_decodes == batch.num_seqs <= COMPILED_DECODE_MAX_SEQS:
             if batch.block_tables.shape[1] > 1:  # one graph for every width (dynamo specialises a size of 1)
                 torch._dynamo.mark_dynamic(batch.block_tables, 1)
-            return self.compiled_decode(input_ids, batch, self.caches)
+            try:
+                return self.compiled_decode(input_ids, batch, self.caches)
+            except torch._dynamo.exc.BackendCompilerFailed as e:  # before the graph ran: nothing was written
+                # inductor could not build the graph (e.g. no working C++ compiler): the engine goes on eagerly
+                log.warning("compile_decode: compiling the decode step failed, running eagerly from now on (%s)",
+                            str(e).strip().splitlines()[0][:300])
+                self.compiled_decode = None
         return self.model(input_ids, batch, self.caches)
 
     def _update_requests(self, sched: SchedulerOutput) -> None:

@@ -57,3 +57,19 @@ def test_a_second_model_in_the_process_gets_its_own_graph(make_llm, tmp_path):
     assert second_eager != first_tokens  # the constant matters to these tokens
     assert greedy(second, prompt) == second_eager
     assert greedy(first, prompt) == first_tokens == greedy(make_llm(enable_prefix_caching=False), prompt)
+
+
+def test_a_failed_compile_leaves_the_engine_running_eagerly(make_llm, monkeypatch, caplog):
+    """No working C++ compiler (inductor fails before the graph runs): a warning, then eager steps, the same
+    tokens as an eager engine's."""
+    import torch
+
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("no-such-compiler",))
+    torch._dynamo.reset()  # no graph compiled earlier in this process may serve this test
+    prompt = [list(range(3, 30))]
+    compiled = make_llm(compile_decode=True, enable_prefix_caching=False)
+    with caplog.at_level("WARNING", logger="deltaserve"):
+        tokens = greedy(compiled, prompt)
+    assert "compiling the decode step failed, running eagerly" in caplog.text
+    assert compiled.engine.runner.compiled_decode is None
+    assert tokens == greedy(make_llm(enable_prefix_caching=False), prompt)
