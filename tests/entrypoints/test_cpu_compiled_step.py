@@ -11,7 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import cpu_compiled_step as probe  # noqa: E402
 
 
-def test_the_eager_decode_step_gives_the_engine_tokens():
+def test_the_eager_decode_step_gives_the_engine_tokens(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))  # the benchmark saves its model under ~/.cache: here, under tmp_path
     llm, model = probe.load_engine()  # the small preset (its routing: no expert groups, which the probe assumes)
     prompt = [5, 17, 3, 90, 41, 8, 77]
     expected, _ = probe.engine_generate(llm, prompt, 24)
