@@ -41,6 +41,20 @@ NO_SCALES = {"s_ptr": None, "SCALED": False, "S_COLS": 1, "BN": 1, "BK": 1}  # g
 
 
 @triton.jit
+def tile_dot(x, w, rows, cols, w_mask, pid_n, K: tl.constexpr, s_ptr, SCALED: tl.constexpr, S_COLS: tl.constexpr,
+             BN: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile's row sums of w * x (float32; w [BLOCK_N, BLOCK_K] at rows x cols, x [BLOCK_K]). SCALED: w's element
+    [n, k] times s[n // BN, k // BK] (FP8 block scales, S_COLS to a row): folded into x where the tile's rows share
+    one row of scale blocks, else one per weight. Serves gemv_jit and kernels.norm_gemv's kernel."""
+    if SCALED:
+        if BN % BLOCK_N == 0:  # the tile's rows share one row of scale blocks: fold its scales into x
+            x = x * tl.load(s_ptr + (pid_n * BLOCK_N // BN) * S_COLS + cols // BK, mask=cols < K, other=0.0)
+        else:
+            w = w * tl.load(s_ptr + (rows[:, None] // BN) * S_COLS + cols[None, :] // BK, mask=w_mask, other=0.0)
+    return tl.sum(w * x[None, :], axis=1)
+
+
+@triton.jit
 def gemv_jit(x_ptr, w_ptr, y_ptr, x_stride, y_stride, T_BUCKET, N: tl.constexpr, K: tl.constexpr,
              GROUP_N: tl.constexpr, s_ptr, SCALED: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr,
              BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -59,12 +73,7 @@ def gemv_jit(x_ptr, w_ptr, y_ptr, x_stride, y_stride, T_BUCKET, N: tl.constexpr,
         x = tl.load(x_base + cols, mask=cols < K, other=0.0).to(tl.float32)
         w_mask = (rows[:, None] < N) & (cols[None, :] < K)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        if SCALED:
-            if BN % BLOCK_N == 0:  # the tile's rows share one row of scale blocks: fold its scales into x
-                x *= tl.load(s_ptr + (pid_n * BLOCK_N // BN) * S_COLS + cols // BK, mask=cols < K, other=0.0)
-            else:
-                w *= tl.load(s_ptr + (rows[:, None] // BN) * S_COLS + cols[None, :] // BK, mask=w_mask, other=0.0)
-        acc += tl.sum(w * x[None, :], axis=1)
+        acc += tile_dot(x, w, rows, cols, w_mask, pid_n, K, s_ptr, SCALED, S_COLS, BN, BK, BLOCK_N)
     tl.store(y_ptr + token * y_stride + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
 
 

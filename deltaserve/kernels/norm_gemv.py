@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels.autotune import tile_configs, with_tile
-from deltaserve.kernels.gemv import FP8_GEMV_TILES, GEMV_NAMES, GEMV_TILES, NO_SCALES
+from deltaserve.kernels.gemv import FP8_GEMV_TILES, GEMV_NAMES, GEMV_TILES, NO_SCALES, tile_dot
 from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, ROUTER_GEMV_MAX_TOKENS
 from deltaserve.kernels.pdl import pdl_args, pdl_enter
 
@@ -62,7 +62,7 @@ def _norm_gemv_jit(x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, h_ptr, stream_ptr, x_stri
     """y[t, rows] = norm(x[t]) . w[rows] in float32, stored in y's dtype. Not GATED: the norm of x + r (r the
     residual), the stream x + r stored [T, K] and, with STORE_H, the normalised h, by the first row block's programs.
     GATED: x is KDA's output [T, K = heads * HEAD], r its gate, each head normalised apart. T_BUCKET: the autotuner's
-    key. SCALED: FP8 weights, w[n, k] times s[n // BN, k // BK], applied as kernels.gemv.gemv_jit applies them."""
+    key. SCALED: FP8 weights, w[n, k] times s[n // BN, k // BK] (kernels.gemv.tile_dot)."""
     pdl_enter(PDL)
     pid_n, token = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -94,12 +94,7 @@ def _norm_gemv_jit(x_ptr, r_ptr, nw_ptr, w_ptr, y_ptr, h_ptr, stream_ptr, x_stri
                     tl.store(h_ptr + token * K + cols, h.to(dtype), mask=cols < K)
         w_mask = (rows[:, None] < N) & (cols[None, :] < K)
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        if SCALED:
-            if BN % BLOCK_N == 0:  # the tile's rows share one row of scale blocks: fold its scales into h
-                h *= tl.load(s_ptr + (pid_n * BLOCK_N // BN) * S_COLS + cols // BK, mask=cols < K, other=0.0)
-            else:
-                w *= tl.load(s_ptr + (rows[:, None] // BN) * S_COLS + cols[None, :] // BK, mask=w_mask, other=0.0)
-        acc += tl.sum(w * h[None, :], axis=1)
+        acc += tile_dot(h, w, rows, cols, w_mask, pid_n, K, s_ptr, SCALED, S_COLS, BN, BK, BLOCK_N)
     tl.store(y_ptr + token * y_stride + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
