@@ -6,7 +6,8 @@ Measures, float32 on the CPU: prefill tokens/s of one prompt, batch-1 time per o
 tokens/s with `concurrency` requests together (transformers: the same requests one at a time). The prefill and
 batch-1 runs are each the median of `--repeats` runs (single runs of this machine class spread by up to 2x);
 the concurrent run, long enough to average itself, runs once. `--compile-decode` adds a row for deltaserve with
-its decode steps compiled (EngineConfig.compile_decode). Prints a table and one JSON line with the machine, the date
+its decode steps compiled (EngineConfig.compile_decode), `--mkl-products` one with PyTorch's float32 products in
+place of kernels.cpu_gemv (DELTASERVE_CPU_GEMV=0). Prints a table and one JSON line with the machine, the date
 and the commit.
 """
 
@@ -125,6 +126,8 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--compile-decode", action="store_true",
                         help="also run deltaserve with compile_decode (decode steps through torch.compile)")
+    parser.add_argument("--mkl-products", action="store_true",
+                        help="also run deltaserve with DELTASERVE_CPU_GEMV=0 (PyTorch's float32 products, not ours)")
     parser.add_argument("--repeats", type=int, default=5, help="runs of the prefill and batch-1 figures (median)")
     args = parser.parse_args()
     if args.repeats < 1:
@@ -134,6 +137,10 @@ def main() -> None:
     folder = make_model(args.preset)
     batch = prompts(max(args.concurrency, 1), args.prompt_len, PRESETS[args.preset]["vocab_size"])
     results = {"deltaserve": bench_deltaserve(folder, batch, args.output_len, args.concurrency, args.repeats)}
+    if args.mkl_products:
+        os.environ["DELTASERVE_CPU_GEMV"] = "0"  # read at load (the weights' layout) and at each product
+        results["ds-mkl"] = bench_deltaserve(folder, batch, args.output_len, args.concurrency, args.repeats)
+        del os.environ["DELTASERVE_CPU_GEMV"]
     if args.compile_decode:
         results["ds-compiled"] = bench_deltaserve(folder, batch, args.output_len, args.concurrency, args.repeats,
                                                   compile_decode=True)
@@ -147,11 +154,11 @@ def _report(args, results: dict) -> None:
     print(f"{'engine':<14}" + "".join(f"{k:>18}" for k in keys))
     for engine, figures in results.items():
         print(f"{engine:<14}" + "".join(f"{figures[k]:>18.2f}" for k in keys))
-    for engine in ("deltaserve", "ds-compiled"):
+    for engine in ("deltaserve", "ds-mkl", "ds-compiled"):
         if "transformers" in results and engine in results:
             ratio = {k: results[engine][k] / results["transformers"][k] for k in keys}
             ratio["tpot_ms"] = 1 / ratio["tpot_ms"]
-            label = "ratio" if engine == "deltaserve" else "ratio compiled"
+            label = "ratio" if engine == "deltaserve" else f"ratio {engine[3:]}"
             print(f"{label:<14}" + "".join(f"{ratio[k]:>17.2f}x" for k in keys))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(json.dumps({"preset": args.preset, "prompt_len": args.prompt_len, "output_len": args.output_len,

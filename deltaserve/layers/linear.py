@@ -2,6 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.kernels import cpu_gemv
+
 
 class Linear(nn.Module):
     """A bias-free projection y = x W^T; W [out_features, in_features]. Merged projections are several
@@ -9,7 +11,7 @@ class Linear(nn.Module):
 
     On a GPU, one token against a large half-precision weight runs through our GEMV kernel (kernels.gemv: one
     launch at near the copy bandwidth, where cuBLAS splits K over two kernels); gemv=False keeps cuBLAS (lm_head,
-    which cuBLAS streams faster)."""
+    which cuBLAS streams faster). On the CPU, up to 4 float32 rows run through kernels.cpu_gemv where it is built."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None, gemv: bool = True):
         super().__init__()
@@ -17,7 +19,9 @@ class Linear(nn.Module):
         self.gemv = gemv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv and x.is_cuda:
+        if not x.is_cuda:
+            return cpu_gemv.linear(x, self.weight)
+        if self.gemv:
             from deltaserve.kernels.gemv import gemv, use_gemv
 
             if use_gemv(x, self.weight):

@@ -19,6 +19,7 @@ import torch
 from deltaserve.cache.sizing import CachePlan
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, check_divisible
+from deltaserve.kernels import cpu_gemv
 from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, row_generators, sample
 from deltaserve.kernels.varlen import to_device
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
@@ -75,6 +76,8 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else None
+        if self.cpu_threads is not None:
+            cpu_gemv.set_threads(self.cpu_threads)  # a decode step's large products split over them (its ops: one)
         self.compiled_decode = None
         if compile_decode and self.device.type == "cpu":
             # the CPU's CUDA graphs: a decode step's ~460 small ops in one compiled graph (EngineConfig.compile_decode).
@@ -113,8 +116,8 @@ class ModelRunner:
             init_dummy_weights(model, engine.seed, seed_per_parameter=parallel.world_size > 1)
         else:
             model = load_model(folder, model_config, dtype, engine.device, progress, parallel)
-        if engine.device == "cpu":
-            _input_major_weights(model)
+        if engine.device == "cpu" and (engine.compile_decode or not cpu_gemv.enabled()):
+            _input_major_weights(model)  # for MKL's products; kernels.cpu_gemv reads them output-major
         return model.eval()
 
     @staticmethod
@@ -456,9 +459,10 @@ def allocate_caches(model, num_pages: int, page_size: int, num_slots: int, dtype
 
 
 def _input_major_weights(model: torch.nn.Module) -> None:
-    """On the CPU, store the projection and expert weights input-major ([in, out] in memory; the logical shape and
-    values unchanged): a decode step's matrix-vector products then stream whole rows, measured 5-10% faster on the
-    layers and up to 2x on lm_head when the weights are not in cache. Skipped: kv_b_proj (MLA decode views it per
+    """On the CPU where kernels.cpu_gemv is off (or compile_decode: its graph calls MKL), store the projection and
+    expert weights input-major ([in, out] in memory; the logical shape and values unchanged): MKL's matrix-vector
+    products then stream whole rows, measured 5-10% faster on the layers and up to 2x on lm_head when the weights are
+    not in cache. Skipped: kv_b_proj (MLA decode views it per
     head), an lm_head tied to the embedding (looked up by row) and 8-bit weights."""
     from deltaserve.layers.linear import Linear
     from deltaserve.layers.moe import MoE

@@ -8,6 +8,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from deltaserve.kernels.cpu_gemv import linear
+
 _FEW_ASSIGNMENTS = 64  # up to this many (token, expert) pairs, group on the host: fewer ops for decode steps
 FEW_ASSIGNMENTS_GPU = 32  # up to this many pairs, one GEMV per pair beats sorting for a grouped GEMM
 
@@ -32,8 +34,8 @@ def fused_experts(
     out = torch.zeros_like(x)
     flat_weights = weights.flatten()
     for expert, rows, positions in _group_by_expert(ids):
-        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert]) * flat_weights[positions, None]
+        gate, up = linear(x[rows], w13[expert]).chunk(2, dim=-1)
+        y = linear(F.silu(gate) * up, w2[expert]) * flat_weights[positions, None]
         out.index_add_(0, rows, y.to(x.dtype))
     return out
 
@@ -43,8 +45,8 @@ def _one_token(x, w13, w2, weights, ids) -> torch.Tensor:
     ascending order, summed directly, with none of the grouping's index ops; the same sums as the grouped path."""
     out = None
     for expert, slot in sorted(zip(ids[0].tolist(), range(ids.shape[1]))):
-        gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
-        y = (F.linear(F.silu(gate) * up, w2[expert]) * weights[:, slot, None]).to(x.dtype)
+        gate, up = linear(x, w13[expert]).chunk(2, dim=-1)
+        y = (linear(F.silu(gate) * up, w2[expert]) * weights[:, slot, None]).to(x.dtype)
         out = y if out is None else out + y
     return out
 
