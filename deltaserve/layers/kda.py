@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
+from deltaserve.kernels import cpu_gemv
 from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from deltaserve.kernels.kda import kda_decode, kda_prefill
 from deltaserve.kernels.norm import gated_rms_norm
@@ -78,9 +78,10 @@ class KimiDeltaAttention(nn.Module):
     def _gate_up_projections(self, fg_a: torch.Tensor, batched: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, 2K] (f_a, g_a) -> (f_b_proj(f_a), g_b_proj(g_a)), each [N, HK]. batched (GPU decode steps, bound by
         launches): one launch, our GEMV with two groups for one half-precision token (cuBLAS's batched matmul took
-        3.4 us for these 2 MB on an H200), else one batched matmul. Otherwise two products: on the CPU they give the
-        reference's bits in float32; steps with prefill keep them as measured (BENCHMARKS.md: an A/B on the H200
-        left prefill's slowdown with the decode-step changes unexplained, so prefill runs the code it ran before)."""
+        3.4 us for these 2 MB on an H200), else one batched matmul. Otherwise two products (kernels.cpu_gemv's for a
+        few float32 tokens on the CPU, else F.linear, the reference's); steps with prefill keep them as measured
+        (BENCHMARKS.md: an A/B on the H200 left prefill's slowdown with the decode-step changes unexplained, so
+        prefill runs the code it ran before)."""
         N, K = fg_a.shape[0], self.head_dim
         w = self.fg_b_proj.weight.view(2, -1, K)
         if batched:
@@ -91,7 +92,7 @@ class KimiDeltaAttention(nn.Module):
                 return out[:, : w.shape[1]], out[:, w.shape[1]:]
             out = torch.bmm(fg_a.view(N, 2, K).transpose(0, 1), w.transpose(1, 2))  # [2, N, HK]
             return out[0], out[1]
-        return F.linear(fg_a[:, :K], w[0]), F.linear(fg_a[:, K:], w[1])
+        return cpu_gemv.linear(fg_a[:, :K], w[0]), cpu_gemv.linear(fg_a[:, K:], w[1])
 
     def _delta_rule(self, q, k, v, g_raw, b_raw, batch: ForwardBatch, state: torch.Tensor) -> torch.Tensor:
         """q, k, v [N, H, K] raw; g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V] in the layer's dtype (each part rounded

@@ -6,6 +6,7 @@ from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
+from deltaserve.kernels import cpu_gemv
 from deltaserve.kernels.moe import fused_experts, select_experts
 from deltaserve.kernels.moe.experts import FEW_ASSIGNMENTS_GPU
 from deltaserve.kernels.quant import FP8, fp8_fused_experts
@@ -98,7 +99,7 @@ class MoE(nn.Module):
             from deltaserve.kernels.moe.triton_routing import router_logits
 
             return router_logits(x, self.gate_weight)
-        return F.linear(x.float(), self.gate_weight.float())
+        return cpu_gemv.linear(x.float(), self.gate_weight.float())  # F.linear where cpu_gemv does not serve
 
     def _router_gemv(self, x: torch.Tensor) -> bool:
         """Whether the router's logits come from our GEMV kernel: a few half-precision tokens on a GPU, one process
