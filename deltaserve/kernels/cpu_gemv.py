@@ -65,15 +65,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def cpu_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] float32 with at most MAX_ROWS rows, weight [N, K] float32 contiguous -> [..., N]."""
-    K, N = weight.shape[1], weight.shape[0]
-    if x.shape[-1] != K:
-        raise ValueError(f"cpu_gemv: x has {x.shape[-1]} columns, the weight {K}")
-    rows = x.reshape(-1, K).contiguous()
-    y = torch.empty(rows.shape[0], N, dtype=torch.float32)
-    threads = _threads if N * K >= PARALLEL_MIN_WEIGHT else 1
-    if _library().gemv_f32(rows.data_ptr(), weight.data_ptr(), y.data_ptr(), rows.shape[0], K, N, threads):
-        raise ValueError(f"cpu_gemv takes 1 to {MAX_ROWS} rows, not {rows.shape[0]}")
-    return y.view(*x.shape[:-1], N)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return _run(rows, 0, [weight]).view(*x.shape[:-1], weight.shape[0])
+
+
+def cpu_gemv_grouped(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """One call for several weights (a token's experts): x [M, K] for all of them or [G, M, K], one a weight;
+    weights: G tensors [N, K] float32 contiguous -> [G, M, N] (each the bits cpu_gemv gives it alone)."""
+    if x.dim() == 2:
+        return _run(x.contiguous(), 0, weights)
+    if x.shape[0] != len(weights):
+        raise ValueError(f"cpu_gemv_grouped: {x.shape[0]} inputs for {len(weights)} weights")
+    x = x.contiguous()
+    return _run(x, x.stride(0), weights)
+
+
+def _run(x: torch.Tensor, x_stride: int, weights: list[torch.Tensor]) -> torch.Tensor:
+    """x [M, K] or [G, M, K] contiguous (x_stride: elements from one weight's x to the next; 0: shared)."""
+    M, (N, K) = x.shape[-2], weights[0].shape
+    if x.shape[-1] != K or any(w.shape != (N, K) or not w.is_contiguous() for w in weights):
+        raise ValueError(f"cpu_gemv: x has {x.shape[-1]} columns; the weights must all be contiguous [N, {K}], "
+                         f"got {[tuple(w.shape) for w in weights]}")
+    y = torch.empty(len(weights), M, N, dtype=torch.float32)
+    threads = _threads if len(weights) * N * K >= PARALLEL_MIN_WEIGHT else 1
+    pointers = (ctypes.c_void_p * len(weights))(*[w.data_ptr() for w in weights])
+    if _library().gemv_f32(x.data_ptr(), x_stride, pointers, y.data_ptr(), len(weights), M, K, N, threads):
+        raise ValueError(f"cpu_gemv takes 1 to {MAX_ROWS} rows, not {M}")
+    return y
 
 
 @functools.cache
@@ -85,7 +103,8 @@ def _library() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         logger.warning("cpu_gemv unavailable, decode steps use PyTorch's float32 products: %s", e)
         return None
-    lib.gemv_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.gemv_f32.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                             ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
     lib.gemv_f32.restype = ctypes.c_int
     return lib
 

@@ -78,8 +78,31 @@ def test_linear_falls_back_where_the_kernel_does_not_serve(monkeypatch):
 def test_rows_past_the_limit_are_refused():
     with pytest.raises(ValueError, match="1 to 4 rows"):
         cpu_gemv.cpu_gemv(torch.randn(5, 8), torch.randn(3, 8))
-    with pytest.raises(ValueError, match="x has 9 columns, the weight 8"):
+    with pytest.raises(ValueError, match=r"x has 9 columns; the weights must all be contiguous \[N, 8\]"):
         cpu_gemv.cpu_gemv(torch.randn(1, 9), torch.randn(3, 8))
+    with pytest.raises(ValueError, match="must all be contiguous"):
+        cpu_gemv.cpu_gemv_grouped(torch.randn(1, 8), [torch.randn(3, 8), torch.randn(4, 8)])
+    with pytest.raises(ValueError, match="2 inputs for 3 weights"):
+        cpu_gemv.cpu_gemv_grouped(torch.randn(2, 1, 8), [torch.randn(3, 8)] * 3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", [(65, 33), (300, 129), (1024, 511)])
+@pytest.mark.parametrize("shared_x", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_grouped_gives_each_weight_its_bits_alone(K, N, shared_x, threads, monkeypatch):
+    """One call for a token's experts: each weight's rows are the bits cpu_gemv gives it alone, whichever thread
+    (the split crosses from one weight to the next) computes them."""
+    monkeypatch.setattr(cpu_gemv, "_threads", threads)
+    monkeypatch.setattr(cpu_gemv, "PARALLEL_MIN_WEIGHT", 0)
+    gen = torch.Generator().manual_seed(K + N)
+    stack = torch.randn(8, N, K, generator=gen)  # an expert stack; the chosen ones are views into it
+    chosen = [stack[e] for e in (1, 2, 6)]
+    x = torch.randn(2, K, generator=gen) if shared_x else torch.randn(3, 2, K, generator=gen)
+    y = cpu_gemv.cpu_gemv_grouped(x, chosen)
+    assert y.shape == (3, 2, N)
+    for g, w in enumerate(chosen):
+        assert torch.equal(y[g], cpu_gemv.cpu_gemv(x if shared_x else x[g], w))
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -91,13 +114,14 @@ def test_the_avx2_build_matches_the_twin(tmp_path):
     if done.returncode != 0:
         pytest.skip(f"no AVX2 build here: {done.stderr[-200:]}")
     lib = ctypes.CDLL(str(out))
-    lib.gemv_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3 + [ctypes.c_int]
     gen = torch.Generator().manual_seed(11)
     for K, N in SHAPES:
         for rows in (1, 4):
             x, w = torch.randn(rows, K, generator=gen), torch.randn(N, K, generator=gen)
             y = torch.empty(rows, N)
-            assert lib.gemv_f32(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, K, N, 2) == 0
+            pointers = (ctypes.c_void_p * 1)(w.data_ptr())
+            assert lib.gemv_f32(ctypes.c_void_p(x.data_ptr()), ctypes.c_long(0), pointers,
+                                ctypes.c_void_p(y.data_ptr()), *map(ctypes.c_long, (1, rows, K, N)), 2) == 0
             torch.testing.assert_close(y, _reference(x, w), rtol=1e-5, atol=1e-5 * K ** 0.5)
 
 

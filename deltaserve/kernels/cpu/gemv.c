@@ -1,6 +1,7 @@
 /* y[m, n] = sum_k x[m, k] * w[n, k] for m < M <= 4: float32, the weight output-major [N, K] and read once for all M
  * rows, each output row a dot product over k in vector strips (AVX-512, or AVX2 with FMA; built by
- * deltaserve.kernels.cpu_gemv with -march=native). OpenMP splits the output rows over `threads`. */
+ * deltaserve.kernels.cpu_gemv with -march=native). OpenMP splits the output rows over `threads`; one call serves
+ * several weights (a token's experts). */
 #include <immintrin.h>
 #include <omp.h>
 
@@ -61,17 +62,30 @@ static void rows(const float *x, const float *w, float *y, long M, long K, long 
   }
 }
 
-int gemv_f32(const float *x, const float *w, float *y, long M, long K, long N, int threads) {
-  if (M < 1 || M > 4) return 1;
+/* output rows [i0, i1) of the G * N rows of gemv_f32 */
+static void span(const float *x, long x_stride, const float *const *w, float *y, long G, long M, long K, long N,
+                 long i0, long i1) {
+  for (long g = i0 / N; g < G && g * N < i1; g++) {
+    long n0 = i0 > g * N ? i0 - g * N : 0, n1 = i1 - g * N < N ? i1 - g * N : N;
+    rows(x + g * x_stride, w[g], y + g * M * N, M, K, N, n0, n1);
+  }
+}
+
+/* G products y[g] = x_g w[g]^T (x_g = x + g * x_stride; a stride of 0 gives every weight the same x), y [G, M, N]:
+ * the G * N output rows split evenly over the threads, so one parallel region serves all G weights */
+int gemv_f32(const float *x, long x_stride, const float *const *w, float *y, long G, long M, long K, long N,
+             int threads) {
+  if (M < 1 || M > 4 || G < 1) return 1;
+  long total = G * N;
   if (threads <= 1) {
-    rows(x, w, y, M, K, N, 0, N);
+    span(x, x_stride, w, y, G, M, K, N, 0, total);
     return 0;
   }
 #pragma omp parallel num_threads(threads)
   {
     long t = omp_get_thread_num(), T = omp_get_num_threads();
-    long per = (N + T - 1) / T, n0 = t * per, n1 = n0 + per < N ? n0 + per : N;
-    if (n0 < n1) rows(x, w, y, M, K, N, n0, n1);
+    long per = (total + T - 1) / T, i0 = t * per, i1 = i0 + per < total ? i0 + per : total;
+    if (i0 < i1) span(x, x_stride, w, y, G, M, K, N, i0, i1);
   }
   return 0;
 }

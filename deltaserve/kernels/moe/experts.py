@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from deltaserve.kernels import cpu_gemv
 from deltaserve.kernels.cpu_gemv import linear
 
 _FEW_ASSIGNMENTS = 64  # up to this many (token, expert) pairs, group on the host: fewer ops for decode steps
@@ -41,12 +42,22 @@ def fused_experts(
 
 
 def _one_token(x, w13, w2, weights, ids) -> torch.Tensor:
-    """fused_experts for one token on the CPU (a decode step at batch 1, bound by per-op costs): its experts in
-    ascending order, summed directly, with none of the grouping's index ops; the same sums as the grouped path."""
+    """fused_experts for one token on the CPU (a decode step at batch 1, bound by reading the experts' weights): its
+    experts in ascending order, summed directly, with none of the grouping's index ops; the same sums as the grouped
+    path. Through kernels.cpu_gemv, each product for all k experts in one call (one parallel region, more bytes in
+    flight)."""
+    chosen = sorted(zip(ids[0].tolist(), range(ids.shape[1])))
+    if cpu_gemv.can_run(x, w13[0]) and cpu_gemv.can_run(x, w2[0]):  # all k experts in one call a product
+        gate, up = cpu_gemv.cpu_gemv_grouped(x, [w13[e] for e, _ in chosen]).chunk(2, dim=-1)  # [k, 1, I] each
+        ys = cpu_gemv.cpu_gemv_grouped(F.silu(gate) * up, [w2[e] for e, _ in chosen])  # [k, 1, D]
+    else:
+        ys = []
+        for expert, _ in chosen:
+            gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
+            ys.append(F.linear(F.silu(gate) * up, w2[expert]))
     out = None
-    for expert, slot in sorted(zip(ids[0].tolist(), range(ids.shape[1]))):
-        gate, up = linear(x, w13[expert]).chunk(2, dim=-1)
-        y = (linear(F.silu(gate) * up, w2[expert]) * weights[:, slot, None]).to(x.dtype)
+    for (_, slot), y in zip(chosen, ys):
+        y = (y * weights[:, slot, None]).to(x.dtype)
         out = y if out is None else out + y
     return out
 
