@@ -1,9 +1,9 @@
 """A CPU matrix-vector product for decode steps: y = x W^T for 1 to 4 float32 rows against an output-major weight.
 
 A decode step on the CPU is bound by reading its weights, and PyTorch's float32 product at one row (MKL) streams
-them at ~60% of what the cores can: measured here (2 cores, AMD EPYC), 1,024 x 1,024 in 75 us against 48 us for
-this kernel on one thread and 26 us on two; the 0.5B-class preset's lm_head [32000 x 1024], read from memory, 5.6 ms
-against 3.2-4.0 ms on two threads. PyTorch's own GEMV uses one thread whatever the setting.
+them at ~60% of what a core can, on one core whatever the thread setting: measured here (2 cores, AMD EPYC),
+1,024 x 1,024 in 75 us against 48 us for this kernel on one thread and 26 us on two; the 0.5B-class preset's lm_head
+[32000 x 1024], read from memory, 4.8-5.6 ms against 2.3-4.0 ms on two threads (BENCHMARKS.md, CPU).
 
 The kernel is `kernels/cpu/gemv.c` (AVX-512, or AVX2 with FMA; each output row a dot product in four vector
 accumulators; OpenMP over the output rows), compiled with the machine's C compiler at first use into the user's
