@@ -51,9 +51,9 @@ def enabled() -> bool:
 def can_run(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether cpu_gemv serves F.linear(x, weight): float32 CPU tensors, at most MAX_ROWS rows, the weight
     output-major (contiguous [N, K]; runner.model_runner stores weights input-major where this kernel is off)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.dim() == 2 and weight.is_contiguous() and x.numel() <= MAX_ROWS * x.shape[-1]
-            and not torch.compiler.is_compiling() and enabled())
+    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and weight.dim() == 2 and weight.is_contiguous() and x.shape[-1] > 0
+            and 0 < x.numel() <= MAX_ROWS * x.shape[-1] and not torch.compiler.is_compiling() and enabled())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -86,6 +86,8 @@ def _run(x: torch.Tensor, x_stride: int, weights: list[torch.Tensor]) -> torch.T
     if x.shape[-1] != K or any(w.shape != (N, K) or not w.is_contiguous() for w in weights):
         raise ValueError(f"cpu_gemv: x has {x.shape[-1]} columns; the weights must all be contiguous [N, {K}], "
                          f"got {[tuple(w.shape) for w in weights]}")
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (x, *weights)):
+        raise ValueError("cpu_gemv takes float32 CPU tensors (can_run tells where it serves)")
     y = torch.empty(len(weights), M, N, dtype=torch.float32)
     threads = _threads if len(weights) * N * K >= PARALLEL_MIN_WEIGHT else 1
     pointers = (ctypes.c_void_p * len(weights))(*[w.data_ptr() for w in weights])
@@ -98,7 +100,10 @@ def _run(x: torch.Tensor, x_stride: int, weights: list[torch.Tensor]) -> torch.T
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel, built once per machine and source (None where it cannot be built: a warning says why)."""
     try:
-        path = _build(_cache_dir())
+        try:
+            path = _build(_cache_dir())
+        except OSError:  # the cache folder cannot be written (a read-only home): a temporary one
+            path = _build(Path(tempfile.gettempdir()) / f"deltaserve-kernels-{os.getuid()}")
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         logger.warning("cpu_gemv unavailable, decode steps use PyTorch's float32 products: %s", e)
@@ -121,7 +126,9 @@ def _build(folder: Path) -> Path:
         raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (set CC to one)")
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(), _cpu_id()])).hexdigest()
+    version = subprocess.run([compiler, "--version"], capture_output=True, timeout=30).stdout
+    parts = [source, compiler.encode(), version, " ".join(flags).encode(), _cpu_id()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()
     path = folder / f"cpu_gemv-{key[:16]}.so"
     if path.is_file():
         return path
@@ -129,7 +136,7 @@ def _build(folder: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=folder) as tmp:  # built beside, then renamed: readers never see half a file
         out = Path(tmp) / path.name
         done = subprocess.run([compiler, *flags, str(_SOURCE), "-o", str(out)], capture_output=True, text=True,
-                              timeout=120)
+                              errors="replace", timeout=120)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.replace(out, path)

@@ -11,10 +11,12 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from deltaserve.cache.sizing import CachePlan
 from deltaserve.config import EngineConfig, ModelConfig
@@ -116,6 +118,8 @@ class ModelRunner:
             init_dummy_weights(model, engine.seed, seed_per_parameter=parallel.world_size > 1)
         else:
             model = load_model(folder, model_config, dtype, engine.device, progress, parallel)
+        if engine.device == "cpu" and parallel.world_size > 1:
+            _agree_on_cpu_gemv(parallel)
         if engine.device == "cpu" and (engine.compile_decode or not cpu_gemv.enabled()):
             _input_major_weights(model)  # for MKL's products; kernels.cpu_gemv reads them output-major
         return model.eval()
@@ -456,6 +460,17 @@ def allocate_caches(model, num_pages: int, page_size: int, num_slots: int, dtype
                 tensors[name], taken[name] = stacks[name][taken[name]], taken[name] + 1
         layers.append(tensors)
     return LayerCaches(layers, stacks)
+
+
+def _agree_on_cpu_gemv(parallel: ParallelConfig) -> None:
+    """Tensor-parallel ranks on the CPU use kernels.cpu_gemv all or none: the replicated router's logits must round
+    alike on every rank (a near-tie in its top-k would otherwise route a token differently on one rank)."""
+    have = torch.tensor([int(cpu_gemv.enabled())])
+    dist.all_reduce(have)
+    if int(have) < parallel.world_size:
+        if cpu_gemv.enabled():
+            log.warning("cpu_gemv is off on this rank: another rank could not build it")
+        os.environ["DELTASERVE_CPU_GEMV"] = "0"
 
 
 def _input_major_weights(model: torch.nn.Module) -> None:

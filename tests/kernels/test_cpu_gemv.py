@@ -47,6 +47,7 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(monkeypatch):
         for r in range(4):
             assert torch.equal(cpu_gemv.cpu_gemv(x[r:r + 1], w)[0], together[r])
             assert torch.equal(cpu_gemv.cpu_gemv(x[[r, (r + 1) % 4]], w)[0], together[r])
+            assert torch.equal(cpu_gemv.cpu_gemv(x[[r, (r + 1) % 4, (r + 2) % 4]], w)[0], together[r])
 
 
 @needs_kernel
@@ -60,15 +61,20 @@ def test_leading_dimensions_and_a_strided_x():
 
 
 def test_linear_falls_back_where_the_kernel_does_not_serve(monkeypatch):
-    """More than MAX_ROWS rows, another dtype, an input-major weight or DELTASERVE_CPU_GEMV=0: F.linear's bits."""
+    """More than MAX_ROWS rows, another dtype, an input-major weight, empty tensors, a weight off the CPU or
+    DELTASERVE_CPU_GEMV=0: F.linear's bits."""
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(24, 40, generator=gen)
     cases = [(torch.randn(5, 40, generator=gen), w),
              (torch.randn(1, 40, generator=gen).double(), w.double()),
-             (torch.randn(1, 40, generator=gen), w.t().contiguous().t())]
+             (torch.randn(1, 40, generator=gen), w.t().contiguous().t()),
+             (torch.randn(0, 40, generator=gen), w),  # no rows
+             (torch.randn(1, 0, generator=gen), torch.randn(24, 0, generator=gen)),  # nothing to sum
+             (torch.randn(1, 40, generator=gen), w.to("meta"))]  # a weight off the CPU
     for x, weight in cases:
         assert not cpu_gemv.can_run(x, weight)
-        assert torch.equal(cpu_gemv.linear(x, weight), F.linear(x, weight))
+        if weight.device.type == "cpu":
+            assert torch.equal(cpu_gemv.linear(x, weight), F.linear(x, weight))
     monkeypatch.setenv("DELTASERVE_CPU_GEMV", "0")
     x = torch.randn(1, 40, generator=gen)
     assert not cpu_gemv.enabled() and torch.equal(cpu_gemv.linear(x, w), F.linear(x, w))
@@ -82,6 +88,8 @@ def test_rows_past_the_limit_are_refused():
         cpu_gemv.cpu_gemv(torch.randn(1, 9), torch.randn(3, 8))
     with pytest.raises(ValueError, match="must all be contiguous"):
         cpu_gemv.cpu_gemv_grouped(torch.randn(1, 8), [torch.randn(3, 8), torch.randn(4, 8)])
+    with pytest.raises(ValueError, match="float32 CPU tensors"):
+        cpu_gemv.cpu_gemv(torch.randn(1, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match="2 inputs for 3 weights"):
         cpu_gemv.cpu_gemv_grouped(torch.randn(2, 1, 8), [torch.randn(3, 8)] * 3)
 
@@ -123,6 +131,26 @@ def test_the_avx2_build_matches_the_twin(tmp_path):
             assert lib.gemv_f32(ctypes.c_void_p(x.data_ptr()), ctypes.c_long(0), pointers,
                                 ctypes.c_void_p(y.data_ptr()), *map(ctypes.c_long, (1, rows, K, N)), 2) == 0
             torch.testing.assert_close(y, _reference(x, w), rtol=1e-5, atol=1e-5 * K ** 0.5)
+
+
+@needs_kernel
+def test_no_output_rows_is_an_empty_result():
+    assert cpu_gemv.cpu_gemv(torch.randn(2, 8), torch.randn(0, 8)).shape == (2, 0)
+
+
+def test_a_read_only_cache_folder_builds_in_a_temporary_one(tmp_path, monkeypatch):
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setattr(cpu_gemv, "_cache_dir", lambda: tmp_path / "file" / "below")
+    (tmp_path / "file").write_text("not a folder")  # so the cache folder cannot be made
+    monkeypatch.setattr(cpu_gemv.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    cpu_gemv._library.cache_clear()
+    try:
+        if cpu_gemv._library() is None:
+            pytest.skip("no AVX2/AVX-512 here")
+        assert list((tmp_path / "tmp").glob("deltaserve-kernels-*/cpu_gemv-*.so"))
+    finally:
+        cpu_gemv._library.cache_clear()
 
 
 def test_no_compiler_means_no_kernel_and_a_warning(tmp_path, monkeypatch, caplog):

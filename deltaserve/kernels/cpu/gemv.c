@@ -75,8 +75,9 @@ static void span(const float *x, long x_stride, const float *const *w, float *y,
  * the G * N output rows split evenly over the threads, so one parallel region serves all G weights */
 int gemv_f32(const float *x, long x_stride, const float *const *w, float *y, long G, long M, long K, long N,
              int threads) {
-  if (M < 1 || M > 4 || G < 1) return 1;
+  if (M < 1 || M > 4 || G < 1 || K < 0 || N < 0) return 1;
   long total = G * N;
+  if (total == 0) return 0;
   if (threads <= 1) {
     span(x, x_stride, w, y, G, M, K, N, 0, total);
     return 0;

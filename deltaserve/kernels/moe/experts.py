@@ -1,6 +1,7 @@
 """Routed expert compute on the CPU: tokens grouped by expert, one pair of matmuls per expert that was hit.
 
-Contributions are summed in ascending expert order, the order the reference uses, so float32 results match it.
+Contributions are summed in ascending expert order, the order the reference uses, so float32 results match it up to
+the products' own rounding (kernels.cpu_gemv sums a row in its own order).
 """
 
 from collections.abc import Iterator
@@ -43,9 +44,9 @@ def fused_experts(
 
 def _one_token(x, w13, w2, weights, ids) -> torch.Tensor:
     """fused_experts for one token on the CPU (a decode step at batch 1, bound by reading the experts' weights): its
-    experts in ascending order, summed directly, with none of the grouping's index ops; the same sums as the grouped
-    path. Through kernels.cpu_gemv, each product for all k experts in one call (one parallel region, more bytes in
-    flight)."""
+    experts in ascending order, summed directly, with none of the grouping's index ops; the grouped path's sums where
+    each expert it runs has at most cpu_gemv.MAX_ROWS tokens. Through kernels.cpu_gemv, each product for all k
+    experts in one call (one parallel region, more bytes in flight)."""
     chosen = sorted(zip(ids[0].tolist(), range(ids.shape[1])))
     if cpu_gemv.can_run(x, w13[0]) and cpu_gemv.can_run(x, w2[0]):  # all k experts in one call a product
         gate, up = cpu_gemv.cpu_gemv_grouped(x, [w13[e] for e, _ in chosen]).chunk(2, dim=-1)  # [k, 1, I] each
