@@ -79,3 +79,16 @@ def test_without_the_kernel_weights_are_input_major_and_tokens_the_same(make_llm
         calls = record_calls(monkeypatch)
         assert greedy(llm, PROMPTS) == expected
         assert not calls
+
+
+@pytest.mark.parametrize("ranks_with_it", [1, 2])
+def test_tensor_parallel_ranks_use_the_kernel_all_or_none(monkeypatch, ranks_with_it):
+    """A rank whose peer could not build the kernel turns it off too (the sum of the ranks' flags, as gloo's
+    all-reduce gives it, stood in here)."""
+    from deltaserve.distributed import ParallelConfig
+    from deltaserve.runner import model_runner
+
+    monkeypatch.setenv("DELTASERVE_CPU_GEMV", "1")  # and restored after the test, whatever the runner sets
+    monkeypatch.setattr(model_runner.dist, "all_reduce", lambda flag: flag.fill_(ranks_with_it))
+    model_runner._agree_on_cpu_gemv(ParallelConfig(rank=0, world_size=2))
+    assert cpu_gemv.enabled() == (ranks_with_it == 2)
