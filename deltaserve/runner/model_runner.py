@@ -120,8 +120,8 @@ class ModelRunner:
             model = load_model(folder, model_config, dtype, engine.device, progress, parallel)
         if engine.device == "cpu" and parallel.world_size > 1:
             _agree_on_cpu_gemv(parallel)
-        if engine.device == "cpu" and (engine.compile_decode or not cpu_gemv.enabled()):
-            _input_major_weights(model)  # for MKL's products; kernels.cpu_gemv reads them output-major
+        if engine.device == "cpu" and dtype == torch.float32 and (engine.compile_decode or not cpu_gemv.enabled()):
+            _input_major_weights(model)  # for MKL's float32 products; kernels.cpu_gemv reads them output-major
         return model.eval()
 
     @staticmethod
@@ -474,11 +474,11 @@ def _agree_on_cpu_gemv(parallel: ParallelConfig) -> None:
 
 
 def _input_major_weights(model: torch.nn.Module) -> None:
-    """On the CPU where kernels.cpu_gemv is off (or compile_decode: its graph calls MKL), store the projection and
-    expert weights input-major ([in, out] in memory; the logical shape and values unchanged): MKL's matrix-vector
-    products then stream whole rows, measured 5-10% faster on the layers and up to 2x on lm_head when the weights are
-    not in cache. Skipped: kv_b_proj (MLA decode views it per
-    head), an lm_head tied to the embedding (looked up by row) and 8-bit weights."""
+    """For float32 on the CPU where kernels.cpu_gemv is off (or compile_decode: its graph calls MKL), store the
+    projection and expert weights input-major ([in, out] in memory; the logical shape and values unchanged): MKL's
+    matrix-vector products then stream whole rows, measured 5-10% faster on the layers and up to 2x on lm_head when
+    the weights are not in cache. Not for half precision: bfloat16 decoded 4-8% faster output-major (BENCHMARKS.md).
+    Skipped: kv_b_proj (MLA decode views it per head), an lm_head tied to the embedding (looked up by row), FP8."""
     from deltaserve.layers.linear import Linear
     from deltaserve.layers.moe import MoE
 
