@@ -121,6 +121,8 @@ def _cache_dir() -> Path:
 
 def _build(folder: Path) -> Path:
     """Compile gemv.c into folder (name: a hash of the source, compiler, flags and CPU), unless it is there."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"it is written for x86-64 (AVX2 or AVX-512), this machine is {platform.machine()}")
     compiler = os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (set CC to one)")

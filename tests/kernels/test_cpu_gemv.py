@@ -167,6 +167,13 @@ def test_no_compiler_means_no_kernel_and_a_warning(tmp_path, monkeypatch, caplog
         cpu_gemv._library.cache_clear()
 
 
+def test_another_architecture_is_refused_before_compiling(tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_gemv.platform, "machine", lambda: "aarch64")
+    with pytest.raises(RuntimeError, match="written for x86-64.*this machine is aarch64"):
+        cpu_gemv._build(tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_failing_build_says_what_the_compiler_said(tmp_path, monkeypatch):
     fake = tmp_path / "cc"
     fake.write_text("#!/bin/sh\necho 'error: this compiler is broken' >&2\nexit 1\n")
