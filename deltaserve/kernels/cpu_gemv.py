@@ -31,6 +31,9 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 4  # decode steps of up to 4 tokens (more rows: MKL's GEMM reuses each weight across them better)
+# elements: a smaller product stays with F.linear, whose ~3 us of overhead beat this module's ~10 (checks, the output,
+# the ctypes call); measured crossover 144-192K elements with the weights in cache (a few us either way there)
+MIN_WEIGHT = 1 << 17
 PARALLEL_MIN_WEIGHT = 1 << 16  # elements (256 KB): a smaller weight runs on one thread (forking costs more)
 _SOURCE = Path(__file__).parent / "cpu" / "gemv.c"
 _threads = max(1, torch.get_num_threads())
@@ -48,18 +51,20 @@ def enabled() -> bool:
     return os.environ.get("DELTASERVE_CPU_GEMV", "1") != "0" and _library() is not None
 
 
-def can_run(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether cpu_gemv serves F.linear(x, weight): float32 CPU tensors, at most MAX_ROWS rows, the weight
-    output-major (contiguous [N, K]; runner.model_runner stores weights input-major where this kernel is off)."""
-    return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-            and weight.dim() == 2 and weight.is_contiguous() and x.shape[-1] > 0
+def can_run(x: torch.Tensor, weight: torch.Tensor, group: int = 1) -> bool:
+    """Whether cpu_gemv serves F.linear(x, weight) (or `group` such products in one call): float32 CPU tensors, at
+    most MAX_ROWS rows, the weight output-major (contiguous [N, K]; runner.model_runner stores weights input-major
+    where this kernel is off) and at least MIN_WEIGHT elements in the call."""
+    return (weight.numel() * group >= MIN_WEIGHT and x.dtype is torch.float32 and weight.dtype is torch.float32
+            and x.is_cpu and weight.is_cpu and weight.dim() == 2 and weight.is_contiguous() and x.shape[-1] > 0
             and 0 < x.numel() <= MAX_ROWS * x.shape[-1] and not torch.compiler.is_compiling() and enabled())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) (no bias), through cpu_gemv where can_run says it may."""
     if can_run(x, weight):
-        return cpu_gemv(x, weight)
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # checked by can_run: no second validation here
+        return _launch(rows, 0, (weight,)).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
 
 
@@ -88,11 +93,18 @@ def _run(x: torch.Tensor, x_stride: int, weights: list[torch.Tensor]) -> torch.T
                          f"got {[tuple(w.shape) for w in weights]}")
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (x, *weights)):
         raise ValueError("cpu_gemv takes float32 CPU tensors (can_run tells where it serves)")
-    y = torch.empty(len(weights), M, N, dtype=torch.float32)
-    threads = _threads if len(weights) * N * K >= PARALLEL_MIN_WEIGHT else 1
-    pointers = (ctypes.c_void_p * len(weights))(*[w.data_ptr() for w in weights])
-    if _library().gemv_f32(x.data_ptr(), x_stride, pointers, y.data_ptr(), len(weights), M, K, N, threads):
+    if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"cpu_gemv takes 1 to {MAX_ROWS} rows, not {M}")
+    return _launch(x, x_stride, weights)
+
+
+def _launch(x: torch.Tensor, x_stride: int, weights) -> torch.Tensor:
+    """The kernel on checked arguments (_run's): x [..., M, K] contiguous, weights G x [N, K] -> [G, M, N]."""
+    (N, K), M, G = weights[0].shape, x.shape[-2], len(weights)
+    y = torch.empty(G, M, N, dtype=torch.float32)
+    pointers = (ctypes.c_void_p * G)(*[w.data_ptr() for w in weights])
+    _library().gemv_f32(x.data_ptr(), x_stride, pointers, y.data_ptr(), G, M, K, N,
+                        _threads if G * N * K >= PARALLEL_MIN_WEIGHT else 1)
     return y
 
 

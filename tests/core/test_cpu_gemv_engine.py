@@ -25,13 +25,13 @@ def greedy(llm, prompts, n=8):
 def record_calls(monkeypatch) -> list[tuple[int, int, tuple[int, int]]]:
     """(rows, weights in the call, a weight's shape) of every cpu_gemv call from here on."""
     calls = []
-    run = cpu_gemv._run
+    launch = cpu_gemv._launch
 
     def recording(x, x_stride, weights):
         calls.append((x.shape[-2], len(weights), tuple(weights[0].shape)))
-        return run(x, x_stride, weights)
+        return launch(x, x_stride, weights)
 
-    monkeypatch.setattr(cpu_gemv, "_run", recording)
+    monkeypatch.setattr(cpu_gemv, "_launch", recording)
     return calls
 
 
@@ -48,6 +48,7 @@ def served_shape(name: str, weight: torch.Tensor) -> tuple[int, int]:
 
 
 def test_decode_steps_run_every_product_through_the_kernel(make_llm, monkeypatch):
+    monkeypatch.setattr(cpu_gemv, "MIN_WEIGHT", 0)  # the tiny model's products are below the size it takes
     llm = make_llm(max_num_seqs=4)
     model, cfg = llm.engine.runner.model, llm.engine.runner.cfg
     weights = projections(model)
@@ -67,6 +68,7 @@ def test_decode_steps_run_every_product_through_the_kernel(make_llm, monkeypatch
 
 @pytest.mark.parametrize("off", ["env", "compile_decode"])
 def test_without_the_kernel_weights_are_input_major_and_tokens_the_same(make_llm, monkeypatch, off):
+    monkeypatch.setattr(cpu_gemv, "MIN_WEIGHT", 0)
     expected = greedy(make_llm(max_num_seqs=4), PROMPTS)
     if off == "env":
         monkeypatch.setenv("DELTASERVE_CPU_GEMV", "0")

@@ -51,18 +51,31 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(monkeypatch):
 
 
 @needs_kernel
-def test_leading_dimensions_and_a_strided_x():
+def test_leading_dimensions_and_a_strided_x(monkeypatch):
+    monkeypatch.setattr(cpu_gemv, "MIN_WEIGHT", 0)
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(40, 96, generator=gen)
     x = torch.randn(2, 1, 192, generator=gen)[..., ::2]  # [2, 1, 96], not contiguous
+    assert cpu_gemv.can_run(x, w)
     y = cpu_gemv.linear(x, w)
     assert y.shape == (2, 1, 40)
     torch.testing.assert_close(y, _reference(x.reshape(2, 96), w).view(2, 1, 40), rtol=1e-5, atol=1e-4)
 
 
+@needs_kernel
+def test_products_below_the_size_it_takes_stay_with_f_linear(monkeypatch):
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(1, 64, generator=gen)
+    small, large = torch.randn(cpu_gemv.MIN_WEIGHT // 64 - 1, 64, generator=gen), torch.randn(2048, 64, generator=gen)
+    assert not cpu_gemv.can_run(x, small) and cpu_gemv.can_run(x, small, group=2)  # a call of two such weights
+    assert cpu_gemv.can_run(x, large)
+    assert torch.equal(cpu_gemv.linear(x, small), F.linear(x, small))
+
+
 def test_linear_falls_back_where_the_kernel_does_not_serve(monkeypatch):
     """More than MAX_ROWS rows, another dtype, an input-major weight, empty tensors, a weight off the CPU or
-    DELTASERVE_CPU_GEMV=0: F.linear's bits."""
+    DELTASERVE_CPU_GEMV=0: F.linear's bits (whatever the size: MIN_WEIGHT 0 here)."""
+    monkeypatch.setattr(cpu_gemv, "MIN_WEIGHT", 0)
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(24, 40, generator=gen)
     cases = [(torch.randn(5, 40, generator=gen), w),

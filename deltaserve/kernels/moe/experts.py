@@ -48,7 +48,7 @@ def _one_token(x, w13, w2, weights, ids) -> torch.Tensor:
     each expert it runs has at most cpu_gemv.MAX_ROWS tokens. Through kernels.cpu_gemv, each product for all k
     experts in one call (one parallel region, more bytes in flight)."""
     chosen = sorted(zip(ids[0].tolist(), range(ids.shape[1])))
-    if cpu_gemv.can_run(x, w13[0]) and cpu_gemv.can_run(x, w2[0]):  # all k experts in one call a product
+    if cpu_gemv.can_run(x, w13[0], group=len(chosen)):  # all k experts in one call a product
         gate, up = cpu_gemv.cpu_gemv_grouped(x, [w13[e] for e, _ in chosen]).chunk(2, dim=-1)  # [k, 1, I] each
         ys = cpu_gemv.cpu_gemv_grouped(F.silu(gate) * up, [w2[e] for e, _ in chosen])  # [k, 1, D]
     else:
