@@ -8,7 +8,8 @@ them at ~60% of what a core can, on one core whatever the thread setting: measur
 The kernel is `kernels/cpu/gemv.c` (AVX-512, or AVX2 with FMA; each output row a dot product in four vector
 accumulators; OpenMP over the output rows), compiled with the machine's C compiler at first use into the user's
 cache folder (`-march=native`: the library is built for the machine that runs it). Where no compiler or neither
-instruction set is there, or `DELTASERVE_CPU_GEMV=0`, `enabled()` is False and callers keep F.linear. Every row of
+instruction set is there, or `DELTASERVE_CPU_GEMV=0`, `enabled()` is False and callers keep F.linear, as they do for
+products of fewer than MIN_WEIGHT weights (where the ctypes call's overhead outweighs the faster sums). Every row of
 x takes the same sums in the same order, so a row's result does not depend on the rows beside it. Twin: F.linear.
 """
 

@@ -97,6 +97,28 @@ def test_one_token_is_bitwise_its_row_among_tokens_on_other_experts():
     assert torch.equal(fused_experts(x[:1], w13, w2, weights[:1], ids[:1]), fused_experts(x, w13, w2, weights, ids)[:1])
 
 
+@pytest.mark.parametrize("min_weight", ["none", "per_call"])
+def test_one_token_is_bitwise_its_row_in_a_step_of_a_few_tokens(monkeypatch, min_weight):
+    """kernels.cpu_gemv serves one token's k experts in one call where the k weights reach MIN_WEIGHT together; a step
+    of up to 4 tokens takes the same rule expert by expert, so a token's bits are the same alone and beside others
+    (also where one expert's weight alone is under the limit). PyTorch's products promise no such thing (MKL's
+    sums at 1 and 2 rows differ), hence the test above, where each expert sees its token alone."""
+    from deltaserve.kernels import cpu_gemv
+
+    if not cpu_gemv.enabled():
+        pytest.skip("no C compiler or no AVX2/AVX-512 here")
+    gen = torch.Generator().manual_seed(4)
+    E, k, D, I = 6, 2, 64, 32
+    single = 2 * I * D  # one expert's w13
+    monkeypatch.setattr(cpu_gemv, "MIN_WEIGHT", {"none": 0, "per_call": single + 1}[min_weight])
+    x = torch.randn(3, D, generator=gen)
+    w13, w2 = torch.randn(E, 2 * I, D, generator=gen) * 0.2, torch.randn(E, D, I, generator=gen) * 0.2
+    ids, weights = torch.tensor([[4, 1], [1, 5], [0, 4]]), torch.rand(3, k, generator=gen)
+    together = fused_experts(x, w13, w2, weights, ids)
+    for t in range(3):
+        assert torch.equal(fused_experts(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1])[0], together[t])
+
+
 def test_naive_experts_is_the_weighted_sum_of_swiglus():
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(1, 8, generator=gen)

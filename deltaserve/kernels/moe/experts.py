@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.kernels import cpu_gemv
-from deltaserve.kernels.cpu_gemv import linear
 
 _FEW_ASSIGNMENTS = 64  # up to this many (token, expert) pairs, group on the host: fewer ops for decode steps
 FEW_ASSIGNMENTS_GPU = 32  # up to this many pairs, one GEMV per pair beats sorting for a grouped GEMM
@@ -35,9 +34,11 @@ def fused_experts(
         return _one_token(x, w13, w2, weights, ids)
     out = torch.zeros_like(x)
     flat_weights = weights.flatten()
+    ours = cpu_gemv.can_run(x[:1], w13[0], group=ids.shape[1])  # _one_token's rule, so a token's bits match it
     for expert, rows, positions in _group_by_expert(ids):
-        gate, up = linear(x[rows], w13[expert]).chunk(2, dim=-1)
-        y = linear(F.silu(gate) * up, w2[expert]) * flat_weights[positions, None]
+        product = cpu_gemv.cpu_gemv if ours and len(rows) <= cpu_gemv.MAX_ROWS else F.linear
+        gate, up = product(x[rows], w13[expert]).chunk(2, dim=-1)
+        y = product(F.silu(gate) * up, w2[expert]) * flat_weights[positions, None]
         out.index_add_(0, rows, y.to(x.dtype))
     return out
 
@@ -48,7 +49,7 @@ def _one_token(x, w13, w2, weights, ids) -> torch.Tensor:
     each expert it runs has at most cpu_gemv.MAX_ROWS tokens. Through kernels.cpu_gemv, each product for all k
     experts in one call (one parallel region, more bytes in flight)."""
     chosen = sorted(zip(ids[0].tolist(), range(ids.shape[1])))
-    if cpu_gemv.can_run(x, w13[0], group=len(chosen)):  # all k experts in one call a product
+    if cpu_gemv.can_run(x, w13[0], group=len(chosen)):  # all k experts in one call a product (fused_experts' rule)
         gate, up = cpu_gemv.cpu_gemv_grouped(x, [w13[e] for e, _ in chosen]).chunk(2, dim=-1)  # [k, 1, I] each
         ys = cpu_gemv.cpu_gemv_grouped(F.silu(gate) * up, [w2[e] for e, _ in chosen])  # [k, 1, D]
     else:
