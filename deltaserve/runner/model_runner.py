@@ -16,11 +16,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from deltaserve.cache.sizing import CachePlan
 from deltaserve.config import EngineConfig, ModelConfig
-from deltaserve.distributed import SINGLE, ParallelConfig, check_divisible
+from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce, check_divisible
 from deltaserve.kernels import cpu_gemv
 from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, row_generators, sample
 from deltaserve.kernels.varlen import to_device
@@ -465,10 +464,9 @@ def allocate_caches(model, num_pages: int, page_size: int, num_slots: int, dtype
 def _agree_on_cpu_gemv(parallel: ParallelConfig) -> None:
     """Tensor-parallel ranks on the CPU use kernels.cpu_gemv all or none: the replicated router's logits must round
     alike on every rank (a near-tie in its top-k would otherwise route a token differently on one rank)."""
-    have = torch.tensor([int(cpu_gemv.enabled())])
-    dist.all_reduce(have)
-    if int(have) < parallel.world_size:
-        if cpu_gemv.enabled():
+    mine = cpu_gemv.enabled()
+    if int(all_reduce(torch.tensor([int(mine)]), parallel)) < parallel.world_size:
+        if mine:
             log.warning("cpu_gemv is off on this rank: another rank could not build it")
         os.environ["DELTASERVE_CPU_GEMV"] = "0"
 

@@ -91,6 +91,6 @@ def test_tensor_parallel_ranks_use_the_kernel_all_or_none(monkeypatch, ranks_wit
     from deltaserve.runner import model_runner
 
     monkeypatch.setenv("DELTASERVE_CPU_GEMV", "1")  # and restored after the test, whatever the runner sets
-    monkeypatch.setattr(model_runner.dist, "all_reduce", lambda flag: flag.fill_(ranks_with_it))
+    monkeypatch.setattr(model_runner, "all_reduce", lambda flag, parallel: flag.fill_(ranks_with_it))
     model_runner._agree_on_cpu_gemv(ParallelConfig(rank=0, world_size=2))
     assert cpu_gemv.enabled() == (ranks_with_it == 2)
