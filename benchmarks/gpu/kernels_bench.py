@@ -64,57 +64,107 @@ def mla_decode_rows(device: str, smoke: bool) -> list[dict]:
 
     H, R, DR, page = (4, 32, 16, 4) if smoke else (32, 512, 64, 16)
     cases = [(1, 40, 256), (3, 100, 256)] if smoke else [
-        (1, 512, 65536), (1, 4096, 65536), (1, 32768, 65536), (1, 262144, 262144),
-        (64, 512, 65536), (64, 4096, 65536), (256, 512, 65536)]
+        (1, 512, 1 << 20), (1, 4096, 1 << 20), (1, 32768, 1 << 20), (1, 131072, 1 << 20), (1, 262144, 1 << 20),
+        (1, 1 << 20, 1 << 20), (64, 512, 65536), (64, 4096, 65536), (256, 512, 65536)]
     dtype = torch.float32 if smoke else torch.bfloat16
+    copy = _copy_bandwidth(device)
     rows = []
     for B, ctx, model_len in cases:
-        pages_per_seq = -(-ctx // page)
-        cache = torch.randn(B * pages_per_seq + 1, page, R + DR, device=device).to(dtype)
-        width = -(-model_len // page)
-        tables = torch.zeros(B, width, dtype=torch.int64, device=device)
-        tables[:, :pages_per_seq] = torch.randperm(B * pages_per_seq, device=device).view(B, -1) + 1
-        lens = torch.full((B,), ctx, dtype=torch.int64, device=device)
-        q = (torch.randn(B, H, R, device=device) * 0.05).to(dtype)
-        qr = (torch.randn(B, H, DR, device=device) * 0.05).to(dtype)
-        scale = 192 ** -0.5
-        kernel = triton_mla_decode(q, qr, cache, tables, lens, scale)
-        row = {"batch": B, "context": ctx, "table_tokens": width * page,
-               "bytes_read": B * ctx * (R + DR) * cache.element_size()}
-        row["triton_us"] = timed(lambda: triton_mla_decode(q, qr, cache, tables, lens, scale), device)
-        # the torch twin as it ran before the kernel: under a graph captured 4,096 tokens wide (contexts up to that
-        # length), else eagerly with a table as wide as the batch's longest context
-        old = tables[:, :max(pages_per_seq, -(-OLD_GRAPH_TOKENS // page))]
-        row["rel_err"] = rel_err(kernel, torch_mla_decode(q, qr, cache, old, lens, scale))
-        row["torch_us_as_before"] = timed(lambda: torch_mla_decode(q, qr, cache, old, lens, scale), device)
-        row["triton_GBps"] = row["bytes_read"] / row["triton_us"] / 1e3
+        args = _decode_inputs(B, H, R, DR, page, ctx, model_len, dtype, device)
+        kernel = triton_mla_decode(*args)
+        row = {"batch": B, "context": ctx, "table_tokens": model_len, "copy_GBps": copy / 1e9,
+               "bytes_read": B * ctx * (R + DR) * args[2].element_size()}
+        row["rel_err"] = rel_err(kernel, torch_mla_decode(*args)) if B * ctx <= 1 << 18 else None
+        row["triton_us"] = timed(lambda: triton_mla_decode(*args), device)
+        # the launch before this change: slices of >= 32 tokens, at most 64 a sequence, 16 heads a program
+        head_blocks = -(-H // 16)
+        old = dict(min_split=32, max_head_block=16, num_warps=4,
+                   splits=max(1, min(64, -(-528 // (B * head_blocks)), -(-model_len // 32))))
+        row["before_us"] = timed(lambda: triton_mla_decode(*args, **old), device)
+        for name in ("triton", "before"):
+            row[f"{name}_GBps"] = row["bytes_read"] / row[f"{name}_us"] / 1e3
+            row[f"{name}_of_copy"] = row[f"{name}_GBps"] * 1e9 / copy
+        if B == 1 and ctx >= 32768 and not smoke:
+            row["sweep"] = _decode_sweep(args, device, row["bytes_read"])
         emit("mla_decode", rows, row)
     return rows
 
 
+def _copy_bandwidth(device: str) -> float:
+    from deltaserve.entrypoints.bench import copy_bandwidth
+
+    return copy_bandwidth(device)
+
+
+def _decode_inputs(B, H, R, DR, page, ctx, model_len, dtype, device):
+    """(q_latent, q_rope, cache, block_tables, context_lens, scale) of B sequences of ctx tokens, their pages in a
+    random order, the tables model_len tokens wide (a CUDA graph's)."""
+    pages_per_seq = -(-ctx // page)
+    cache = torch.randn(B * pages_per_seq + 1, page, R + DR, device=device).to(dtype)
+    tables = torch.zeros(B, -(-model_len // page), dtype=torch.int64, device=device)
+    tables[:, :pages_per_seq] = torch.randperm(B * pages_per_seq, device=device).view(B, -1) + 1
+    lens = torch.full((B,), ctx, dtype=torch.int64, device=device)
+    q = (torch.randn(B, H, R, device=device) * 0.05).to(dtype)
+    qr = (torch.randn(B, H, DR, device=device) * 0.05).to(dtype)
+    return q, qr, cache, tables, lens, 192 ** -0.5
+
+
+def _decode_sweep(args, device: str, bytes_read: int) -> dict:
+    """GB/s of the launch knobs around the defaults: shortest slice, heads a program, warps, stages."""
+    from deltaserve.kernels.mla.triton_decode import triton_mla_decode
+
+    out = {}
+    for min_split in (64, 256, 1024):
+        for head_block in (16, 32):
+            for warps in (4, 8):
+                for stages in (2, 3):
+                    knobs = dict(min_split=min_split, max_head_block=head_block, num_warps=warps, num_stages=stages)
+                    try:
+                        us = timed(lambda: triton_mla_decode(*args, **knobs), device)
+                    except Exception as e:  # noqa: BLE001 -- a tile that does not fit is a row, not a crash
+                        out[f"{min_split}/{head_block}/{warps}/{stages}"] = str(e)[:60]
+                        continue
+                    out[f"{min_split}/{head_block}/{warps}/{stages}"] = round(bytes_read / us / 1e3)
+    return out
+
+
 def mla_prefill_rows(device: str, smoke: bool) -> list[dict]:
-    from deltaserve.kernels.mla.attention import mla_prefill
+    """Causal prefill of T tokens (the issue's figure: FLOPs 2 x (192 + 128) x H x T^2 / 2) and an 8k chunk after a
+    cached prefix, through each fused backend and through the SDPA call of before (values 128 wide: the
+    memory-efficient kernel), outputs checked against the first backend that ran."""
+    from deltaserve.kernels.mla.attention import _sdpa_prefill, mla_prefill_fused
+    from deltaserve.kernels.mla.prefill import BACKENDS, attention_lse, attention_lse_naive
 
     H, Dn, Dr, Dv = (2, 16, 8, 12) if smoke else (32, 128, 64, 128)
-    T = 16 if smoke else 8192
-    prefixes = [0, 48] if smoke else [0, 8192, 65536, 131072]
+    cases = [(16, 0), (8, 40)] if smoke else [(32768, 0), (8192, 0), (8192, 131072), (16384, 245760)]
     dtype = torch.float32 if smoke else torch.bfloat16
     rows = []
-    for start in prefixes:
+    for T, start in cases:
         L = start + T
-        q_nope, q_rope = (torch.randn(T, H, d, device=device, dtype=dtype) for d in (Dn, Dr))
-        k_nope, v = torch.randn(L, H, Dn, device=device, dtype=dtype), torch.randn(L, H, Dv, device=device, dtype=dtype)
-        k_rope = torch.randn(L, Dr, device=device, dtype=dtype)
+        q = torch.randn(T, H, Dn + Dr, device=device, dtype=dtype)
+        k_rope = torch.randn(L, 1, Dr, device=device, dtype=dtype)  # one rope key for all heads, as MLA's
+        k = torch.cat([torch.randn(L, H, Dn, device=device, dtype=dtype), k_rope.expand(L, H, Dr)], dim=-1)
+        v = torch.randn(L, H, Dv, device=device, dtype=dtype)
         scale = (Dn + Dr) ** -0.5
-        base = mla_prefill(q_nope, q_rope, k_nope, k_rope, v, scale, start)
-        padded = lambda: mla_prefill(q_nope, q_rope, k_nope, k_rope, F.pad(v, (0, Dn + Dr - Dv)), scale,  # noqa: E731
-                                     start)[..., :Dv]
-        row = {"chunk": T, "prefix": start, "flops": 2 * T * (start + T / 2) * H * (Dn + Dr + Dv),
-               "rel_err_padded": rel_err(padded(), base),
-               "current_us": timed(lambda: mla_prefill(q_nope, q_rope, k_nope, k_rope, v, scale, start), device),
-               "v_padded_us": timed(padded, device)}
-        row["current_TFLOPs"] = row["flops"] / row["current_us"] / 1e6
-        row["v_padded_TFLOPs"] = row["flops"] / row["v_padded_us"] / 1e6
+        row = {"chunk": T, "prefix": start, "flops": 2 * T * (start + T / 2) * H * (Dn + Dr + Dv)}
+        before = lambda: _sdpa_prefill(q[..., :Dn], q[..., Dn:], k[..., :Dn], k_rope[:, 0], v, scale, start)  # noqa: E731
+        reference = before()
+        row["before_us"] = timed(before, device)
+        positions = torch.arange(L, device=device)  # the "latents": expanding a range gathers its keys and values
+        expand = lambda part: (k.index_select(0, part), v.index_select(0, part))  # noqa: E731
+        backends = {"naive": attention_lse_naive} if smoke else {  # smoke: the fused plan with the twin's attention
+            name: lambda *a, name=name, **kw: attention_lse(*a, **kw, backend=name) for name in BACKENDS}
+        for name, attend in backends.items():
+            fused = lambda attend=attend: mla_prefill_fused(  # noqa: E731
+                q[..., :Dn], q[..., Dn:], positions, expand, scale, start, 65536, attend=attend)
+            try:
+                row[f"{name}_rel_err"] = rel_err(fused(), reference)
+            except RuntimeError as e:  # this build has no such kernel for these shapes
+                row[f"{name}_error"] = str(e)[:100]
+                continue
+            row[f"{name}_us"] = timed(fused, device)
+        for key in [k_ for k_ in row if k_.endswith("_us")]:
+            row[key.replace("_us", "_TFLOPs")] = row["flops"] / row[key] / 1e6
         emit("mla_prefill", rows, row)
     return rows
 

@@ -100,6 +100,9 @@ def _tokens_so_far(engine: Engine, finished: list) -> int:
 
 
 LONG_OUTPUT_LEN = 16  # output tokens of a long-prompt row (at most): its decode steps time TPOT at that context
+# A long row's warm-up prompt: as many tokens compile and tune every kernel shape a longer prompt's chunks meet (the
+# chunks are the same shapes; only their attention's prefix grows), so a ~1M row does not prefill twice.
+LONG_WARMUP_TOKENS = 32_768
 
 
 def bench(model: str, engine_config: EngineConfig, batch_sizes: list[int], prompt_len: int, output_len: int,
@@ -130,7 +133,8 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
         # warm-up at the row's shape: a batch's prefill chunks (and their token-expert pairs) are shapes of their
         # own, and the kernels compile and autotune on a shape's first call (measured: 16 prompts of 512 tokens,
         # 10.3 s TTFT unwarmed on an H200, where batch 1 took 0.1 s)
-        run_batch(engine, batch, prompt, 2, seed=2**31 + batch + prompt)  # not a measured row's prompts (cached)
+        warmup = prompt if prompt <= LONG_WARMUP_TOKENS or batch > 1 else LONG_WARMUP_TOKENS
+        run_batch(engine, batch, warmup, 2, seed=2**31 + batch + prompt)  # not a measured row's prompts (cached)
         row = {"prompt_len": prompt, **run_batch(engine, batch, prompt, output, seed=batch + prompt)}
         # tensor parallel: each GPU reads about 1 / world of the bytes (the embedding and lm_head are replicated)
         floor = decode_step_bytes(cfg, batch, prompt + output // 2, dtype_bytes) / bandwidth / world

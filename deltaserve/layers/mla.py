@@ -10,7 +10,14 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
 from deltaserve.kernels.cache_ops import write_latents
-from deltaserve.kernels.mla import gather_latents, merge_blocks, mla_decode, mla_prefill, mla_prefill_block
+from deltaserve.kernels.mla import (
+    gather_latents,
+    merge_blocks,
+    mla_decode,
+    mla_prefill,
+    mla_prefill_block,
+    mla_prefill_fused,
+)
 from deltaserve.kernels.norm import rms_norm
 from deltaserve.layers.linear import Linear
 
@@ -22,6 +29,9 @@ if TYPE_CHECKING:
 # weights and the cache; 1M would need ~29 GB at once. Longer contexts expand and attend a block of keys at a time.
 EXPANDED_PREFILL_MAX_KEYS = 262_144
 PREFILL_KEY_BLOCK = 2048  # keys a block: its float32 scores are [H, T, block], 2 GB for a chunk of 8k at 32 heads
+# Half precision on a GPU runs fused kernels that keep no scores: a block of cached keys is then bounded by its
+# expanded keys and values (~40 KB a token at the 48B shape with the values padded for flash: ~2.6 GB a block).
+FUSED_PREFILL_KEY_BLOCK = 65_536
 
 
 class MultiheadLatentAttention(nn.Module):
@@ -77,8 +87,13 @@ class MultiheadLatentAttention(nn.Module):
         return (o_latent.transpose(0, 1) @ w[:, self.nope_dim:].transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
 
     def _prefill(self, q_nope, q_rope, latents: torch.Tensor, start: int) -> torch.Tensor:
-        """Expanded: latents [L, R+Dr] -> per-head keys and values, causal attention from position start. Past
-        EXPANDED_PREFILL_MAX_KEYS of context, the keys are expanded and attended PREFILL_KEY_BLOCK at a time."""
+        """Expanded: latents [L, R+Dr] -> per-head keys and values, causal attention from position start. Half
+        precision on a GPU: fused kernels, the cached keys FUSED_PREFILL_KEY_BLOCK at a time. Otherwise (the exact
+        regime: the reference's order of operations) one softmax over all keys, or past EXPANDED_PREFILL_MAX_KEYS
+        of context, the keys expanded and attended PREFILL_KEY_BLOCK at a time."""
+        if q_nope.is_cuda and q_nope.dtype != torch.float32:
+            return mla_prefill_fused(q_nope, q_rope, latents, self._expand_keys, self.scale, start,
+                                     FUSED_PREFILL_KEY_BLOCK)
         if latents.shape[0] > EXPANDED_PREFILL_MAX_KEYS:
             return self._prefill_blockwise(q_nope, q_rope, latents, start)
         k_nope, k_rope, v = self._expand(latents)
@@ -92,6 +107,11 @@ class MultiheadLatentAttention(nn.Module):
                                       self.scale, start, key_pos)
             out, lse = block if out is None else merge_blocks(out, lse, *block)
         return out.to(q_nope.dtype)
+
+    def _expand_keys(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latents [L, R+Dr] -> (keys [L, H, Dn+Dr]: k_nope beside the shared k_rope, values [L, H, Dv])."""
+        k_nope, k_rope, v = self._expand(latents)
+        return torch.cat([k_nope, k_rope[:, None, :].expand(-1, self.num_heads, -1)], dim=-1), v
 
     def _expand(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """latents [L, R+Dr] -> (k_nope [L, H, Dn], k_rope [L, Dr], v [L, H, Dv])."""

@@ -10,8 +10,16 @@ import pytest
 import torch
 from helpers.kernels import PagedLatents
 
-from deltaserve.kernels.mla import gather_latents, merge_blocks, mla_decode, mla_prefill, mla_prefill_block
+from deltaserve.kernels.mla import (
+    gather_latents,
+    merge_blocks,
+    mla_decode,
+    mla_prefill,
+    mla_prefill_block,
+    mla_prefill_fused,
+)
 from deltaserve.kernels.mla.naive import naive_mla
+from deltaserve.kernels.mla.prefill import attention_lse_naive
 
 H, DN, DR, DV, R = 3, 8, 4, 6, 16
 BLOCK_SIZE, NUM_PAGES = 4, 40
@@ -82,6 +90,45 @@ def test_blockwise_prefill_matches_naive(start_pos, num_new, block):
         out, lse = part if out is None else merge_blocks(out, lse, *part)
     torch.testing.assert_close(out, naive_mla(q_nope, q_rope, latents, w_kv_b, SCALE, start_pos), **TOL)
     assert torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("start_pos,num_new,block", [(0, 1, 4), (0, 9, 4), (1, 1, 1), (37, 5, 16), (50, 37, 7),
+                                                     (16, 16, 16), (17, 3, 16), (15, 2, 16)])
+def test_fused_prefill_matches_naive(start_pos, num_new, block):
+    """The fused path's plan (the chunk's own keys causal, then the cached keys `block` at a time, all visible,
+    merged by log-sum-exp) with the attention twin in place of the GPU kernels: blocks ragged at both ends, a
+    prefix of one key, prefixes one short of and one past a block."""
+    gen = torch.Generator().manual_seed(start_pos * 11 + num_new + block)
+    length = start_pos + num_new
+    latents = torch.randn(length, R + DR, generator=gen)
+    w_kv_b = torch.randn(H * (DN + DV), R, generator=gen) * 0.3
+    q_nope = torch.randn(num_new, H, DN, generator=gen) * 3
+    q_rope = torch.randn(num_new, H, DR, generator=gen)
+    seen = []
+
+    def expand(part):
+        seen.append(part.shape[0])
+        kv = (part[:, :R] @ w_kv_b.t()).view(part.shape[0], H, DN + DV)
+        return torch.cat([kv[..., :DN], part[:, None, R:].expand(-1, H, -1)], dim=-1), kv[..., DN:]
+
+    out = mla_prefill_fused(q_nope, q_rope, latents, expand, SCALE, start_pos, block, attend=attention_lse_naive)
+    torch.testing.assert_close(out, naive_mla(q_nope, q_rope, latents, w_kv_b, SCALE, start_pos), **TOL)
+    assert seen[0] == num_new and max(seen[1:], default=0) <= block and sum(seen) == length
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_lse_twin_is_softmax_and_its_normaliser(causal):
+    """The twin's output is softmax attention and its lse the log of the softmax's denominator, per query."""
+    gen = torch.Generator().manual_seed(int(causal))
+    T, L = (6, 6) if causal else (4, 9)
+    q, k = torch.randn(T, H, 5, generator=gen), torch.randn(L, H, 5, generator=gen)
+    v = torch.randn(L, H, 3, generator=gen)
+    out, lse = attention_lse_naive(q, k, v, 0.7, causal)
+    for t in range(T):
+        visible = t + 1 if causal else L
+        scores = torch.einsum("hd,lhd->hl", q[t], k[:visible]) * 0.7
+        torch.testing.assert_close(lse[t], scores.logsumexp(-1), **TOL)
+        torch.testing.assert_close(out[t], torch.einsum("hl,lhd->hd", scores.softmax(-1), v[:visible]), **TOL)
 
 
 def test_naive_matches_softmax_attention_written_out():

@@ -6,9 +6,12 @@ in the latent space with kv_b_proj folded into the query and the output ("weight
 reads R + Dr values per cached token instead of expanding the whole history again.
 """
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+
+from deltaserve.kernels.mla.prefill import attention_lse
 
 
 def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -75,10 +78,36 @@ def _causal_scores(q_nope, q_rope, k_nope, k_rope, scale: float, start_pos: int,
     return scores
 
 
+def mla_prefill_fused(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latents: torch.Tensor,
+    expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+    start_pos: int,
+    key_block: int,
+    attend: Callable = attention_lse,
+) -> torch.Tensor:
+    """mla_prefill through fused attention kernels, for any context length: the T new queries attend to their own
+    keys (causal), then to the start_pos cached ones key_block at a time (all visible), merged by log-sum-exp.
+
+    q_nope [T, H, Dn], q_rope [T, H, Dr], latents [start_pos + T, R+Dr], expand: latents [n, R+Dr] -> (keys
+    [n, H, Dn+Dr], values [n, H, Dv]) -> [T, H, Dv]. attend: prefill.attention_lse or its naive twin.
+    """
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    out, lse = attend(q, *expand(latents[start_pos:]), scale, causal=True)
+    out = out.float()
+    for key_pos in range(0, start_pos, key_block):
+        keys, values = expand(latents[key_pos: min(key_pos + key_block, start_pos)])
+        part, part_lse = attend(q, keys, values, scale, causal=False)
+        out, lse = merge_blocks(out, lse, part.float(), part_lse)
+    return out.to(q_nope.dtype)
+
+
 def merge_blocks(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                  lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Two blocks' (out [T, H, Dv], lse [T, H]) -> the attention over both: each block's output weighted by its
-    share of the total softmax mass. lse_a must be finite (the first block holds key 0, which every query sees)."""
+    share of the total softmax mass. lse_a must be finite (a block in which every query sees a key)."""
     lse = torch.logaddexp(lse_a, lse_b)
     return out_a * (lse_a - lse).exp()[..., None] + out_b * (lse_b - lse).exp()[..., None], lse
 
@@ -129,6 +158,8 @@ def _sdpa_prefill(q_nope, q_rope, k_nope, k_rope, v, scale: float, start_pos: in
     k = torch.cat([k_nope, k_rope[:, None, :].expand(L, H, -1)], dim=-1).transpose(0, 1)[None]
     # a chunk after start_pos cached tokens: causal aligned to the bottom right (query t sees keys <= start_pos + t)
     # as a bias object, not a [T, L] mask (2 GB for a chunk of 8k at a 256k context), so the fused kernels run
+    from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: only where it is used
+
     mask = causal_lower_right(T, L) if start_pos else None
     out = F.scaled_dot_product_attention(q, k, v.transpose(0, 1)[None], attn_mask=mask, is_causal=not start_pos,
                                          scale=scale)

@@ -17,7 +17,9 @@ import triton.language as tl
 from deltaserve.kernels.pdl import pdl_args, pdl_enter
 
 _BLOCK_N = 32  # context tokens per inner step
-_TARGET_PROGRAMS = 528  # ~4 per SM of an H100/H200: enough to stream the cache at full bandwidth
+_TARGET_PROGRAMS = 264  # ~2 per SM of an H100/H200, each streaming its slice with pipelined loads
+MIN_SPLIT_TOKENS = 256  # a slice's latents (~290 KB at the 48B shape) outweigh its partial output (64 KB)
+MAX_HEAD_BLOCK = 32  # heads a program serves from one read of the latents (all 32 of the 48B shape's)
 NUM_STAGES = 2  # software pipelining of the split kernel's loads (benchmarks/gpu/compile_check.py uses it too)
 
 
@@ -25,116 +27,124 @@ NUM_STAGES = 2  # software pipelining of the split kernel's loads (benchmarks/gp
 def _mla_decode_split_kernel(
     q_ptr, qr_ptr, cache_ptr, bt_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
     q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale, page_size,
-    num_splits, H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr,
+    num_splits, min_split, H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """page_size and num_splits are runtime arguments: the split count follows the batch and the table width, and
-    a constant would compile a variant per value while serving. PDL: kernels.pdl."""
+    """page_size, num_splits and min_split are runtime arguments: the split count follows the batch and the table
+    width, and a constant would compile a variant per value while serving. A sequence uses as many of the
+    num_splits slices as give each at least min_split tokens (a short context in a wide table: few slices, each
+    partial output worth its traffic); the slices past those are empty. PDL: kernels.pdl."""
     pdl_enter(PDL)
     i_hb, i_split, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = i_b.to(tl.int64)
     ctx = tl.load(lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    used = tl.minimum(num_splits, tl.cdiv(ctx, min_split))
+    per_split = tl.cdiv(tl.cdiv(ctx, used), BLOCK_N) * BLOCK_N
     start = i_split * per_split
     end = tl.minimum(start + per_split, ctx)
 
     heads = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_r, offs_dr = tl.arange(0, BR), tl.arange(0, BDR)
-    mh, mr, mdr = heads < H, offs_r < R, offs_dr < DR
-    q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + offs_r[None, :],
-                mask=mh[:, None] & mr[None, :], other=0.0)  # [BLOCK_H, BR]
-    qr = tl.load(qr_ptr + b * qr_stride_b + heads[:, None] * qr_stride_h + offs_dr[None, :],
-                 mask=mh[:, None] & mdr[None, :], other=0.0)  # [BLOCK_H, BDR]
-
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, BR], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        toks = n0 + tl.arange(0, BLOCK_N)
-        mt = toks < end
-        page = tl.load(bt_ptr + b * bt_stride + toks // page_size, mask=mt, other=0).to(tl.int64)
-        row = page * page_stride + (toks % page_size).to(tl.int64) * token_stride  # [BLOCK_N]
-        kv = tl.load(cache_ptr + row[:, None] + offs_r[None, :], mask=mt[:, None] & mr[None, :], other=0.0)
-        kr = tl.load(cache_ptr + row[:, None] + R + offs_dr[None, :], mask=mt[:, None] & mdr[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(kv), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(kv)) + tl.dot(qr, tl.trans(kr))  # [BLOCK_H, BLOCK_N] float32
-        s = tl.where(mt[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
-        m_i = m_new
-
+    mh = heads < H
     mid = (b * H + heads) * num_splits + i_split  # [BLOCK_H]
-    if start < end:
+    if start < end:  # a slice past the context reads nothing: weight zero in the merge
+        offs_r, offs_dr = tl.arange(0, BR), tl.arange(0, BDR)
+        mr, mdr = offs_r < R, offs_dr < DR
+        q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + offs_r[None, :],
+                    mask=mh[:, None] & mr[None, :], other=0.0)  # [BLOCK_H, BR]
+        qr = tl.load(qr_ptr + b * qr_stride_b + heads[:, None] * qr_stride_h + offs_dr[None, :],
+                     mask=mh[:, None] & mdr[None, :], other=0.0)  # [BLOCK_H, BDR]
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BR], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            toks = n0 + tl.arange(0, BLOCK_N)
+            mt = toks < end
+            page = tl.load(bt_ptr + b * bt_stride + toks // page_size, mask=mt, other=0).to(tl.int64)
+            row = page * page_stride + (toks % page_size).to(tl.int64) * token_stride  # [BLOCK_N]
+            kv = tl.load(cache_ptr + row[:, None] + offs_r[None, :], mask=mt[:, None] & mr[None, :], other=0.0)
+            kr = tl.load(cache_ptr + row[:, None] + R + offs_dr[None, :], mask=mt[:, None] & mdr[None, :], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(kv), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(kv)) + tl.dot(qr, tl.trans(kr))  # [BLOCK_H, BLOCK_N] float32
+            s = tl.where(mt[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+            m_i = m_new
         tl.store(mid_o_ptr + mid[:, None] * R + offs_r[None, :], acc / l_i[:, None], mask=mh[:, None] & mr[None, :])
         tl.store(mid_lse_ptr + mid, m_i + tl.log(l_i), mask=mh)
-    else:  # an empty slice (context shorter than the splits): weight zero in the merge
+    else:
         tl.store(mid_lse_ptr + mid, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mh)
 
 
 @triton.jit
-def _mla_decode_merge_kernel(mid_o_ptr, mid_lse_ptr, o_ptr, num_splits, R: tl.constexpr, BR: tl.constexpr,
-                             PDL: tl.constexpr):
-    """One (sequence, head): the slices' outputs weighted by exp(lse), one slice at a time (a running maximum, as
-    in the split kernel); empty slices (lse -inf) are skipped. Slice 0 is never empty (contexts are >= 1 token)."""
+def _mla_decode_merge_kernel(mid_o_ptr, mid_lse_ptr, lens_ptr, o_ptr, num_splits, min_split, H: tl.constexpr,
+                             R: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr):
+    """One (sequence, head): the used slices' outputs weighted by exp(lse - max) (the split kernel's rule for how
+    many slices a context uses and how long each is; a slice past the context, lse -inf, weighs 0)."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)  # b * H + h
+    ctx = tl.load(lens_ptr + row // H).to(tl.int32)
+    used = tl.minimum(num_splits, tl.cdiv(ctx, min_split))
     offs_r = tl.arange(0, BR)
     mr = offs_r < R
-    m = tl.load(mid_lse_ptr + row * num_splits)
-    acc = tl.load(mid_o_ptr + row * num_splits * R + offs_r, mask=mr, other=0.0)
-    total = tl.exp(m - m)  # 1.0: slice 0's weight relative to the running maximum
-    for s in range(1, num_splits):
-        lse = tl.load(mid_lse_ptr + row * num_splits + s)
-        if lse > float("-inf"):
-            part = tl.load(mid_o_ptr + (row * num_splits + s) * R + offs_r, mask=mr, other=0.0)
-            m_new = tl.maximum(m, lse)
-            alpha, w = tl.exp(m - m_new), tl.exp(lse - m_new)
-            acc = acc * alpha + part * w
-            total = total * alpha + w
-            m = m_new
+    m = tl.load(mid_lse_ptr + row * num_splits)  # slice 0 is never empty (contexts are >= 1 token)
+    for s in range(1, used):
+        m = tl.maximum(m, tl.load(mid_lse_ptr + row * num_splits + s))
+    acc = tl.zeros([BR], dtype=tl.float32)
+    total = 0.0
+    for s in range(0, used):
+        w = tl.exp(tl.load(mid_lse_ptr + row * num_splits + s) - m)
+        part = tl.load(mid_o_ptr + (row * num_splits + s) * R + offs_r, mask=mr, other=0.0)
+        acc += tl.where(w > 0, w * part, 0.0)  # an empty slice's output was never written
+        total += w
     tl.store(o_ptr + row * R + offs_r, (acc / total).to(o_ptr.dtype.element_ty), mask=mr)
 
 
-def num_splits(batch: int, head_blocks: int, max_tokens: int) -> int:
-    """Context slices per (sequence, head block): enough programs to fill the GPU, a slice at least one inner step,
-    never more than 64. Depends on shapes only, so a CUDA graph captures one value."""
+def num_splits(batch: int, head_blocks: int, max_tokens: int, min_split: int = MIN_SPLIT_TOKENS) -> int:
+    """Context slices per (sequence, head block) at most: enough programs to fill the GPU when the contexts fill
+    the table (max_tokens), a slice at least min_split tokens. Depends on shapes only, so a CUDA graph captures one
+    value; each sequence uses as many as its own context needs."""
     want = triton.cdiv(_TARGET_PROGRAMS, batch * head_blocks)
-    return max(1, min(64, want, triton.cdiv(max_tokens, _BLOCK_N)))
+    return max(1, min(want, triton.cdiv(max_tokens, min_split)))
 
 
 def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                      context_lens: torch.Tensor, scale: float, min_split: int = MIN_SPLIT_TOKENS,
+                      max_head_block: int = MAX_HEAD_BLOCK, num_warps: int = 8, num_stages: int = NUM_STAGES,
+                      splits: int | None = None) -> torch.Tensor:
     """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr],
     block_tables [B, max_blocks], context_lens [B] (>= 1 each). Returns [B, H, R] in q_latent's dtype. Only the
-    first context_lens[b] tokens of each table are read; entries past them may hold anything."""
+    first context_lens[b] tokens of each table are read; entries past them may hold anything. The launch knobs
+    (shortest slice, heads a program, warps, pipeline stages, slices at most: num_splits' by default) have the
+    defaults the benchmark chose; kernels_bench sweeps them."""
     B, H, R = q_latent.shape
     DR = q_rope.shape[-1]
     page = cache.shape[1]
     assert cache.shape[2] == R + DR and cache.stride(2) == 1 and q_latent.stride(2) == 1 and q_rope.stride(2) == 1
     assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
-    block_h = 16 if H >= 16 else max(triton.next_power_of_2(H), 16)  # tl.dot needs 16 rows
+    block_h = max(min(triton.next_power_of_2(H), max_head_block), 16)  # tl.dot needs 16 rows
     head_blocks = triton.cdiv(H, block_h)
-    splits = num_splits(B, head_blocks, block_tables.shape[1] * page)
+    splits = splits or num_splits(B, head_blocks, block_tables.shape[1] * page, min_split)
     mid_o = torch.empty(B, H, splits, R, dtype=torch.float32, device=q_latent.device)
     mid_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q_latent.device)
     q_rope = q_rope.to(q_latent.dtype)
     _mla_decode_split_kernel[(head_blocks, splits, B)](
         q_latent, q_rope, cache, block_tables, context_lens, mid_o, mid_lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
-        cache.stride(0), cache.stride(1), scale, page, splits,
+        cache.stride(0), cache.stride(1), scale, page, splits, min_split,
         H=H, R=R, DR=DR, BR=triton.next_power_of_2(R), BDR=max(16, triton.next_power_of_2(DR)), BLOCK_H=block_h,
-        BLOCK_N=_BLOCK_N, IEEE=q_latent.dtype == torch.float32, num_warps=4, num_stages=NUM_STAGES,
+        BLOCK_N=_BLOCK_N, IEEE=q_latent.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
         **pdl_args(q_latent.device),
     )
     out = torch.empty(B, H, R, dtype=q_latent.dtype, device=q_latent.device)
-    _mla_decode_merge_kernel[(B * H,)](mid_o, mid_lse, out, splits, R=R, BR=triton.next_power_of_2(R), num_warps=4,
+    _mla_decode_merge_kernel[(B * H,)](mid_o, mid_lse, context_lens, out, splits, min_split, H=H, R=R,
+                                       BR=triton.next_power_of_2(R), num_warps=4,
                                        **pdl_args(q_latent.device))
     return out
