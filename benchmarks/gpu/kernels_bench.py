@@ -150,13 +150,12 @@ def mla_prefill_rows(device: str, smoke: bool) -> list[dict]:
         before = lambda: _sdpa_prefill(q[..., :Dn], q[..., Dn:], k[..., :Dn], k_rope[:, 0], v, scale, start)  # noqa: E731
         reference = before()
         row["before_us"] = timed(before, device)
-        positions = torch.arange(L, device=device)  # the "latents": expanding a range gathers its keys and values
-        expand = lambda part: (k.index_select(0, part), v.index_select(0, part))  # noqa: E731
+        expand = lambda lo, hi: (k[lo:hi].clone(), v[lo:hi].clone())  # noqa: E731  (a copy, as expanding writes)
         backends = {"naive": attention_lse_naive} if smoke else {  # smoke: the fused plan with the twin's attention
             name: lambda *a, name=name, **kw: attention_lse(*a, **kw, backend=name) for name in BACKENDS}
         for name, attend in backends.items():
             fused = lambda attend=attend: mla_prefill_fused(  # noqa: E731
-                q[..., :Dn], q[..., Dn:], positions, expand, scale, start, 65536, attend=attend)
+                q[..., :Dn], q[..., Dn:], expand, scale, start, 65536, attend=attend)
             try:
                 row[f"{name}_rel_err"] = rel_err(fused(), reference)
             except RuntimeError as e:  # this build has no such kernel for these shapes

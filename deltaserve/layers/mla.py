@@ -73,8 +73,8 @@ class MultiheadLatentAttention(nn.Module):
         row = nd
         for i in range(nd, batch.num_seqs):
             n, start = batch.query_lens[i], batch.start_positions[i]
-            out[row: row + n] = self._prefill(q_nope[row: row + n], q_rope[row: row + n],
-                                              gather_latents(cache["latent"], batch.block_tables[i], start + n), start)
+            out[row: row + n] = self._prefill(q_nope[row: row + n], q_rope[row: row + n], latents[row: row + n],
+                                              cache["latent"], batch.block_tables[i], start)
             row += n
         return all_reduce(self.o_proj(out.view(N, H * self.v_dim)), self.parallel)
 
@@ -86,14 +86,20 @@ class MultiheadLatentAttention(nn.Module):
         o_latent = mla_decode(q_latent, q_rope, cache, batch.block_tables[:nd], batch.context_lens[:nd], self.scale)
         return (o_latent.transpose(0, 1) @ w[:, self.nope_dim:].transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
 
-    def _prefill(self, q_nope, q_rope, latents: torch.Tensor, start: int) -> torch.Tensor:
-        """Expanded: latents [L, R+Dr] -> per-head keys and values, causal attention from position start. Half
-        precision on a GPU: fused kernels, the cached keys FUSED_PREFILL_KEY_BLOCK at a time. Otherwise (the exact
-        regime: the reference's order of operations) one softmax over all keys, or past EXPANDED_PREFILL_MAX_KEYS
-        of context, the keys expanded and attended PREFILL_KEY_BLOCK at a time."""
+    def _prefill(self, q_nope, q_rope, new_latents: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                 start: int) -> torch.Tensor:
+        """Expanded: the chunk's latents [T, R+Dr] and the start cached ones -> per-head keys and values, causal
+        attention from position start. Half precision on a GPU: fused kernels, the cached keys gathered and
+        expanded FUSED_PREFILL_KEY_BLOCK at a time. Otherwise (the exact regime: the reference's order of
+        operations) one softmax over all keys, or past EXPANDED_PREFILL_MAX_KEYS of context, the keys expanded and
+        attended PREFILL_KEY_BLOCK at a time."""
         if q_nope.is_cuda and q_nope.dtype != torch.float32:
-            return mla_prefill_fused(q_nope, q_rope, latents, self._expand_keys, self.scale, start,
-                                     FUSED_PREFILL_KEY_BLOCK)
+            def expand(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+                part = new_latents if lo == start else gather_latents(cache, block_table, hi, lo)
+                return self._expand_keys(part)
+
+            return mla_prefill_fused(q_nope, q_rope, expand, self.scale, start, FUSED_PREFILL_KEY_BLOCK)
+        latents = gather_latents(cache, block_table, start + q_nope.shape[0])
         if latents.shape[0] > EXPANDED_PREFILL_MAX_KEYS:
             return self._prefill_blockwise(q_nope, q_rope, latents, start)
         k_nope, k_rope, v = self._expand(latents)

@@ -146,11 +146,12 @@ def test_fused_mla_prefill_matches_naive(T, start, block):
     q_nope = torch.randn(T, H, Dn, generator=gen, device=DEV)
     q_rope = torch.randn(T, H, Dr, generator=gen, device=DEV)
 
-    def expand(part):
+    def expand(lo, hi):
+        part = latents[lo:hi]
         kv = (part[:, :R] @ w_kv_b.t()).view(part.shape[0], H, Dn + Dv).bfloat16()
         return torch.cat([kv[..., :Dn], part[:, None, R:].expand(-1, H, -1).bfloat16()], dim=-1), kv[..., Dn:]
 
-    out = mla_prefill_fused(q_nope.bfloat16(), q_rope.bfloat16(), latents, expand, (Dn + Dr) ** -0.5, start, block)
+    out = mla_prefill_fused(q_nope.bfloat16(), q_rope.bfloat16(), expand, (Dn + Dr) ** -0.5, start, block)
     assert rel_err(out.float(), naive_mla(q_nope, q_rope, latents, w_kv_b, (Dn + Dr) ** -0.5, start)) < 2e-2
 
 

@@ -33,6 +33,9 @@ def test_gather_returns_exactly_what_was_written():
     tables = paged.block_tables()
     for b, latents in enumerate(paged.latents):
         assert torch.equal(gather_latents(paged.cache, tables[b], len(latents)), latents)
+        for start in range(len(latents)):  # a range from inside a page, to the end of one or inside one
+            for end in range(start + 1, len(latents) + 1):
+                assert torch.equal(gather_latents(paged.cache, tables[b], end, start), latents[start:end])
 
 
 @pytest.mark.parametrize("lengths", [[1], [BLOCK_SIZE], [1, 3, BLOCK_SIZE, BLOCK_SIZE + 1, 3 * BLOCK_SIZE + 2]])
@@ -106,14 +109,17 @@ def test_fused_prefill_matches_naive(start_pos, num_new, block):
     q_rope = torch.randn(num_new, H, DR, generator=gen)
     seen = []
 
-    def expand(part):
-        seen.append(part.shape[0])
+    def expand(lo, hi):
+        seen.append((lo, hi))
+        part = latents[lo:hi]
         kv = (part[:, :R] @ w_kv_b.t()).view(part.shape[0], H, DN + DV)
         return torch.cat([kv[..., :DN], part[:, None, R:].expand(-1, H, -1)], dim=-1), kv[..., DN:]
 
-    out = mla_prefill_fused(q_nope, q_rope, latents, expand, SCALE, start_pos, block, attend=attention_lse_naive)
+    out = mla_prefill_fused(q_nope, q_rope, expand, SCALE, start_pos, block, attend=attention_lse_naive)
     torch.testing.assert_close(out, naive_mla(q_nope, q_rope, latents, w_kv_b, SCALE, start_pos), **TOL)
-    assert seen[0] == num_new and max(seen[1:], default=0) <= block and sum(seen) == length
+    assert seen[0] == (start_pos, length)  # the chunk's own keys first, then the cached ones, in order, each once
+    assert [lo for lo, _ in seen[1:]] == list(range(0, start_pos, block))
+    assert [hi for _, hi in seen[1:]] == [min(lo + block, start_pos) for lo, _ in seen[1:]]
 
 
 @pytest.mark.parametrize("causal", [True, False])

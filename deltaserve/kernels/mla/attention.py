@@ -14,11 +14,13 @@ import torch.nn.functional as F
 from deltaserve.kernels.mla.prefill import attention_lse
 
 
-def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """cache [P, bs, R+Dr], block_table [num_blocks] -> the first `length` latents of one sequence [length, R+Dr]."""
+def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, end: int, start: int = 0) -> torch.Tensor:
+    """cache [P, bs, R+Dr], block_table [num_blocks] -> the latents of one sequence at positions start..end-1
+    [end - start, R+Dr] (only the pages holding them are copied)."""
     block_size = cache.shape[1]
-    num_blocks = (length + block_size - 1) // block_size
-    return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:length]
+    first, last = start // block_size, (end + block_size - 1) // block_size
+    offset = start - first * block_size
+    return cache.index_select(0, block_table[first:last]).flatten(0, 1)[offset: offset + end - start]
 
 
 def mla_prefill(
@@ -81,8 +83,7 @@ def _causal_scores(q_nope, q_rope, k_nope, k_rope, scale: float, start_pos: int,
 def mla_prefill_fused(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
-    latents: torch.Tensor,
-    expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    expand: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
     scale: float,
     start_pos: int,
     key_block: int,
@@ -91,14 +92,15 @@ def mla_prefill_fused(
     """mla_prefill through fused attention kernels, for any context length: the T new queries attend to their own
     keys (causal), then to the start_pos cached ones key_block at a time (all visible), merged by log-sum-exp.
 
-    q_nope [T, H, Dn], q_rope [T, H, Dr], latents [start_pos + T, R+Dr], expand: latents [n, R+Dr] -> (keys
-    [n, H, Dn+Dr], values [n, H, Dv]) -> [T, H, Dv]. attend: prefill.attention_lse or its naive twin.
+    q_nope [T, H, Dn], q_rope [T, H, Dr], expand(lo, hi): the keys [hi - lo, H, Dn+Dr] and values [hi - lo, H, Dv]
+    of the sequence's positions lo..hi-1 (expanded from their latents on demand, so no more than key_block of the
+    context is ever expanded or copied at once) -> [T, H, Dv]. attend: prefill.attention_lse or its naive twin.
     """
     q = torch.cat([q_nope, q_rope], dim=-1)
-    out, lse = attend(q, *expand(latents[start_pos:]), scale, causal=True)
+    out, lse = attend(q, *expand(start_pos, start_pos + q.shape[0]), scale, causal=True)
     out = out.float()
     for key_pos in range(0, start_pos, key_block):
-        keys, values = expand(latents[key_pos: min(key_pos + key_block, start_pos)])
+        keys, values = expand(key_pos, min(key_pos + key_block, start_pos))
         part, part_lse = attend(q, keys, values, scale, causal=False)
         out, lse = merge_blocks(out, lse, part.float(), part_lse)
     return out.to(q_nope.dtype)
