@@ -84,7 +84,7 @@ def mla_decode_rows(device: str, smoke: bool) -> list[dict]:
         for name in ("triton", "before"):
             row[f"{name}_GBps"] = row["bytes_read"] / row[f"{name}_us"] / 1e3
             row[f"{name}_of_copy"] = row[f"{name}_GBps"] * 1e9 / copy
-        if B == 1 and ctx >= 32768 and not smoke:
+        if not smoke:
             row["sweep"] = _decode_sweep(args, device, row["bytes_read"])
         emit("mla_decode", rows, row)
     return rows
@@ -109,22 +109,19 @@ def _decode_inputs(B, H, R, DR, page, ctx, model_len, dtype, device):
     return q, qr, cache, tables, lens, 192 ** -0.5
 
 
+DECODE_KNOBS = [(32, 16, 4, 2), (64, 16, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2), (256, 32, 4, 2), (1024, 32, 4, 2),
+                (64, 32, 4, 3), (64, 32, 8, 2)]  # (shortest slice, heads a program, warps, stages)
+
+
 def _decode_sweep(args, device: str, bytes_read: int) -> dict:
-    """GB/s of the launch knobs around the defaults: shortest slice, heads a program, warps, stages."""
+    """GB/s of the launch knobs (DECODE_KNOBS) around the defaults, keyed "slice/heads/warps/stages"."""
     from deltaserve.kernels.mla.triton_decode import triton_mla_decode
 
     out = {}
-    for min_split in (64, 256, 1024):
-        for head_block in (16, 32):
-            for warps in (4, 8):
-                for stages in (2, 3):
-                    knobs = dict(min_split=min_split, max_head_block=head_block, num_warps=warps, num_stages=stages)
-                    try:
-                        us = timed(lambda: triton_mla_decode(*args, **knobs), device)
-                    except Exception as e:  # noqa: BLE001 -- a tile that does not fit is a row, not a crash
-                        out[f"{min_split}/{head_block}/{warps}/{stages}"] = str(e)[:60]
-                        continue
-                    out[f"{min_split}/{head_block}/{warps}/{stages}"] = round(bytes_read / us / 1e3)
+    for min_split, head_block, warps, stages in DECODE_KNOBS:
+        knobs = dict(min_split=min_split, max_head_block=head_block, num_warps=warps, num_stages=stages)
+        us = timed(lambda: triton_mla_decode(*args, **knobs), device)
+        out[f"{min_split}/{head_block}/{warps}/{stages}"] = round(bytes_read / us / 1e3)
     return out
 
 

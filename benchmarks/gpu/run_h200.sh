@@ -5,6 +5,9 @@
 #   (in this order:) tests, kernels, bench, fp8, pdl, async, normgemv, parity, profile, prefill, baseline
 #   kernels   benchmarks/gpu/kernels_bench.py: MLA decode, MLA prefill, FP8 experts, the decode experts' tiles, the
 #             dense GEMV and the router (KPARTS: a comma-separated subset of those parts)
+#   longparity  bfloat16 against a float32 golden (both on the GPU) at a 128k-token context: the demo model (its
+#             length limit raised) and the random ~0.5B `medium` model of benchmarks/offline_throughput.py, 2 prompts
+#             of 131,072 tokens x 64 teacher-forced positions each (T_PARITY a command)
 #   parity    the demo model: bfloat16 on the GPU against a float32 golden captured on the GPU, 8 prompts x 64
 #             tokens, and 4 random prompts of 32k tokens x 128 (the demo's config.json raised past its 4k limit)
 #   bench     the 48B shape (dummy weights), bf16: batch 1, 64, 256 at prompt 512, and one 8k-token prompt
@@ -114,6 +117,22 @@ if has parity; then
         --plot "$OUT/parity_32k.png"
   ) > "$OUT/parity.txt" 2>&1
   grep -E "^golden:|^teacher-forced:|^divergences:|^match" "$OUT/parity.txt"
+fi
+if has longparity; then
+  (
+    DS="timeout ${T_PARITY:-200} $DS"
+    cp -r deltaserve/assets/demo-model /tmp/demo128k
+    MEDIUM=$(python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from offline_throughput import make_model; print(make_model('medium'))")
+    for m in /tmp/demo128k "$MEDIUM"; do
+      python3 -c "import json, sys; p=sys.argv[1]+'/config.json'; c=json.load(open(p)); c['model_max_length']=c['max_position_embeddings']=140000; json.dump(c, open(p,'w'))" "$m"
+      name=$(basename "$m")
+      $DS parity capture --model "$m" --reference deltaserve --device cuda --dtype float32 --num-prompts 2 \
+          --prompt-len 131072 --max-tokens 64 --out "/tmp/golden_128k_$name.json"
+      $DS parity check --model "$m" --golden "/tmp/golden_128k_$name.json" --device cuda --dtype bfloat16 \
+          --plot "$OUT/parity_128k_$name.png"
+    done
+  ) > "$OUT/longparity.txt" 2>&1
+  grep -E "^golden:|^teacher-forced:|^divergences:|^match" "$OUT/longparity.txt"
 fi
 if has profile; then
   timeout 200 python3 benchmarks/gpu/profile_decode.py --config $CFG --batch 1 --json-out "$OUT/profile_b1.json" \

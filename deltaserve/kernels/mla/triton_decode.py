@@ -18,7 +18,7 @@ from deltaserve.kernels.pdl import pdl_args, pdl_enter
 
 _BLOCK_N = 32  # context tokens per inner step
 _TARGET_PROGRAMS = 264  # ~2 per SM of an H100/H200, each streaming its slice with pipelined loads
-MIN_SPLIT_TOKENS = 256  # a slice's latents (~290 KB at the 48B shape) outweigh its partial output (64 KB)
+MIN_SPLIT_TOKENS = 64  # short contexts: a few short slices (latency); long ones: ~_TARGET_PROGRAMS slices
 MAX_HEAD_BLOCK = 32  # heads a program serves from one read of the latents (all 32 of the 48B shape's)
 NUM_STAGES = 2  # software pipelining of the split kernel's loads (benchmarks/gpu/compile_check.py uses it too)
 
@@ -117,7 +117,7 @@ def num_splits(batch: int, head_blocks: int, max_tokens: int, min_split: int = M
 
 def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, min_split: int = MIN_SPLIT_TOKENS,
-                      max_head_block: int = MAX_HEAD_BLOCK, num_warps: int = 8, num_stages: int = NUM_STAGES,
+                      max_head_block: int = MAX_HEAD_BLOCK, num_warps: int = 4, num_stages: int = NUM_STAGES,
                       splits: int | None = None) -> torch.Tensor:
     """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr],
     block_tables [B, max_blocks], context_lens [B] (>= 1 each). Returns [B, H, R] in q_latent's dtype. Only the
