@@ -1,8 +1,10 @@
 """deltaserve bench: TTFT, TPOT, prefill and output tokens/s, peak memory, and the bandwidth floor of a decode step.
 
 The floor is the bytes a decode step must move (the active weights: everything but the routed experts no token
-of the step chose, with uniform routing assumed; the MLA latents read; the KDA states read and written) over
-the copy bandwidth measured in the same process.
+of the step chose; the MLA latents read; the KDA states read and written) over the copy bandwidth measured in the
+same process. The experts a step chose are measured (routing_stats.py), in a second, eager run of each row's
+requests after its timed one (measure_routing), and the uniform-routing expectation is kept beside them: dummy
+weights that routed every token to a few experts once made a step look faster than a real model's could be.
 """
 
 from __future__ import annotations
@@ -15,15 +17,18 @@ import torch
 
 from deltaserve.config import MLA, MOE, EngineConfig, ModelConfig
 from deltaserve.core.engine import Engine
+from deltaserve.entrypoints.routing_stats import RoutingRecorder, RoutingStats, uniform_distinct_experts
 from deltaserve.kernels.pdl import pdl_args
 from deltaserve.sampling_params import SamplingParams
 
 
-def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int) -> int:
+def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int,
+                      distinct_experts: float | None = None) -> int:
     """Bytes one decode step of `batch` sequences at `context` tokens must read or write at least (weights as
-    stored: FP8 ones and their scales with cfg.quantization)."""
+    stored: FP8 ones and their scales with cfg.quantization). distinct_experts: the routed experts a step reads per
+    MoE layer (measured); by default the expectation under uniform routing."""
     E, k = cfg.num_experts, cfg.num_experts_per_token
-    hit = E * (1 - (1 - k / E) ** batch)  # expected distinct experts per MoE layer, uniform routing
+    hit = uniform_distinct_experts(E, k, batch) if distinct_experts is None else distinct_experts
     num_moe = sum(t == MOE for t in cfg.mlp_types)
     other, routed = _weight_bytes(cfg, torch.float32 if dtype_bytes == 4 else torch.bfloat16)
     weights = other + num_moe * hit * routed / max(num_moe * E, 1)
@@ -67,18 +72,9 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, output_len: int, seed
     on every step is decode only, so its tokens over its time are the decode throughput, and its time over the
     tokens each request got in it the TPOT (a step may be a burst of several decode steps).
     """
-    gen = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
-    for _ in range(batch):
-        ids = torch.randint(0, engine.model_config.vocab_size, (prompt_len,), generator=gen).tolist()
-        engine.add_request(ids, params)
+    _add_requests(engine, batch, prompt_len, output_len, seed)
     start = time.perf_counter()
-    started: set[str] = set()
-    finished = []
-    while len(started) < batch:
-        outputs = engine.step()
-        started.update(o.request_id for o in outputs)
-        finished += [o for o in outputs if o.finished]
+    finished = _prefill_phase(engine, batch)
     prefill_done, tokens_at_prefill_done = time.perf_counter(), _tokens_so_far(engine, finished)
     steps = 0
     while engine.has_unfinished_requests():
@@ -91,6 +87,45 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, output_len: int, seed
             "tpot_ms": 1000 * (end - prefill_done) * batch / max(tokens, 1),
             "prefill_tok_s": batch * prompt_len / (prefill_done - start),
             "output_tok_s": tokens / (end - prefill_done) if steps else float("nan"), "total_s": end - start}
+
+
+def measure_routing(engine: Engine, batch: int, prompt_len: int, output_len: int, seed: int) -> RoutingStats | None:
+    """The experts chosen in the decode phase of run_batch(engine, batch, prompt_len, output_len, seed), from a
+    second run of the same requests (same prompts, greedy), eager and untimed, with a RoutingRecorder on.
+
+    Why a second run and not a counter inside the timed one: a timed decode step is a CUDA graph replay (its batch
+    padded to a captured size with rows that must not count), or a burst of them queued without a host sync; a
+    counter would add kernels to what is timed and need the real rows' count on the device. The eager run executes
+    the same model code on the real rows only. Its tokens equal the timed run's but where the graphs' rounding
+    tips a near-tie of the sampled token, which changes no routing statistic.
+    """
+    _add_requests(engine, batch, prompt_len, output_len, seed)
+    with engine.runner.eager():
+        _prefill_phase(engine, batch)
+        with RoutingRecorder(engine.runner.model) as recorder:  # from here on every step is decode only
+            while engine.has_unfinished_requests():
+                engine.step()
+    return recorder.stats()
+
+
+def _add_requests(engine: Engine, batch: int, prompt_len: int, output_len: int, seed: int) -> None:
+    """`batch` prompts of random tokens (drawn from seed), each to run for output_len tokens, greedy."""
+    gen = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    for _ in range(batch):
+        ids = torch.randint(0, engine.model_config.vocab_size, (prompt_len,), generator=gen).tolist()
+        engine.add_request(ids, params)
+
+
+def _prefill_phase(engine: Engine, batch: int) -> list:
+    """Step until each of the `batch` requests has its first token; the outputs of those that finished."""
+    started: set[str] = set()
+    finished = []
+    while len(started) < batch:
+        outputs = engine.step()
+        started.update(o.request_id for o in outputs)
+        finished += [o for o in outputs if o.finished]
+    return finished
 
 
 def _tokens_so_far(engine: Engine, finished: list) -> int:
@@ -136,20 +171,48 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
         warmup = prompt if prompt <= LONG_WARMUP_TOKENS or batch > 1 else LONG_WARMUP_TOKENS
         run_batch(engine, batch, warmup, 2, seed=2**31 + batch + prompt)  # not a measured row's prompts (cached)
         row = {"prompt_len": prompt, **run_batch(engine, batch, prompt, output, seed=batch + prompt)}
-        # tensor parallel: each GPU reads about 1 / world of the bytes (the embedding and lm_head are replicated)
-        floor = decode_step_bytes(cfg, batch, prompt + output // 2, dtype_bytes) / bandwidth / world
-        row.update(floor_ms=1000 * floor, floor_tok_s=batch / floor)
+        # a single token's k experts are k distinct ones: batch 1 needs no second run (nor a long prompt's prefill)
+        routing = measure_routing(engine, batch, prompt, output, seed=batch + prompt) if batch > 1 else None
+        row.update(floor_fields(cfg, row, routing, prompt + output // 2, dtype_bytes, bandwidth * world))
         rows.append(row)
         print(f"row {json.dumps(row)}", file=sys.stderr, flush=True)  # kept if a later row runs past a time limit
+        if row["faster_than_floor"]:
+            print(floor_warning(row), file=sys.stderr, flush=True)
     peak = torch.cuda.max_memory_allocated(device) if device != "cpu" else None
     return {"device": torch.cuda.get_device_name(device) if device != "cpu" else "cpu", "dtype": engine_config.dtype,
-            "quantization": cfg.quantization.method if cfg.quantization else None, "tensor_parallel_size": world,
+            "quantization": cfg.quantization.method if cfg.quantization else None,
+            "load_format": engine_config.load_format, "tensor_parallel_size": world,
             "expert_parallel": engine_config.enable_expert_parallel,
             "programmatic_dependent_launch": pdl_args(torch.device(device))["PDL"],
             "async_scheduling": engine.async_scheduling,
             "copy_GBps": bandwidth / 1e9, "peak_memory_GiB": peak / 2**30 if peak else None,
             "prompt_len": prompt_len, "output_len": output_len, "capacity": cache_capacity(engine.runner.plan),
             "rows": rows}
+
+
+def floor_fields(cfg: ModelConfig, row: dict, routing: RoutingStats | None, context: int, dtype_bytes: int,
+                 bandwidth: float) -> dict:
+    """The row's routing and floor fields: the floor from the distinct experts measured (exactly k at batch 1),
+    the uniform-routing floor beside it, and whether the row ran faster than its floor (then the floor, the
+    timing or the routing measurement is wrong). bandwidth: of all ranks together (tensor parallel: each GPU reads
+    about 1 / world of the bytes; the embedding and lm_head are replicated)."""
+    batch, k = row["batch"], cfg.num_experts_per_token
+    distinct = routing.distinct_experts if routing else (float(k) if batch == 1 else None)  # None: no MoE layer
+    floor = decode_step_bytes(cfg, batch, context, dtype_bytes, distinct) / bandwidth
+    uniform = decode_step_bytes(cfg, batch, context, dtype_bytes) / bandwidth
+    return {"distinct_experts": distinct,
+            "distinct_experts_uniform": uniform_distinct_experts(cfg.num_experts, k, batch),
+            "busiest_expert_load": routing.busiest_expert_load if routing else None,
+            "routed_tokens_per_step": routing.tokens_per_step if routing else None,
+            "floor_ms": 1000 * floor, "floor_tok_s": batch / floor,
+            "floor_uniform_ms": 1000 * uniform, "floor_uniform_tok_s": batch / uniform,
+            "faster_than_floor": row["output_tok_s"] > batch / floor}
+
+
+def floor_warning(row: dict) -> str:
+    return (f"warning: batch {row['batch']} (prompt {row['prompt_len']}) decoded {row['output_tok_s']:.0f} tok/s, "
+            f"faster than its floor of {row['floor_tok_s']:.0f} tok/s (from {row['distinct_experts']} distinct experts "
+            "per MoE layer per step): the floor, the timing or the routing measurement is wrong; do not report it")
 
 
 def cache_capacity(plan) -> dict:
@@ -164,7 +227,8 @@ def cache_capacity(plan) -> dict:
 
 
 def print_report(result: dict) -> None:
-    cols = ("batch", "prompt_len", "ttft_ms", "tpot_ms", "prefill_tok_s", "output_tok_s", "floor_ms", "floor_tok_s")
+    cols = ("batch", "prompt_len", "ttft_ms", "tpot_ms", "prefill_tok_s", "output_tok_s", "floor_ms", "floor_tok_s",
+            "distinct_experts")
     weights = f" ({result['quantization']} weights)" if result.get("quantization") else ""
     pdl = ", programmatic dependent launch" if result.get("programmatic_dependent_launch") else ""
     chained = ", asynchronous scheduling" if result.get("async_scheduling") else ""
@@ -174,9 +238,12 @@ def print_report(result: dict) -> None:
     capacity = result["capacity"]
     print(f"cache {capacity['cache_GiB']:.1f} GiB: one request up to {capacity['max_context_batch1']} tokens, or "
           f"{capacity['batch_at_4k']} requests of 4k tokens")
-    print("".join(f"{c:>15}" for c in cols))
+    print("".join(f"{c:>17}" for c in cols))
     for row in result["rows"]:
-        print("".join(f"{row[c]:>15.2f}" if isinstance(row[c], float) else f"{row[c]:>15}" for c in cols))
+        print("".join(f"{row[c]:>17.2f}" if isinstance(row[c], float) else f"{row[c]:>17}" for c in cols))
+    for row in result["rows"]:
+        if row["faster_than_floor"]:
+            print(floor_warning(row))
     print(json.dumps(result))
 
 

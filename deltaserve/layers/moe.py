@@ -1,5 +1,7 @@
 """The feed-forward blocks: dense SwiGLU and the routed MoE with its shared expert."""
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,6 +57,8 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(local_experts, D, I))
         self.shared_experts = (SwiGLU(D, cfg.moe_intermediate_size * cfg.num_shared_experts, parallel, reduce=False)
                                if cfg.num_shared_experts else None)
+        # called with each step's chosen expert ids [N, k] (all experts' ids) when set: bench's routing statistics
+        self.routing_observer: Callable[[torch.Tensor], None] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, D] -> routed experts (scaled) + shared expert (unscaled), [N, D]."""
@@ -80,6 +84,8 @@ class MoE(nn.Module):
         weights, ids = select_experts(logits, self.e_score_correction_bias.float(), cfg.num_experts_per_token,
                                       cfg.num_expert_group, cfg.topk_group, cfg.moe_renormalize,
                                       cfg.routed_scaling_factor, exact=x.dtype == torch.float32)
+        if self.routing_observer is not None:
+            self.routing_observer(ids)
         shared = self._shared_in_decode_kernels(x, ids)
         if shared is not None:  # the shared expert as one more slot of the routed experts' kernels
             from deltaserve.kernels.moe.triton_decode import decode_experts

@@ -12,6 +12,7 @@ import gc
 import itertools
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -134,6 +135,18 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(torch.device(engine.device))
         weights = sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
         return gpu_cache_budget(total, free, weights, engine.gpu_memory_utilization)
+
+    @contextmanager
+    def eager(self):
+        """Within it, every step runs the model's eager forward (no CUDA graph, no compiled CPU decode): the same
+        computation, where Python code called from inside the model (a routing observer) runs on every step and sees
+        only the step's real rows (a graph replays without Python and pads its batch)."""
+        graphs, compiled = self.graphs, self.compiled_decode
+        self.graphs = self.compiled_decode = None
+        try:
+            yield
+        finally:
+            self.graphs, self.compiled_decode = graphs, compiled
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one scheduler step and return its sampled tokens (waits for the device)."""

@@ -19,6 +19,10 @@ def test_bench_command_writes_rows_and_capacity(tiny_model, tmp_path, capsys):
     assert [(row["batch"], row["prompt_len"]) for row in result["rows"]] == [(1, 7), (3, 7), (1, 40), (1, 50)]
     for row in result["rows"]:
         assert row["tpot_ms"] > 0 and row["output_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["floor_ms"] > 0
+        assert row["floor_uniform_ms"] > 0 and row["faster_than_floor"] is False  # the CPU is far from its floor
+        assert row["distinct_experts"] <= row["batch"] * 2 and row["distinct_experts_uniform"] <= 8
+    assert [row["routed_tokens_per_step"] for row in result["rows"]] == [None, 3.0, None, None]  # batch 1: exactly k
+    assert result["load_format"] == "dummy"
     assert result["capacity"]["max_context_batch1"] > 0 and "requests of 4k tokens" in printed
     assert result["programmatic_dependent_launch"] is False  # the CPU: off, and said in the JSON
     assert result["async_scheduling"] is False  # off by default on the CPU
