@@ -205,11 +205,15 @@ def wants_usage(body: SamplingFields) -> bool:
 
 
 def usage(outputs: list[RequestOutput], n: int) -> dict:
-    """Token counts of outputs, n choices per prompt in order: each prompt counts once however many choices."""
+    """Token counts of outputs, n choices per prompt in order: each prompt counts once however many choices (its
+    first choice's), and so do its prompt tokens that the prefix cache served (prompt_tokens_details.cached_tokens,
+    0 when none were)."""
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs[::n])
+    cached_tokens = sum(o.num_cached_tokens for o in outputs[::n])
     completion_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def json_logprob(value: float) -> float:
