@@ -1,0 +1,80 @@
+"""serve_bench.py's server process: one engine for the offline baseline, then the HTTP server on that engine.
+
+    python benchmarks/serve_bench_engine.py --requests REQ.json --offline-out OFFLINE.json -- serve --model DIR ...
+
+Everything after `--` is a `deltaserve serve` command line: the engine is built from it as `deltaserve serve` builds
+it (the same flags for both measurements, by construction). The offline part runs, for each run in REQ.json,
+`LLM.generate` end to end on that run's requests: in waves of `concurrency` requests, as that many streams that
+each send their next request when the previous one ends would. Its figures go to OFFLINE.json before the server
+starts on the same engine (one model load for both), so the HTTP runs find every kernel compiled and tuned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from deltaserve.entrypoints.chat_tools import render_chat_prompt
+from deltaserve.entrypoints.cli import _make_llm, build_parser
+from deltaserve.entrypoints.openai.api_server import run_server
+from deltaserve.entrypoints.openai.command import server_config
+from deltaserve.sampling_params import SamplingParams
+from serve_client import PERCENTILES, percentile
+
+
+def prompt_ids(llm, request: dict) -> list[int]:
+    """A request's prompt token ids as the server makes them: token ids as sent, or chat messages through the
+    chat template."""
+    if "prompt" in request:
+        return request["prompt"]
+    text = render_chat_prompt(llm.tokenizer, request["messages"]).text
+    return llm.tokenizer.encode(text, add_special_tokens=True)
+
+
+def run_offline(llm, run: dict) -> dict:
+    """One run's requests through LLM.generate in waves of `concurrency`: output tok/s over the whole run and
+    TTFT percentiles (ms, arrival at the engine to the first token)."""
+    params = SamplingParams(max_tokens=run["max_tokens"], temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": prompt_ids(llm, r)} for r in run["requests"]]
+    size = run["concurrency"]
+    outputs, start = [], time.perf_counter()
+    for i in range(0, len(prompts), size):
+        outputs += llm.generate(prompts[i:i + size], params, use_tqdm=False)
+    duration = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    ttft = [1000 * (o.metrics["first_token_time"] - o.metrics["arrival_time"]) for o in outputs]
+    return {"name": run["name"], "requests": len(outputs), "duration_s": duration, "output_tokens": tokens,
+            "output_tok_s": tokens / duration, **{f"ttft_ms_p{q}": percentile(ttft, q) for q in PERCENTILES}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", required=True, help="JSON from serve_bench.py: warm-up and runs")
+    parser.add_argument("--offline-out", required=True, help="where to write the offline figures")
+    parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- serve --model DIR ... (the engine flags)")
+    args = parser.parse_args()
+    rest = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    serve_args = build_parser().parse_args(rest)
+    if serve_args.command != "serve":
+        parser.error(f"after --: a `deltaserve serve` command line (serve --model DIR ...), got {rest[:1]}")
+    plan = json.loads(Path(args.requests).read_text())
+    config = server_config(serve_args)
+    llm = _make_llm(serve_args)
+    try:
+        for warmup in plan["warmup"]:
+            run_offline(llm, warmup)
+        results = []
+        for run in plan["runs"]:
+            results.append(run_offline(llm, run))
+            print(f"offline {json.dumps(results[-1])}", file=sys.stderr, flush=True)
+        Path(args.offline_out).write_text(json.dumps(results))
+        run_server(llm.engine, config, serve_args.host, serve_args.port, serve_args.drain_timeout, log_level="warning")
+    finally:
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
