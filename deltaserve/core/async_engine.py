@@ -59,8 +59,9 @@ _ABORTED = object()  # queued into a stream when its consumer aborted it: no mor
 class RequestStream:
     """The outputs of one HTTP request's engine requests (one per prompt and choice), in arrival order.
 
-    Iterating yields (index into the inputs, cumulative RequestOutput) until every request has finished;
-    abort() ends the iteration and stops the unfinished requests. Both are for the event loop's thread.
+    Iterating yields (index into the inputs, cumulative RequestOutput) until every request has finished, the
+    latest output of each request only when several wait (the consumer lagged); abort() ends the iteration and
+    stops the unfinished requests. Both are for the event loop's thread.
     """
 
     def __init__(self, owner: AsyncEngine, req_ids: list[str]):
@@ -76,14 +77,24 @@ class RequestStream:
     async def _iterate(self):
         index = {req_id: i for i, req_id in enumerate(self.req_ids)}
         while self.unfinished:
-            item = await self._queue.get()
-            if item is _ABORTED:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                self.unfinished.discard(item.request_id)
-            yield index[item.request_id], item
+            for item in await self._next_items():
+                if item is _ABORTED:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    self.unfinished.discard(item.request_id)
+                yield index[item.request_id], item
+
+    async def _next_items(self) -> list:
+        """What the queue holds (waiting for one item if empty), each request's outputs folded into its latest:
+        outputs are cumulative, so a consumer that fell a step behind sends one chunk for both steps, not two."""
+        items = [await self._queue.get()]
+        while not self._queue.empty():
+            items.append(self._queue.get_nowait())
+        latest = {item.request_id: i for i, item in enumerate(items) if isinstance(item, RequestOutput)}
+        return [item for i, item in enumerate(items) if not isinstance(item, RequestOutput)
+                or latest[item.request_id] == i]
 
     def abort(self) -> None:
         """Stop every unfinished request of this stream (idempotent); their cache is freed at the next step."""

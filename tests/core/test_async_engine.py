@@ -12,7 +12,8 @@ import threading
 import pytest
 
 from deltaserve import SamplingParams
-from deltaserve.core.async_engine import AsyncEngine, EngineInput, QueueFullError
+from deltaserve.core.async_engine import AsyncEngine, EngineInput, QueueFullError, RequestStream
+from deltaserve.core.outputs import CompletionOutput, RequestOutput
 
 
 def run(make_llm, body, max_queue: int = 4, **options):
@@ -119,3 +120,30 @@ def test_a_failed_step_spares_the_adds_queued_while_it_ran(make_llm):
 
     outputs, reserved = run(make_llm, body)
     assert outputs[-1][1].finished and reserved == 0
+
+
+def test_a_lagging_consumer_gets_each_requests_latest_output_once():
+    """Outputs are cumulative: two steps' outputs waiting together are one item a request, the later one."""
+
+    def output(req_id: str, num_tokens: int, finished: bool = False) -> RequestOutput:
+        completion = CompletionOutput(0, "", list(range(num_tokens)), "length" if finished else None)
+        return RequestOutput(req_id, None, [5], [completion], finished)
+
+    async def body():
+        stream = RequestStream(owner=None, req_ids=["a", "b"])
+        for item in (output("a", 1), output("b", 1), output("a", 2), output("b", 2, finished=True)):
+            stream._put(item)
+        first = [(i, len(o.outputs[0].token_ids), o.finished) async for i, o in _take(stream, 2)]
+        stream._put(output("a", 3, finished=True))
+        return first, [(i, len(o.outputs[0].token_ids), o.finished) async for i, o in stream]
+
+    first, rest = asyncio.run(body())
+    assert first == [(0, 2, False), (1, 2, True)]
+    assert rest == [(0, 3, True)]
+
+
+async def _take(stream, count: int):
+    """The first `count` items of a stream's iteration (the stream stays usable)."""
+    iterator = aiter(stream)
+    for _ in range(count):
+        yield await anext(iterator)
