@@ -38,7 +38,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from serve_client import poisson_schedule, run_concurrency, run_rate, summarize
+from serve_client import (poisson_schedule, read_server_histograms, run_concurrency, run_rate, server_means,
+                          summarize)
 from serve_workload import build_plan, prepare_model
 
 HERE = Path(__file__).resolve().parent
@@ -146,12 +147,15 @@ def run_http(url: str, plan: dict, timeout: float) -> list[dict]:
     rows = []
     for run in plan["runs"]:
         endpoint = f"{url}{run['path']}"
+        before = asyncio.run(read_server_histograms(url))
         if run["rate"] is None:
             results, duration = asyncio.run(run_concurrency(endpoint, run["bodies"], run["concurrency"], timeout))
         else:
             times = poisson_schedule(len(run["bodies"]), run["rate"], run["seed"])
             results, duration = asyncio.run(run_rate(endpoint, run["bodies"], times, timeout))
-        rows.append({"name": run["name"], "mode": run["mode"], "load": run["load"], **summarize(results, duration)})
+        server = server_means(before, asyncio.run(read_server_histograms(url)))
+        rows.append({"name": run["name"], "mode": run["mode"], "load": run["load"], **summarize(results, duration),
+                     **server})
         print(f"http {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     return rows
 
@@ -209,7 +213,9 @@ def report(args: argparse.Namespace, rows: list[dict], offline: list[dict], cmd:
             ("http_over_offline", "ratio", 7, ".3f"), ("request_s", "req/s", 7, ".2f")]
     cols += [(f"{m}_p{q}", f"{label} p{q}", 10, ".1f") for m, label in (("ttft_ms", "TTFT"), ("itl_ms", "ITL"))
              for q in (50, 90, 99)]
-    cols += [("chunk_gap_ms_p50", "gap p50", 9, ".1f")]
+    cols += [("chunk_gap_ms_p50", "gap p50", 9, ".1f"), ("ttft_ms_mean", "TTFT mean", 10, ".1f"),
+             ("server_ttft_ms_mean", "srv TTFT", 10, ".1f"), ("itl_ms_mean", "ITL mean", 10, ".1f"),
+             ("server_tpot_ms_mean", "srv TPOT", 10, ".1f")]
     print("".join(f"{label:>{width}}" for _, label, width, _ in cols))
     for row in rows:
         print("".join(f"{row[key]:>{width}{spec}}" for key, _, width, spec in cols))

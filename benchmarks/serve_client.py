@@ -13,12 +13,17 @@ import asyncio
 import json
 import math
 import random
+import re
 import time
 from dataclasses import dataclass, field
 
 import aiohttp
 
 PERCENTILES = (50, 90, 99)
+# the server's own view of a run, from deltaserve's /metrics: its histograms' sums and counts before and after
+SERVER_HISTOGRAMS = {"server_ttft_ms_mean": "deltaserve_time_to_first_token_seconds",
+                     "server_tpot_ms_mean": "deltaserve_time_per_output_token_seconds"}
+_SAMPLE = re.compile(r"^(\w+)(?:\{[^}]*\})? (\S+)$")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -175,6 +180,33 @@ async def run_rate(url: str, bodies: list[dict], send_times: list[float], timeou
         start = time.perf_counter()
         results = await asyncio.gather(*(send_at(session, start, t, b) for t, b in zip(send_times, bodies)))
         return list(results), time.perf_counter() - start
+
+
+async def read_server_histograms(base_url: str) -> dict[str, float]:
+    """The _sum and _count samples of SERVER_HISTOGRAMS at GET /metrics; {} when the server has none."""
+    names = {f"{h}_{part}" for h in SERVER_HISTOGRAMS.values() for part in ("sum", "count")}
+    try:
+        async with new_session(30) as session, session.get(f"{base_url}/metrics") as response:
+            text = await response.text() if response.status == 200 else ""
+    except aiohttp.ClientError:
+        return {}
+    samples = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match.group(1) in names:
+            samples[match.group(1)] = samples.get(match.group(1), 0.0) + float(match.group(2))
+    return samples
+
+
+def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean TTFT and time per output token (ms) of the requests that finished between two readings, as the
+    server measured them (arrival at the engine to its first token; first token to the last)."""
+    means = {}
+    for key, name in SERVER_HISTOGRAMS.items():
+        count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
+        means[key] = 1000 * total / count if count > 0 else math.nan
+    return means
 
 
 def summarize(results: list[RequestResult], duration_s: float) -> dict:
