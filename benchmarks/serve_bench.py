@@ -106,7 +106,9 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def engine_command(args: argparse.Namespace, model_dir: Path, port: int) -> list[str]:
     """The `deltaserve serve` command line of both measurements."""
-    cmd = ["serve", "--model", str(model_dir), "--port", str(port), "--served-model-name", args.served_model_name,
+    # no --model for the demo model: serve then picks its one-thread default, as `deltaserve serve` does
+    model = ["--model", str(model_dir)] if args.model or args.config else []
+    cmd = ["serve", *model, "--port", str(port), "--served-model-name", args.served_model_name,
            "--max-queue", str(max(256, args.num_requests)),
            "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"]
     for name in ENGINE_FLAGS:
