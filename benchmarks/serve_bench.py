@@ -65,6 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="prompts and arrival times; also the engine's --seed")
     p.add_argument("--no-offline", action="store_true", help="skip the offline baseline")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--server-log", default=None, help="keep the server process's log here (default: a temporary file)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds for the server to start and for each run")
     g = p.add_argument_group("engine flags, passed to both measurements (bench's defaults, not serve's)")
     g.add_argument("--device", default=None)
@@ -166,7 +167,8 @@ def run_self_started(args: argparse.Namespace, plan: dict, model_dir: Path,
                      workdir: Path) -> tuple[list[dict], list[dict], list[str]]:
     """Start serve_bench_engine.py (offline runs, then the server), drive it, stop it."""
     port = free_port()
-    requests, offline_out, log = workdir / "requests.json", workdir / "offline.json", workdir / "server.log"
+    requests, offline_out = workdir / "requests.json", workdir / "offline.json"
+    log = Path(args.server_log) if args.server_log else workdir / "server.log"
     requests.write_text(json.dumps(plan["engine"]))
     cmd = engine_command(args, model_dir, port)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
