@@ -48,10 +48,10 @@ class CompletionServing:
         prompt = body.prompt
         if isinstance(prompt, str):
             prompt = [prompt]
-        if not prompt or any(isinstance(p, (str, list)) and not p for p in prompt):
-            raise bad_request("'prompt' must not be empty: send text, or at least one token id", "prompt")
-        if isinstance(prompt[0], int):
+        if prompt and isinstance(prompt[0], int):  # one prompt of token ids (the schema made them all ints)
             return [(None, list(prompt))]
+        if not prompt or not all(prompt):  # no prompt, or an empty text or id list among them
+            raise bad_request("'prompt' must not be empty: send text, or at least one token id", "prompt")
         return [(None, p) if isinstance(p, list) else (p, self.ctx.encode(p, "prompt")) for p in prompt]
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:

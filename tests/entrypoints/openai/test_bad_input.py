@@ -42,6 +42,7 @@ CASES = [
     ("empty prompt list", COMPLETIONS, completion(prompt=[]), 400, "must not be empty"),
     ("empty prompt string", COMPLETIONS, completion(prompt=""), 400, "'prompt' must not be empty"),
     ("empty string in a prompt list", COMPLETIONS, completion(prompt=["hi", ""]), 400, "'prompt' must not be empty"),
+    ("empty id list in a batch", COMPLETIONS, completion(prompt=[[5, 6], []]), 400, "'prompt' must not be empty"),
     ("empty messages", CHAT, chat(messages=[]), 400, "'messages'"),
     ("invalid role", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "'messages[0].role'"),
     ("content of wrong type", CHAT, chat(messages=[{"role": "user", "content": 3}]), 400, "'messages[0].content'"),
