@@ -161,7 +161,7 @@ def test_routing_kernel_gives_distinct_valid_ids_for_a_nan_row():
     ([5, 1, 70, 33], 20, 48, 8, 8, None),  # two head blocks, the second ragged; R and Dr not powers of two
     ([40, 2], 16, 64, 16, 16, 64),  # a table far wider than the contexts, as a CUDA graph's: entries past unread
 ])
-@pytest.mark.parametrize("min_split,max_head_block", [(256, 32), (32, 16), (33, 32)])
+@pytest.mark.parametrize("min_split,max_head_block", [(256, 32), (32, 16), (33, 32), (64, None)])
 def test_mla_decode_kernel_matches_torch_twin(lengths, H, R, DR, page, width, min_split, max_head_block):
     """Paged, split-context MLA decode against the torch path (gather every page, masked softmax); slices of at
     least min_split tokens (a context of one slice, of many, of slices past its end), heads one or more blocks."""

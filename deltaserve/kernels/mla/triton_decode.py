@@ -18,9 +18,16 @@ from deltaserve.kernels.pdl import pdl_args, pdl_enter
 
 _BLOCK_N = 32  # context tokens per inner step
 _TARGET_PROGRAMS = 264  # ~2 per SM of an H100/H200, each streaming its slice with pipelined loads
-MIN_SPLIT_TOKENS = 64  # short contexts: a few short slices (latency); long ones: ~_TARGET_PROGRAMS slices
-MAX_HEAD_BLOCK = 32  # heads a program serves from one read of the latents (all 32 of the 48B shape's)
+MIN_SPLIT_TOKENS = 64  # a long context's slices: ~_TARGET_PROGRAMS of them, each at least this long
+SHORT_SLICES = tl.constexpr(64)  # a short context keeps up to this many slices of _BLOCK_N tokens (latency: one step each)
 NUM_STAGES = 2  # software pipelining of the split kernel's loads (benchmarks/gpu/compile_check.py uses it too)
+
+
+@triton.jit
+def _used_slices(ctx, num_splits, min_split, BLOCK_N: tl.constexpr):
+    """Slices a context of ctx tokens uses, of the launch's num_splits: up to SHORT_SLICES of BLOCK_N tokens (a
+    short context: short slices, one inner step each), and for a long one as many as keep each >= min_split."""
+    return tl.minimum(num_splits, tl.maximum(tl.cdiv(ctx, min_split), tl.minimum(tl.cdiv(ctx, BLOCK_N), SHORT_SLICES)))
 
 
 @triton.jit
@@ -31,14 +38,14 @@ def _mla_decode_split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """page_size, num_splits and min_split are runtime arguments: the split count follows the batch and the table
-    width, and a constant would compile a variant per value while serving. A sequence uses as many of the
-    num_splits slices as give each at least min_split tokens (a short context in a wide table: few slices, each
-    partial output worth its traffic); the slices past those are empty. PDL: kernels.pdl."""
+    width, and a constant would compile a variant per value while serving. A sequence uses _used_slices of the
+    num_splits slices (a short context in a wide table: few, each partial output worth its traffic); the slices
+    past those are empty. PDL: kernels.pdl."""
     pdl_enter(PDL)
     i_hb, i_split, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = i_b.to(tl.int64)
     ctx = tl.load(lens_ptr + b).to(tl.int32)
-    used = tl.minimum(num_splits, tl.cdiv(ctx, min_split))
+    used = _used_slices(ctx, num_splits, min_split, BLOCK_N)
     per_split = tl.cdiv(tl.cdiv(ctx, used), BLOCK_N) * BLOCK_N
     start = i_split * per_split
     end = tl.minimum(start + per_split, ctx)
@@ -85,13 +92,13 @@ def _mla_decode_split_kernel(
 
 @triton.jit
 def _mla_decode_merge_kernel(mid_o_ptr, mid_lse_ptr, lens_ptr, o_ptr, num_splits, min_split, H: tl.constexpr,
-                             R: tl.constexpr, BR: tl.constexpr, PDL: tl.constexpr):
+                             R: tl.constexpr, BR: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """One (sequence, head): the used slices' outputs weighted by exp(lse - max) (the split kernel's rule for how
     many slices a context uses and how long each is; a slice past the context, lse -inf, weighs 0)."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     ctx = tl.load(lens_ptr + row // H).to(tl.int32)
-    used = tl.minimum(num_splits, tl.cdiv(ctx, min_split))
+    used = _used_slices(ctx, num_splits, min_split, BLOCK_N)
     offs_r = tl.arange(0, BR)
     mr = offs_r < R
     m = tl.load(mid_lse_ptr + row * num_splits)  # slice 0 is never empty (contexts are >= 1 token)
@@ -117,18 +124,20 @@ def num_splits(batch: int, head_blocks: int, max_tokens: int, min_split: int = M
 
 def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, min_split: int = MIN_SPLIT_TOKENS,
-                      max_head_block: int = MAX_HEAD_BLOCK, num_warps: int = 4, num_stages: int = NUM_STAGES,
+                      max_head_block: int | None = None, num_warps: int = 4, num_stages: int = NUM_STAGES,
                       splits: int | None = None) -> torch.Tensor:
     """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr],
     block_tables [B, max_blocks], context_lens [B] (>= 1 each). Returns [B, H, R] in q_latent's dtype. Only the
     first context_lens[b] tokens of each table are read; entries past them may hold anything. The launch knobs
-    (shortest slice, heads a program, warps, pipeline stages, slices at most: num_splits' by default) have the
-    defaults the benchmark chose; kernels_bench sweeps them."""
+    (shortest long-context slice, heads a program, warps, pipeline stages, slices at most: num_splits' by default)
+    have the defaults the benchmark chose; kernels_bench sweeps them. Heads a program: 16 for one sequence (twice
+    the programs: a short context's step is latency), 32 for a batch (the latents read once for all heads)."""
     B, H, R = q_latent.shape
     DR = q_rope.shape[-1]
     page = cache.shape[1]
     assert cache.shape[2] == R + DR and cache.stride(2) == 1 and q_latent.stride(2) == 1 and q_rope.stride(2) == 1
     assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
+    max_head_block = max_head_block or (16 if B == 1 else 32)
     block_h = max(min(triton.next_power_of_2(H), max_head_block), 16)  # tl.dot needs 16 rows
     head_blocks = triton.cdiv(H, block_h)
     splits = splits or num_splits(B, head_blocks, block_tables.shape[1] * page, min_split)
@@ -145,6 +154,6 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     )
     out = torch.empty(B, H, R, dtype=q_latent.dtype, device=q_latent.device)
     _mla_decode_merge_kernel[(B * H,)](mid_o, mid_lse, context_lens, out, splits, min_split, H=H, R=R,
-                                       BR=triton.next_power_of_2(R), num_warps=4,
+                                       BR=triton.next_power_of_2(R), BLOCK_N=_BLOCK_N, num_warps=4,
                                        **pdl_args(q_latent.device))
     return out
