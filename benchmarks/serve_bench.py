@@ -38,8 +38,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from serve_client import (poisson_schedule, read_server_histograms, run_concurrency, run_rate, server_means,
-                          summarize)
+from serve_client import poisson_schedule, read_server_histograms, run_concurrency, run_rate, server_means, summarize
 from serve_workload import build_plan, prepare_model
 
 HERE = Path(__file__).resolve().parent

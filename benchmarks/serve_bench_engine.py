@@ -17,12 +17,13 @@ import sys
 import time
 from pathlib import Path
 
+from serve_client import PERCENTILES, percentile
+
 from deltaserve.entrypoints.chat_tools import render_chat_prompt
 from deltaserve.entrypoints.cli import _make_llm, build_parser
 from deltaserve.entrypoints.openai.api_server import run_server
 from deltaserve.entrypoints.openai.command import server_config
 from deltaserve.sampling_params import SamplingParams
-from serve_client import PERCENTILES, percentile
 
 
 def prompt_ids(llm, request: dict) -> list[int]:

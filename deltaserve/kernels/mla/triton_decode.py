@@ -19,7 +19,7 @@ from deltaserve.kernels.pdl import pdl_args, pdl_enter
 _BLOCK_N = 32  # context tokens per inner step
 _TARGET_PROGRAMS = 264  # ~2 per SM of an H100/H200, each streaming its slice with pipelined loads
 MIN_SPLIT_TOKENS = 64  # a long context's slices: ~_TARGET_PROGRAMS of them, each at least this long
-SHORT_SLICES = tl.constexpr(64)  # a short context keeps up to this many slices of _BLOCK_N tokens (latency: one step each)
+SHORT_SLICES = tl.constexpr(64)  # a short context: up to this many slices of _BLOCK_N tokens (one step each)
 NUM_STAGES = 2  # software pipelining of the split kernel's loads (benchmarks/gpu/compile_check.py uses it too)
 
 
