@@ -1,0 +1,52 @@
+"""What the command line imports before it has work to do: `--help` and argument errors answer without torch, and
+`import deltaserve` costs neither torch nor torch._dynamo until LLM or the engine is used."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+_RUN_CLI = """
+import json, sys
+from deltaserve.entrypoints.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def modules_after(code: str, *argv: str) -> set[str]:
+    """The modules a fresh interpreter holds after running code (which prints them as its last line)."""
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return set(json.loads(done.stdout.splitlines()[-1]))
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"], ["chat", "--help"],
+                                  ["bench", "--help"], ["parity", "check", "--help"], ["generate", "--max-tokens"]])
+def test_help_and_argument_errors_import_no_torch(argv):
+    loaded = modules_after(_RUN_CLI, *argv)
+    assert "deltaserve.entrypoints.cli" in loaded
+    assert not {m for m in loaded if m.split(".")[0] in ("torch", "triton", "numpy")}
+
+
+def test_import_deltaserve_is_light_and_its_names_load_on_use():
+    loaded = modules_after("import json, sys, deltaserve\nprint(json.dumps(sorted(sys.modules)))")
+    assert "torch" not in loaded
+    loaded = modules_after("import json, sys\nfrom deltaserve import LLM, SamplingParams\n"
+                           "assert LLM.__name__ == 'LLM' and SamplingParams().max_tokens > 0\n"
+                           "print(json.dumps(sorted(sys.modules)))")
+    assert "torch" in loaded and "deltaserve.core.engine" in loaded
+    assert "torch._dynamo" not in loaded, "the engine's imports pull in torch._dynamo (a second of start-up)"
+
+
+def test_unknown_attribute_of_deltaserve_is_an_attribute_error():
+    import deltaserve
+
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        deltaserve.Nope  # noqa: B018
