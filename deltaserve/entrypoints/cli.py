@@ -1,10 +1,15 @@
-"""The `deltaserve` command (DESIGN.md section 5). Errors: one line on stderr, exit code 2."""
+"""The `deltaserve` command (DESIGN.md section 5). Errors: one line on stderr, exit code 2 for a bad input (a
+ValueError or OSError), 1 for anything else; DELTASERVE_DEBUG=1 prints the traceback instead.
+
+Arguments are parsed before torch or the engine is imported, so --help and a mistyped option answer at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -182,16 +187,27 @@ COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "make-tiny": cmd_make_
             "serve": lambda args: cmd_serve(args, _make_llm), "chat": lambda args: cmd_chat(args, _make_llm)}
 
 
+DEBUG_ENV = "DELTASERVE_DEBUG"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    debug = os.environ.get(DEBUG_ENV, "0") not in ("", "0")
     try:
         status = COMMANDS[args.command](args)  # a command returns None (success) or its exit code
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if debug:
+            raise
+        if isinstance(e, (ValueError, OSError)):  # a bad input: the message says what to do
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        message = " ".join(str(e).split()) or "(no message)"
+        print(f"error: {type(e).__name__}: {message} (an internal error; {DEBUG_ENV}=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
     return status or 0
 
 

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from deltaserve.entrypoints import cli
+
 _RUN_CLI = """
 import json, sys
 from deltaserve.entrypoints.cli import main
@@ -55,3 +57,19 @@ def test_unknown_attribute_of_deltaserve_is_an_attribute_error():
 
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         deltaserve.Nope  # noqa: B018
+
+
+def test_an_unexpected_error_is_one_line_and_exit_1_unless_debugging(monkeypatch, capsys):
+    def fail(args):
+        raise RuntimeError("the device\nwent away")
+
+    monkeypatch.setitem(cli.COMMANDS, "make-tiny", fail)
+    monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+    assert cli.main(["make-tiny", "unused"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    [line] = err.splitlines()
+    assert line.startswith("error: RuntimeError: the device went away") and "DELTASERVE_DEBUG=1" in line
+    monkeypatch.setenv(cli.DEBUG_ENV, "1")
+    with pytest.raises(RuntimeError, match="went away"):
+        cli.main(["make-tiny", "unused"])
