@@ -17,31 +17,32 @@ from contextlib import contextmanager
 
 from tqdm import tqdm
 
+from deltaserve.entrypoints.sampling_options import add_sampling_options, sampling_defaults
 from deltaserve.sampling_params import SamplingParams
 
 PROMPT = ">>> "
 HELP = "/reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops an answer"
 
 
+CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 0}  # where the model folder sets nothing
+
+
 def add_chat_options(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
-    g.add_argument("--top-p", type=float, default=0.9)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--max-tokens", type=int, default=256, help="the longest answer, in tokens")
+    add_sampling_options(parser, CHAT_SAMPLING)
+    g = parser.add_argument_group("chat")
+    g.add_argument("--max-tokens", type=int, default=256, help="the longest answer, in tokens (default 256)")
     g.add_argument("--system", default=None, help="a system message to start every conversation with")
 
 
 def cmd_chat(args, make_llm: Callable) -> int:
     """Load the model (with a progress bar), then read, answer, repeat until /exit or end of input."""
+    params = SamplingParams(max_tokens=args.max_tokens, seed=args.seed, **sampling_defaults(args, CHAT_SAMPLING))
     with _LoadingBar() as bar:
         llm = make_llm(args, progress=bar)
     try:
         if llm.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template and this model folder has none; "
                              "use `deltaserve generate --prompt-token-ids ...` instead")
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed)
         ChatSession(llm, params, args.system).run()
     finally:
         llm.shutdown()

@@ -15,9 +15,14 @@ import time
 
 from deltaserve.config import QUANTIZATION_METHODS, EngineConfig
 from deltaserve.entrypoints.chat import add_chat_options, cmd_chat
+from deltaserve.entrypoints.sampling_options import add_sampling_options, sampling_defaults
 from deltaserve.entrypoints.openai.command import add_serve_options, cmd_serve
 from deltaserve.parity.commands import add_parity_parser, cmd_parity
 from deltaserve.sampling_params import SamplingParams
+
+
+DEFAULT_PROMPT = "Once upon a time"
+GENERATE_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}  # greedy, where the model folder sets nothing
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
@@ -71,13 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for prompts")
     _engine_options(gen)
-    gen.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
+    gen.add_argument("--prompt", action="append", default=[],
+                     help=f"a text prompt (repeatable; with no prompt at all: {DEFAULT_PROMPT!r}, said on stderr)")
     gen.add_argument("--prompt-token-ids", action="append", type=_token_ids, default=[],
                      help="a prompt as comma-separated token ids (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--max-tokens", type=int, default=64, help="the most tokens to generate per prompt (default 64)")
+    add_sampling_options(gen, GENERATE_SAMPLING)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     bench = sub.add_parser("bench", help="measure TTFT, TPOT, throughput and the bandwidth floor")
@@ -120,9 +124,10 @@ def _make_llm(args, progress=None):
 def cmd_generate(args) -> None:
     prompts = list(args.prompt) + [{"prompt_token_ids": ids} for ids in args.prompt_token_ids]
     if not prompts:
-        prompts = ["Once upon a time"]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+        print(f"no --prompt given: generating from {DEFAULT_PROMPT!r}", file=sys.stderr)
+        prompts = [DEFAULT_PROMPT]
+    params = SamplingParams(max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+                            **sampling_defaults(args, GENERATE_SAMPLING))
     llm = _make_llm(args)
     try:
         start = time.perf_counter()
