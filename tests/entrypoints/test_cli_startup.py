@@ -73,3 +73,29 @@ def test_an_unexpected_error_is_one_line_and_exit_1_unless_debugging(monkeypatch
     monkeypatch.setenv(cli.DEBUG_ENV, "1")
     with pytest.raises(RuntimeError, match="went away"):
         cli.main(["make-tiny", "unused"])
+
+
+def test_make_tiny_that_fails_halfway_leaves_no_folder(monkeypatch, capsys, tmp_path):
+    from deltaserve.entrypoints import make_tiny
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(make_tiny, "save_checkpoint", fail)
+    assert cli.main(["make-tiny", str(tmp_path / "tiny")]) == 2
+    assert "disk full" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "empty").mkdir()
+    monkeypatch.undo()
+    assert cli.main(["make-tiny", str(tmp_path / "empty")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and (tmp_path / "empty" / "config.json").is_file()
+
+
+def test_bench_on_the_cpu_runs_without_triton():
+    blocked = ("import sys\nsys.modules['triton'] = None  # import triton raises ImportError\n"
+               "from deltaserve.entrypoints.cli import main\n"
+               "sys.exit(main(['bench', '--load-format', 'dummy', '--device', 'cpu', '--batch-sizes', '1', "
+               "'--prompt-len', '4', '--output-len', '2', '--threads', '1']))")
+    done = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert '"programmatic_dependent_launch": false' in done.stdout
