@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from tqdm import tqdm
-
 from deltaserve.entrypoints.sampling_options import add_sampling_options, sampling_defaults
 from deltaserve.sampling_params import SamplingParams
 
@@ -37,8 +35,7 @@ def add_chat_options(parser: argparse.ArgumentParser) -> None:
 def cmd_chat(args, make_llm: Callable) -> int:
     """Load the model (with a progress bar), then read, answer, repeat until /exit or end of input."""
     params = SamplingParams(max_tokens=args.max_tokens, seed=args.seed, **sampling_defaults(args, CHAT_SAMPLING))
-    with _LoadingBar() as bar:
-        llm = make_llm(args, progress=bar)
+    llm = make_llm(args)  # the engine draws the loading bar (closed before its next log line)
     try:
         if llm.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template and this model folder has none; "
@@ -47,25 +44,6 @@ def cmd_chat(args, make_llm: Callable) -> int:
     finally:
         llm.shutdown()
     return 0
-
-
-class _LoadingBar:
-    """The engine's progress(step, total) callback, drawn as a tqdm bar on stderr while the weights load."""
-
-    def __init__(self):
-        self._bar: tqdm | None = None
-
-    def __call__(self, step: int, total: int) -> None:
-        if self._bar is None:
-            self._bar = tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr, leave=False)
-        self._bar.update(step - self._bar.n)
-
-    def __enter__(self) -> "_LoadingBar":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 class ChatSession:
@@ -117,13 +95,13 @@ class ChatSession:
         Returns the text, its number of tokens, the seconds taken and whether it was stopped."""
         start, printed, num_tokens = time.perf_counter(), "", 0
         for output in stream:
-            completion = output.outputs[0]
-            _write(completion.text[len(printed):])
-            printed, num_tokens = completion.text, len(completion.token_ids)
-            if interrupted.is_set() and not output.finished:
+            if interrupted.is_set() and not output.finished:  # before printing: nothing appears after Ctrl-C
                 self.llm.abort(output.request_id)
                 stream.close()
                 return printed, num_tokens, time.perf_counter() - start, True
+            completion = output.outputs[0]
+            _write(completion.text[len(printed):])
+            printed, num_tokens = completion.text, len(completion.token_ids)
         return printed, num_tokens, time.perf_counter() - start, False
 
 

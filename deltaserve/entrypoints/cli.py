@@ -128,6 +128,8 @@ def cmd_generate(args) -> None:
         prompts = [DEFAULT_PROMPT]
     params = SamplingParams(max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
                             **sampling_defaults(args, GENERATE_SAMPLING))
+    # the prompts are all there is to run: no more KDA slots to allocate, nor CUDA graphs to capture, than them
+    args.max_num_seqs = min(args.max_num_seqs, len(prompts))
     llm = _make_llm(args)
     try:
         start = time.perf_counter()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -99,3 +100,14 @@ def test_bench_on_the_cpu_runs_without_triton():
     done = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert '"programmatic_dependent_launch": false' in done.stdout
+
+
+def test_generate_sizes_the_engine_for_its_prompts_and_logs_its_start_up_phases(caplog, capsys, tiny_model):
+    caplog.set_level(logging.INFO, logger="deltaserve")
+    argv = ["generate", "--model", str(tiny_model), "--max-tokens", "2", "--threads", "1", "--max-model-len", "64",
+            "--prompt-token-ids", "5,6", "--prompt-token-ids", "7"]
+    assert cli.main(argv) == 0
+    assert "+ 2 KDA state slots" in caplog.text
+    phases = [r.getMessage() for r in caplog.records if r.getMessage().startswith("start-up: ")]
+    assert [line.split()[1] for line in phases] == ["weights", "cache"]
+    assert all(float(line.split(" s")[0].split()[-1]) >= 0 for line in phases)
