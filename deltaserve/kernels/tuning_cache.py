@@ -152,5 +152,5 @@ def _import_tuned_kernels() -> None:
     for name in names + ["fla.ops.kda"]:
         try:
             importlib.import_module(name)
-        except ImportError:  # fla-core is optional: its kernels then do not run either
-            pass
+        except Exception as e:  # fla-core is optional, and a module that cannot load never runs: no failed start
+            log.debug("not restoring the tuning of %s: %s", name, e)
