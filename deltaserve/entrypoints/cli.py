@@ -108,10 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _make_llm(args, progress=None):
+def _make_llm(args):
     from deltaserve.entrypoints.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, progress=progress, max_model_len=args.max_model_len,
+    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                threads=args.threads, load_format=args.load_format,
