@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 MAX_LOGPROBS = 20
+# the fields of a model folder's generation_config.json that set sampling defaults (those vLLM reads too)
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 @dataclass
@@ -78,3 +83,23 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether any penalty is on: the sampler then needs the prompt and output tokens so far."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+def generation_defaults(folder: str | os.PathLike) -> dict:
+    """The sampling defaults that the model folder's generation_config.json sets (GENERATION_CONFIG_FIELDS), checked
+    by SamplingParams' own rules; {} where the folder has no such file. A bad file is a ValueError naming it."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or delete it") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    defaults = {name: raw[name] for name in GENERATION_CONFIG_FIELDS if raw.get(name) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}; fix or delete the file") from e
+    return defaults

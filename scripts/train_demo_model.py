@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import re
 import shutil
@@ -39,6 +40,8 @@ from deltaserve.tokenizer.train import train_tiny_tokenizer
 VOCAB = 4096
 LAYERS = "KKMKKM"  # K = KDA, M = MLA; 2 to 1 as the 48B model's 3 to 1, MLA last as there
 HELD_OUT_EVERY = 20  # chapter i is held out when i % 20 == 10
+# generation_config.json: greedy decoding of a model this small soon loops on a phrase; these sample readable text
+SAMPLING = {"do_sample": True, "temperature": 0.7, "top_p": 0.9}
 CHAT_SHARE = 4  # one train chapter in 4 also becomes a ChatML conversation, so the model answers and stops
 
 
@@ -299,6 +302,7 @@ def main(argv=None) -> None:
     print(f"trained {args.steps} steps in {seconds / 60:.1f} min; held-out perplexity {ppl:.1f}, "
           f"unigram baseline {unigram_perplexity(plain, targets):.1f} ({len(targets)} tokens)", flush=True)
     save_moonshot(model, raw, out)
+    (out / "generation_config.json").write_text(json.dumps(SAMPLING, indent=2) + "\n")
     print(f"wrote {out} ({(out / 'model.safetensors').stat().st_size / 1e6:.1f} MB)")
     sample = check_against_deltaserve(model, out, ["Once upon a time", "And the LORD said"])
     print(f"sample (temperature 0.7, top-p 0.9, seed 0): Once upon a time{sample}")

@@ -28,6 +28,7 @@ from deltaserve.distributed import SINGLE, ParallelConfig, broadcast_object
 from deltaserve.loader.model_loader import DTYPES
 from deltaserve.request import Request, RequestStatus
 from deltaserve.runner.model_runner import ModelRunner, PendingOutput
+from deltaserve.runner.startup import ProgressBar, phase
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.tokenizer import load_tokenizer
 from deltaserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -61,7 +62,7 @@ class Engine:
             raise ValueError(f"{model} is a file: pass a model folder, or a config.json with load_format 'dummy'")
         self.tokenizer = load_tokenizer(model) if Path(model).is_dir() else None
         self.max_model_len = self._max_model_len()
-        weights = ModelRunner.load_model(model, self.model_config, engine_config, progress, parallel)
+        weights = self._load(model, progress)
         budget = ModelRunner.cache_budget(engine_config, weights)
         plan = plan_cache(self.model_config, engine_config, self.max_model_len, budget)
         broadcast_object(plan, parallel)  # every rank allocates the pages and slots this scheduler hands out
@@ -80,6 +81,20 @@ class Engine:
             async_scheduling = engine_config.device != "cpu"
         self.async_scheduling = async_scheduling and parallel.world_size == 1
         self._inflight: tuple[SchedulerOutput, PendingOutput] | None = None  # a chained burst, queued
+
+    def _load(self, model: str, progress=None):
+        """The weights, timed as a start-up phase; a bar over the tensors unless the caller draws its own."""
+        bar = ProgressBar("loading weights", "tensor") if progress is None else None
+        try:
+            with phase("weights") as info:
+                weights = ModelRunner.load_model(model, self.model_config, self.config, progress or bar,
+                                                 self.parallel)
+                size = sum(p.numel() * p.element_size() for p in weights.parameters())
+                info["detail"] = f"{size / 2**30:.2f} GiB" + (" (dummy)" if self.config.load_format == "dummy" else "")
+        finally:
+            if bar is not None:
+                bar.close()
+        return weights
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None) -> str:

@@ -15,56 +15,35 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from tqdm import tqdm
-
+from deltaserve.entrypoints.sampling_options import add_sampling_options, sampling_defaults
 from deltaserve.sampling_params import SamplingParams
 
 PROMPT = ">>> "
 HELP = "/reset forgets the conversation, /exit or Ctrl-D leaves, Ctrl-C stops an answer"
 
 
+CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 0}  # where the model folder sets nothing
+
+
 def add_chat_options(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
-    g.add_argument("--top-p", type=float, default=0.9)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--max-tokens", type=int, default=256, help="the longest answer, in tokens")
+    add_sampling_options(parser, CHAT_SAMPLING)
+    g = parser.add_argument_group("chat")
+    g.add_argument("--max-tokens", type=int, default=256, help="the longest answer, in tokens (default 256)")
     g.add_argument("--system", default=None, help="a system message to start every conversation with")
 
 
 def cmd_chat(args, make_llm: Callable) -> int:
     """Load the model (with a progress bar), then read, answer, repeat until /exit or end of input."""
-    with _LoadingBar() as bar:
-        llm = make_llm(args, progress=bar)
+    params = SamplingParams(max_tokens=args.max_tokens, seed=args.seed, **sampling_defaults(args, CHAT_SAMPLING))
+    llm = make_llm(args)  # the engine draws the loading bar (closed before its next log line)
     try:
         if llm.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template and this model folder has none; "
                              "use `deltaserve generate --prompt-token-ids ...` instead")
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed)
         ChatSession(llm, params, args.system).run()
     finally:
         llm.shutdown()
     return 0
-
-
-class _LoadingBar:
-    """The engine's progress(step, total) callback, drawn as a tqdm bar on stderr while the weights load."""
-
-    def __init__(self):
-        self._bar: tqdm | None = None
-
-    def __call__(self, step: int, total: int) -> None:
-        if self._bar is None:
-            self._bar = tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr, leave=False)
-        self._bar.update(step - self._bar.n)
-
-    def __enter__(self) -> "_LoadingBar":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._bar is not None:
-            self._bar.close()
 
 
 class ChatSession:
@@ -116,13 +95,13 @@ class ChatSession:
         Returns the text, its number of tokens, the seconds taken and whether it was stopped."""
         start, printed, num_tokens = time.perf_counter(), "", 0
         for output in stream:
-            completion = output.outputs[0]
-            _write(completion.text[len(printed):])
-            printed, num_tokens = completion.text, len(completion.token_ids)
-            if interrupted.is_set() and not output.finished:
+            if interrupted.is_set() and not output.finished:  # before printing: nothing appears after Ctrl-C
                 self.llm.abort(output.request_id)
                 stream.close()
                 return printed, num_tokens, time.perf_counter() - start, True
+            completion = output.outputs[0]
+            _write(completion.text[len(printed):])
+            printed, num_tokens = completion.text, len(completion.token_ids)
         return printed, num_tokens, time.perf_counter() - start, False
 
 

@@ -1,18 +1,28 @@
-"""The `deltaserve` command (DESIGN.md section 5). Errors: one line on stderr, exit code 2."""
+"""The `deltaserve` command (DESIGN.md section 5). Errors: one line on stderr, exit code 2 for a bad input (a
+ValueError or OSError), 1 for anything else; DELTASERVE_DEBUG=1 prints the traceback instead.
+
+Arguments are parsed before torch or the engine is imported, so --help and a mistyped option answer at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
 from deltaserve.config import QUANTIZATION_METHODS, EngineConfig
 from deltaserve.entrypoints.chat import add_chat_options, cmd_chat
+from deltaserve.entrypoints.sampling_options import add_sampling_options, sampling_defaults
 from deltaserve.entrypoints.openai.command import add_serve_options, cmd_serve
 from deltaserve.parity.commands import add_parity_parser, cmd_parity
 from deltaserve.sampling_params import SamplingParams
+
+
+DEFAULT_PROMPT = "Once upon a time"
+GENERATE_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}  # greedy, where the model folder sets nothing
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
@@ -66,13 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for prompts")
     _engine_options(gen)
-    gen.add_argument("--prompt", action="append", default=[], help="a text prompt (repeatable)")
+    gen.add_argument("--prompt", action="append", default=[],
+                     help=f"a text prompt (repeatable; with no prompt at all: {DEFAULT_PROMPT!r}, said on stderr)")
     gen.add_argument("--prompt-token-ids", action="append", type=_token_ids, default=[],
                      help="a prompt as comma-separated token ids (repeatable)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--max-tokens", type=int, default=64, help="the most tokens to generate per prompt (default 64)")
+    add_sampling_options(gen, GENERATE_SAMPLING)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     bench = sub.add_parser("bench", help="measure TTFT, TPOT, throughput and the bandwidth floor")
@@ -99,10 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _make_llm(args, progress=None):
+def _make_llm(args):
     from deltaserve.entrypoints.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, progress=progress, max_model_len=args.max_model_len,
+    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
                threads=args.threads, load_format=args.load_format,
@@ -115,9 +124,12 @@ def _make_llm(args, progress=None):
 def cmd_generate(args) -> None:
     prompts = list(args.prompt) + [{"prompt_token_ids": ids} for ids in args.prompt_token_ids]
     if not prompts:
-        prompts = ["Once upon a time"]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+        print(f"no --prompt given: generating from {DEFAULT_PROMPT!r}", file=sys.stderr)
+        prompts = [DEFAULT_PROMPT]
+    params = SamplingParams(max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
+                            **sampling_defaults(args, GENERATE_SAMPLING))
+    # the prompts are all there is to run: no more KDA slots to allocate, nor CUDA graphs to capture, than them
+    args.max_num_seqs = min(args.max_num_seqs, len(prompts))
     llm = _make_llm(args)
     try:
         start = time.perf_counter()
@@ -182,16 +194,27 @@ COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "make-tiny": cmd_make_
             "serve": lambda args: cmd_serve(args, _make_llm), "chat": lambda args: cmd_chat(args, _make_llm)}
 
 
+DEBUG_ENV = "DELTASERVE_DEBUG"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    debug = os.environ.get(DEBUG_ENV, "0") not in ("", "0")
     try:
         status = COMMANDS[args.command](args)  # a command returns None (success) or its exit code
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:
+        if debug:
+            raise
+        if isinstance(e, (ValueError, OSError)):  # a bad input: the message says what to do
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        message = " ".join(str(e).split()) or "(no message)"
+        print(f"error: {type(e).__name__}: {message} (an internal error; {DEBUG_ENV}=1 shows the traceback)",
+              file=sys.stderr)
+        return 1
     return status or 0
 
 

@@ -11,7 +11,7 @@ from deltaserve.config import EngineConfig
 from deltaserve.core.engine import Engine
 from deltaserve.core.outputs import RequestOutput
 from deltaserve.entrypoints.chat_tools import chat_completion_output, render_chat_prompt
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import SamplingParams, generation_defaults
 
 Prompt = str | dict  # text, or {"prompt_token_ids": [...]}
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo-model"
@@ -37,6 +37,7 @@ class LLM:
             # waits for that thread to be scheduled: a hundred times slower
             engine_options["threads"] = 1
         model, config = str(model or BUNDLED_MODEL), EngineConfig(dtype=dtype, device=device, **engine_options)
+        self.generation_defaults = generation_defaults(model)  # before the load: a bad file fails fast
         if config.tensor_parallel_size == 1:
             self.engine, self._workers = Engine(model, config, progress), None
         else:
@@ -44,6 +45,11 @@ class LLM:
 
             self.engine, self._workers = start_engine(model, config, progress)
         self.tokenizer = self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model folder's generation_config.json defaults (temperature, top_p, ...; the
+        class's own where it has none): what generate, stream and chat use when given no sampling_params."""
+        return SamplingParams(**self.generation_defaults)
 
     def shutdown(self) -> None:
         """Stop the worker processes of tensor parallel (a no-op on one process); the LLM is unusable after."""
@@ -96,7 +102,7 @@ class LLM:
 
     def _add(self, prompts, sampling_params) -> list[str]:
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams; pass one, or one per prompt")

@@ -6,6 +6,8 @@ Both kinds of attention, a dense first layer, grouped MoE with a shared expert; 
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -57,13 +59,26 @@ def tiny_raw_config(ids, layout: str) -> dict:
 
 
 def make_tiny(out: str | Path, seed: int = 0, layout: str = "moonshot") -> Path:
+    """Write the model into a new folder beside `out`, renamed to `out` once complete: a failure leaves nothing."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"{out} exists and is not empty; pass a new folder")
-    ids = train_tiny_tokenizer(out, TINY_VOCAB)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not empty (or not a folder); pass a new folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    try:
+        _write_tiny(staging, seed, layout)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _write_tiny(folder: Path, seed: int, layout: str) -> None:
+    ids = train_tiny_tokenizer(folder, TINY_VOCAB)
     raw = tiny_raw_config(ids, layout)
     cfg = ModelConfig.from_dict(raw)
     model = build_model(cfg, torch.float32, "cpu")
     init_dummy_weights(model, seed, std=0.1)  # larger than real inits, so that layers visibly matter
-    save_checkpoint(model, cfg, raw, out, layout)
-    return out
+    save_checkpoint(model, cfg, raw, folder, layout)

@@ -33,7 +33,11 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device
         param.data = param.data.to(torch.float32 if name.rsplit(".", 1)[-1] in FLOAT32_PARAMS else dtype)
     if cfg.quantization is not None:
         quantize_model(model, cfg.quantization)
-    return model if str(device) == "meta" else model.to_empty(device=device)
+    if str(device) == "meta":
+        return model
+    # model.to_empty(device), but through torch.empty: empty_like of a meta tensor runs PyTorch's Python reference,
+    # whose first call imports sympy (a second of every start-up)
+    return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
 
 
 def load_model(folder: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: str,

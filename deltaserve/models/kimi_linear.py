@@ -51,7 +51,8 @@ class KimiLinearForCausalLM(nn.Module):
         so every rank ends a step with the same logits."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # from an empty tensor: Embedding's own random init on the meta device imports torch._dynamo (a second)
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.hidden_size), freeze=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, gemv=False)  # cuBLAS streams it faster

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.parity.defaults import REFERENCES
 from deltaserve.parity.logits import top2
 
-REFERENCES = ("transformers", "deltaserve")
 _MAX_BATCH = 8
 
 

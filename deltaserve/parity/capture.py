@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from deltaserve.parity.backends import open_backend
+from deltaserve.parity.defaults import DEFAULT_TOPK
 from deltaserve.parity.golden import Golden, GoldenPrompt
 from deltaserve.parity.logits import topk_logprobs
-
-DEFAULT_TOPK = 256  # reference log-probabilities kept per output token: the whole vocabulary of small test models
 
 
 def capture(model_dir: str, prompts: list[list[int]], max_tokens: int, reference: str, dtype: str,

@@ -16,10 +16,6 @@ from dataclasses import dataclass
 from deltaserve.parity.golden import Golden, GoldenPrompt
 from deltaserve.parity.logits import coarse_kl, logit_gap
 
-# Per regime, 3x the 99th percentile of its per-position max |logit error| against the float32 reference, measured
-# on small random models (BENCHMARKS.md, "Parity"; reproduce with benchmarks/parity_tie_margin.py).
-DEFAULT_TIE_MARGINS = {"float32": 4.4e-5, "bfloat16": 6.2}
-
 
 @dataclass
 class Divergence:

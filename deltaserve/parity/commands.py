@@ -10,9 +10,7 @@ import argparse
 import sys
 
 from deltaserve.config import QUANTIZATION_METHODS
-from deltaserve.parity.backends import REFERENCES
-from deltaserve.parity.capture import DEFAULT_TOPK
-from deltaserve.parity.check import DEFAULT_TIE_MARGINS
+from deltaserve.parity.defaults import DEFAULT_TIE_MARGINS, DEFAULT_TOPK, REFERENCES
 
 REGIMES = ("float32", "bfloat16")
 

@@ -10,9 +10,15 @@ it, prefill and mixed steps run eagerly.
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from deltaserve.runner.forward_batch import ForwardBatch, HostBatch
+from deltaserve.runner.startup import phase_bar
+
+log = logging.getLogger("deltaserve")
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MAX_TABLE_BYTES = 256 << 20  # the static block table: 134 MB for 256 requests of 1M tokens in pages of 16
@@ -59,22 +65,32 @@ class DecodeGraphs:
         self.pool = None
 
     def capture(self) -> None:
-        """Capture every size, largest first, sharing one memory pool."""
+        """Capture every size, largest first, sharing one memory pool; log the seconds of the warm-up runs (where
+        kernels compile and tune) and of the captures."""
         from deltaserve.kernels.quant.experts import decode_graph_capture
 
         with decode_graph_capture():
-            self._capture_all()
+            warm_up, capture = self._capture_all()
+        sizes = ",".join(map(str, self.sizes))
+        log.info("start-up: compile and tune %.2f s, in the warm-up runs of batch sizes %s", warm_up, sizes)
+        log.info("start-up: graph capture %.2f s, %d graphs", capture, len(self.sizes))
 
-    def _capture_all(self) -> None:
-        for size in reversed(self.sizes):
+    def _capture_all(self) -> tuple[float, float]:
+        warm_up = capture = 0.0
+        for size in phase_bar(list(reversed(self.sizes)), "capturing CUDA graphs", unit="graph"):
             batch = self._batch(size)
+            start = time.perf_counter()
             for _ in range(2):  # warm up: Triton autotuning and lazy init stay out of the graph
                 self._forward(size, batch)
+            torch.cuda.synchronize(self.device)
+            warmed = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.logits[size] = self._forward(size, batch)
             self.pool = graph.pool()
             self.graphs[size] = graph
+            warm_up, capture = warm_up + warmed - start, capture + time.perf_counter() - warmed
+        return warm_up, capture
 
     def can_run(self, host: HostBatch) -> bool:
         return (all(n == 1 for n in host.query_lens) and host.num_seqs <= self.sizes[-1]

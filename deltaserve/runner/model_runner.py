@@ -23,11 +23,13 @@ from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce, check_divisible
 from deltaserve.kernels import cpu_gemv
 from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, row_generators, sample
+from deltaserve.kernels.tuning_cache import persist_tuning, restore_tuning
 from deltaserve.kernels.varlen import to_device
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
 from deltaserve.runner.cuda_graph import DecodeGraphs, graph_width
 from deltaserve.runner.forward_batch import ForwardBatch, HostBatch, cache_slot
 from deltaserve.runner.logprobs import prompt_logprobs, sampled_logprobs
+from deltaserve.runner.startup import phase
 from deltaserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -72,9 +74,12 @@ class ModelRunner:
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
         # the last page and slot are scratch space for the padding rows of CUDA graphs; never handed out
-        self.caches = allocate_caches(model, plan.num_blocks + 1, plan.block_size, plan.num_slots + 1, dtype,
-                                      self.device)
-        self.snapshots = self._allocate_snapshots()
+        with phase("cache allocation"):
+            self.caches = allocate_caches(model, plan.num_blocks + 1, plan.block_size, plan.num_slots + 1, dtype,
+                                          self.device)
+            self.snapshots = self._allocate_snapshots()
+        # kernels tuned by an earlier run on this GPU (and Triton) skip their tuning
+        tuning = restore_tuning(self.device) if self.device.type == "cuda" else None
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else None
@@ -103,6 +108,7 @@ class ModelRunner:
                                        plan.num_blocks, self.device, num_stages=num_decode_steps)
             with torch.inference_mode():
                 self.graphs.capture()
+            persist_tuning(tuning)  # now as well as at exit: a process that is killed keeps these
 
     @staticmethod
     def load_model(folder: str, model_config: ModelConfig, engine: EngineConfig, progress=None,

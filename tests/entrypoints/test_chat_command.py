@@ -60,7 +60,7 @@ def test_two_turns_stream_the_template_answers_then_exit(tiny_model, make_llm):
 
 
 def test_ctrl_c_stops_the_answer_not_the_program(tiny_model, make_llm):
-    question = "Tell me a long story"
+    question = "Tell me a very long story about a dragon"
     full = make_llm(max_model_len=4096).chat([{"role": "user", "content": question}],
                                              SamplingParams(max_tokens=4000, temperature=0))
     num_full = len(full.outputs[0].token_ids)

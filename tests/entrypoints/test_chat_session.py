@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 from deltaserve import SamplingParams
 from deltaserve.entrypoints.chat import ChatSession
 from deltaserve.tokenizer.chat_template import ChatTemplate
@@ -34,3 +37,34 @@ def test_a_chat_the_template_refuses_is_reported_not_raised(capsys):
     assert session.messages == [{"role": "system", "content": "be brief"}] and session.llm.prompts == []
     assert "error: chat template in chat_template.jinja rejected the chat: system messages are not supported" in (
         capsys.readouterr().err)
+
+
+class _Output:
+    def __init__(self, text: str, finished: bool = False):
+        self.request_id, self.finished = "0", finished
+        self.outputs = [type("Completion", (), {"text": text, "token_ids": text.split()})()]
+
+
+class _InterruptedLLM(_LLM):
+    """Streams three outputs; Ctrl-C arrives while the second is computed."""
+
+    def __init__(self):
+        super().__init__("{% for m in messages %}{{ m.content }}{% endfor %}")
+        self.aborted = []
+
+    def stream(self, prompt, params):
+        yield _Output("In the")
+        os.kill(os.getpid(), signal.SIGINT)  # the session's handler sets its flag
+        yield _Output("In the beginning God")
+        yield _Output("In the beginning God created", finished=True)
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+def test_after_ctrl_c_no_more_words_are_printed(capsys):
+    session = ChatSession(_InterruptedLLM(), SamplingParams())
+    assert session.answer("hello") == "In the"
+    out, err = capsys.readouterr()
+    assert out == "In the\n" and "[2 tokens" in err and "stopped]" in err
+    assert session.llm.aborted == ["0"] and session.messages[-1] == {"role": "assistant", "content": "In the"}

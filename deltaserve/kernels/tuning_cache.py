@@ -1,0 +1,156 @@
+"""Triton autotuning decisions kept on disk, so that a machine tunes each kernel and shape once.
+
+triton.autotune times every candidate tile the first time a kernel meets a new key (its shape arguments and
+dtypes), in every new process: tens of seconds of a GPU's cold start over our GEMV, router and MoE kernels and
+fla-core's KDA kernels. Each autotuner keeps its choices in `.cache` ({key tuple: the chosen triton.Config}); this
+module writes them to one JSON file per GPU name and Triton version (under ~/.cache/deltaserve/autotune) and puts
+them back into the autotuners of a new process before its first launch.
+
+A kernel's entry records which of its candidates was chosen (an index) and a hash of the candidate list, so a
+kernel whose candidates changed tunes again rather than take a stale index. Works on anything with `.configs`
+(a list) and `.cache` (a dict): the tests use a fake tuner; find_autotuners() finds triton's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("deltaserve")
+
+TUNED_MODULES = ("deltaserve.kernels", "fla.")  # whose module-level autotuners are kept
+
+
+def decisions_path(gpu_name: str, triton_version: str) -> Path:
+    """~/.cache/deltaserve/autotune/<gpu>-triton-<version>.json ($XDG_CACHE_HOME instead of ~/.cache if set)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{gpu_name}-triton-{triton_version}")
+    return base / "deltaserve" / "autotune" / f"{safe}.json"
+
+
+def find_autotuners(prefixes: tuple[str, ...] = TUNED_MODULES) -> dict[str, object]:
+    """The triton Autotuners defined at module level in the loaded modules under prefixes (through heuristics and
+    other wrappers, which hold the kernel as .fn), by "module.name"."""
+    from triton.runtime.autotuner import Autotuner
+
+    found = {}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith(prefixes):
+            continue
+        for attr, value in list(vars(module).items()):
+            for _ in range(4):  # a wrapper's .fn, a few deep
+                if isinstance(value, Autotuner):
+                    found[f"{module_name}.{attr}"] = value
+                    break
+                value = getattr(value, "fn", None)
+    return found
+
+
+def load_decisions(path: Path, tuners: dict[str, object]) -> int:
+    """Put the decisions stored at path into tuners whose candidates are unchanged; returns how many."""
+    stored = _read(path)
+    restored = 0
+    for name, tuner in tuners.items():
+        entry = stored.get(name)
+        if not entry or entry.get("candidates") != _candidates_hash(tuner):
+            continue
+        for key, index in entry["chosen"]:
+            tuner.cache.setdefault(_as_tuple(key), tuner.configs[index])
+            restored += 1
+    return restored
+
+
+def save_decisions(path: Path, tuners: dict[str, object]) -> int:
+    """Add the tuners' decisions to the file at path (written whole, then renamed); returns how many it holds."""
+    stored = _read(path)
+    for name, tuner in tuners.items():
+        chosen = [[list(key), _index(tuner, config)] for key, config in tuner.cache.items() if _storable(key)]
+        chosen = [pair for pair in chosen if pair[1] is not None]
+        entry = stored.get(name)
+        if entry and entry.get("candidates") == _candidates_hash(tuner):  # keep what other processes tuned
+            known = {json.dumps(key) for key, _ in chosen}
+            chosen += [pair for pair in entry["chosen"] if json.dumps(pair[0]) not in known]
+        if chosen:
+            stored[name] = {"candidates": _candidates_hash(tuner), "chosen": chosen}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".partial", delete=False) as f:
+        json.dump(stored, f, indent=0, sort_keys=True)
+    os.replace(f.name, path)
+    return sum(len(entry["chosen"]) for entry in stored.values())
+
+
+def _read(path: Path) -> dict:
+    try:
+        stored = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:  # a damaged file costs a new tuning, never a failed start
+        log.warning("ignoring the autotuning decisions in %s (%s); kernels tune again", path, e)
+        return {}
+    return stored if isinstance(stored, dict) else {}
+
+
+def _candidates_hash(tuner) -> str:
+    return hashlib.sha256("|".join(str(config) for config in tuner.configs).encode()).hexdigest()[:16]
+
+
+def _index(tuner, config) -> int | None:
+    for i, candidate in enumerate(tuner.configs):
+        if candidate is config or str(candidate) == str(config):
+            return i
+    return None
+
+
+def _storable(key) -> bool:
+    try:
+        return isinstance(key, tuple) and _as_tuple(json.loads(json.dumps(list(key)))) == key
+    except (TypeError, ValueError):
+        return False
+
+
+def _as_tuple(value):
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
+
+
+def restore_tuning(device) -> Path:
+    """On a GPU: import the kernel modules that tune (ours, fla-core's KDA), put this GPU's and Triton's stored
+    decisions into them, and have the decisions saved again at exit (with those tuned meanwhile). Returns the file."""
+    import atexit
+
+    import torch
+    import triton
+
+    _import_tuned_kernels()
+    path = decisions_path(torch.cuda.get_device_name(device), triton.__version__)
+    restored = load_decisions(path, find_autotuners())
+    log.info("autotuning: %d stored decisions from %s", restored, path)
+    atexit.register(persist_tuning, path)
+    return path
+
+
+def persist_tuning(path: Path) -> None:
+    """Save every loaded autotuner's decisions to path; a failure is a warning (the next start tunes again)."""
+    try:
+        save_decisions(path, find_autotuners())
+    except OSError as e:
+        log.warning("could not save the autotuning decisions to %s (%s)", path, e)
+
+
+def _import_tuned_kernels() -> None:
+    import importlib
+    import pkgutil
+
+    import deltaserve.kernels
+
+    names = [m.name for m in pkgutil.walk_packages(deltaserve.kernels.__path__, "deltaserve.kernels.")]
+    for name in names + ["fla.ops.kda"]:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # fla-core is optional, and a module that cannot load never runs: no failed start
+            log.debug("not restoring the tuning of %s: %s", name, e)

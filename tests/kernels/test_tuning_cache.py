@@ -1,0 +1,93 @@
+"""Autotuning decisions on disk (kernels/tuning_cache.py), with a fake tuner: what one process tuned, the next
+gets back before it launches; a changed candidate list or a damaged file means tuning again, never a wrong tile."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deltaserve.kernels.tuning_cache import decisions_path, load_decisions, save_decisions
+
+
+class FakeConfig:
+    def __init__(self, tile: int):
+        self.tile = tile
+
+    def __str__(self) -> str:
+        return f"TILE: {self.tile}, num_warps: 4"
+
+
+class FakeTuner:
+    """What triton's Autotuner offers: its candidates, and the chosen one per key (shape arguments and dtypes)."""
+
+    def __init__(self, tiles=(16, 32, 64)):
+        self.configs = [FakeConfig(t) for t in tiles]
+        self.cache = {}
+
+
+def test_decisions_come_back_in_a_new_process(tmp_path):
+    path = tmp_path / "gpu.json"
+    tuned = FakeTuner()
+    tuned.cache = {(1, 2304, "torch.bfloat16"): tuned.configs[2], (64, 2304, "torch.bfloat16"): tuned.configs[0]}
+    assert save_decisions(path, {"gemv": tuned}) == 2
+    fresh = FakeTuner()
+    assert load_decisions(path, {"gemv": fresh, "unknown": FakeTuner()}) == 2
+    assert fresh.cache == {(1, 2304, "torch.bfloat16"): fresh.configs[2],
+                           (64, 2304, "torch.bfloat16"): fresh.configs[0]}
+
+
+def test_saving_keeps_what_other_processes_tuned(tmp_path):
+    path = tmp_path / "gpu.json"
+    first, second = FakeTuner(), FakeTuner()
+    first.cache = {(1,): first.configs[1]}
+    second.cache = {(8,): second.configs[2], (1,): second.configs[0]}
+    save_decisions(path, {"k": first})
+    assert save_decisions(path, {"k": second}) == 2
+    fresh = FakeTuner()
+    load_decisions(path, {"k": fresh})
+    assert fresh.cache == {(8,): fresh.configs[2], (1,): fresh.configs[0]}, "the newer decision for (1,) wins"
+
+
+def test_a_kernel_whose_candidates_changed_tunes_again(tmp_path):
+    path = tmp_path / "gpu.json"
+    tuned = FakeTuner()
+    tuned.cache = {(1,): tuned.configs[2]}
+    save_decisions(path, {"k": tuned})
+    changed = FakeTuner(tiles=(16, 32, 128))
+    assert load_decisions(path, {"k": changed}) == 0 and changed.cache == {}
+
+
+def test_a_damaged_file_is_ignored_and_replaced(tmp_path):
+    path = tmp_path / "gpu.json"
+    path.write_text("{not json")
+    fresh = FakeTuner()
+    assert load_decisions(path, {"k": fresh}) == 0
+    fresh.cache = {(1,): fresh.configs[0]}
+    assert save_decisions(path, {"k": fresh}) == 1
+    assert list(json.loads(path.read_text())) == ["k"] and [p.name for p in tmp_path.iterdir()] == ["gpu.json"]
+
+
+def test_unstorable_keys_are_skipped(tmp_path):
+    tuned = FakeTuner()
+    tuned.cache = {(1, object()): tuned.configs[0], (2,): tuned.configs[1]}
+    assert save_decisions(tmp_path / "gpu.json", {"k": tuned}) == 1
+
+
+def test_the_file_is_per_gpu_and_triton_version(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    h200, h100 = decisions_path("NVIDIA H200", "3.5.0"), decisions_path("NVIDIA H100 80GB HBM3", "3.5.0")
+    assert h200 == tmp_path / "deltaserve" / "autotune" / "NVIDIA_H200-triton-3.5.0.json"
+    assert len({h200, h100, decisions_path("NVIDIA H200", "3.6.0")}) == 3
+
+
+def test_find_autotuners_finds_our_tuned_kernels():
+    pytest.importorskip("triton")
+    import deltaserve.kernels.gemv  # noqa: F401
+    import deltaserve.kernels.moe.triton_decode  # noqa: F401
+    from deltaserve.kernels.tuning_cache import find_autotuners
+
+    found = find_autotuners()
+    assert {"deltaserve.kernels.gemv._gemv_kernel", "deltaserve.kernels.gemv._fp8_gemv_kernel"} <= set(found)
+    assert any(name.startswith("deltaserve.kernels.moe.triton_decode.") for name in found)
+    assert all(isinstance(t.configs, list) and isinstance(t.cache, dict) for t in found.values())
