@@ -10,6 +10,52 @@ from pathlib import Path
 MAX_LOGPROBS = 20
 # the fields of a model folder's generation_config.json that set sampling defaults (those vLLM reads too)
 GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+MAX_CHOICES = 1024  # StructuredOutputsParams.choice: alternatives per request
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What a constrained request's output must match: exactly one of a JSON schema (a dict or its JSON text), any
+    JSON object (json_object), a regular expression, one of a list of strings (choice) or an EBNF grammar (vLLM's
+    `structured_outputs` shape). Checked for shape here; deltaserve.structured checks and compiles the content."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams: set exactly one of json, regex, choice, grammar or "
+                             f"json_object; got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"StructuredOutputsParams.json is {type(self.json).__name__}: pass a JSON schema as a "
+                             "dict or as JSON text")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutputsParams.{name} = {value!r:.80}: must be a non-empty string")
+        if self.choice is not None and not (0 < len(self.choice) <= MAX_CHOICES
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"StructuredOutputsParams.choice = {self.choice!r:.80}: must be 1 to {MAX_CHOICES} "
+                             "non-empty strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what a compiled grammar is cached by."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            return "json", text
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        return ("regex", self.regex) if self.regex is not None else ("grammar", self.grammar)
 
 
 @dataclass
@@ -29,6 +75,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per sampled token (the sampled one is always included)
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # constrain the output (deltaserve.structured)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -74,6 +121,8 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:
@@ -84,6 +133,11 @@ class SamplingParams:
         """Whether any penalty is on: the sampler then needs the prompt and output tokens so far."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+    @property
+    def host_between_tokens(self) -> bool:
+        """Whether the host must see each token before the next is sampled (logprobs, stop strings, penalties, a
+        grammar): such a request keeps its batch out of decode bursts."""
+        return self.logprobs is not None or bool(self.stop) or self.penalized or self.structured_outputs is not None
 
 def generation_defaults(folder: str | os.PathLike) -> dict:
     """The sampling defaults that the model folder's generation_config.json sets (GENERATION_CONFIG_FIELDS), checked

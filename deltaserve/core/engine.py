@@ -8,6 +8,11 @@ With asynchronous scheduling (EngineConfig.async_scheduling), a step whose reque
 decodes and the last chunks of prompts) first queues the decode burst that follows it (Scheduler.schedule_chained)
 and only then waits for its own tokens, so the device computes the burst while the host applies, detokenizes and
 returns this step's. The next step() then starts from that burst in flight instead of scheduling.
+
+Structured outputs (deltaserve.structured): a constrained request waits outside the scheduler until its grammar has
+compiled on the manager's thread pool, so a slow schema never stalls the others' steps; the runner masks its logits
+each time it samples (runner.logits_processor), _apply advances its matcher with the tokens the scheduler accepted,
+and its matcher is released when it finishes or is aborted.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +35,8 @@ from deltaserve.loader.model_loader import DTYPES
 from deltaserve.request import Request, RequestStatus
 from deltaserve.runner.model_runner import ModelRunner, PendingOutput
 from deltaserve.runner.startup import ProgressBar, phase
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
+from deltaserve.structured.manager import StructuredOutputManager
 from deltaserve.tokenizer import load_tokenizer
 from deltaserve.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -81,6 +88,8 @@ class Engine:
             async_scheduling = engine_config.device != "cpu"
         self.async_scheduling = async_scheduling and parallel.world_size == 1
         self._inflight: tuple[SchedulerOutput, PendingOutput] | None = None  # a chained burst, queued
+        self.structured: StructuredOutputManager | None = None  # made at the first constrained request
+        self._compiling: dict[str, tuple[Request, Future]] = {}  # constrained requests whose grammar compiles
 
     def _load(self, model: str, progress=None):
         """The weights, timed as a start-up phase; a bar over the tensors unless the caller draws its own."""
@@ -102,7 +111,10 @@ class Engine:
         self._check_prompt(prompt_token_ids, params)
         req_id = request_id if request_id is not None else str(next(self._ids))
         req = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids)
-        self.scheduler.add_request(req)
+        if params.structured_outputs is None:
+            self.scheduler.add_request(req)
+        else:
+            self._add_constrained(req, params.structured_outputs)
         detok = None if self.tokenizer is None else IncrementalDetokenizer(
             self.tokenizer, prompt_token_ids, skip_special_tokens=True, stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output)
@@ -115,6 +127,55 @@ class Engine:
     def abort(self, req_id: str) -> None:
         self.scheduler.abort_request(req_id)
         self._tracked.pop(req_id, None)
+        self._compiling.pop(req_id, None)
+        if self.structured is not None:
+            self.structured.release(req_id)
+
+    def structured_outputs(self) -> StructuredOutputManager:
+        """The structured-outputs manager (made now if this is the first use; xgrammar loads on its pool)."""
+        if self.structured is None:
+            self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                      self.eos_token_ids)
+            self.runner.logits_processor = self.structured
+        return self.structured
+
+    def _add_constrained(self, req: Request, spec: StructuredOutputsParams) -> None:
+        """Admit req once its grammar is compiled (now, if it is cached); ValueError for a constraint refused."""
+        if self.parallel.world_size > 1:
+            raise ValueError("structured outputs run on one process: the other tensor-parallel ranks sample without "
+                             "the grammar's mask; use tensor_parallel_size 1")
+        if req.sampling_params.ignore_eos:
+            raise ValueError("ignore_eos cannot go with structured outputs: the output ends where its grammar does")
+        if req.req_id in self._compiling:
+            raise ValueError(f"request id {req.req_id!r} is already in the engine; give each request a unique id")
+        self.scheduler.check_admissible(req)
+        future = self.structured_outputs().submit(spec)
+        if future.done():
+            self._admit(req, future)
+        else:
+            self._compiling[req.req_id] = (req, future)
+
+    def _admit(self, req: Request, future: Future) -> None:
+        compiled = future.result()  # a ValueError naming what is wrong when it failed
+        self.scheduler.add_request(req)
+        self.structured.start(req.req_id, compiled)
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Admit the requests whose grammar has compiled; one finished ("abort") output each for those whose grammar
+        failed. With nothing else to run, first wait a little for one to compile."""
+        if self._compiling and self._inflight is None and not self.scheduler.has_unfinished_requests():
+            wait([future for _, future in self._compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        failed = []
+        for req_id, (req, future) in list(self._compiling.items()):
+            if future.done():
+                del self._compiling[req_id]
+                try:
+                    self._admit(req, future)
+                except ValueError as e:
+                    log.warning("request %s: its constraint cannot be used, aborted: %s", req_id, e)
+                    req.status = RequestStatus.FINISHED_ABORTED
+                    failed.append(self._output(self._tracked[req_id], time.monotonic()))
+        return failed
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
@@ -122,15 +183,20 @@ class Engine:
         return self.scheduler.cache.prefix_cache_stats()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._compiling)
 
     def step(self) -> list[RequestOutput]:
+        failed = self._admit_compiled() if self._compiling else []
+        busy = self.scheduler.has_unfinished_requests() or self._inflight is not None
+        return failed + self._step() if busy else failed
+
+    def _step(self) -> list[RequestOutput]:
         if self._inflight is not None:
             sched, pending = self._inflight
             self._inflight = None
             if not any(r in self.scheduler.requests for r in sched.num_scheduled_tokens):
                 self._apply(sched, pending)  # every request of the burst in flight has left: nothing to output
-                return self.step()
+                return self._step()
         else:
             sched = self.scheduler.schedule()
             if not sched.num_scheduled_tokens:
@@ -160,6 +226,7 @@ class Engine:
                 continue
             tracked.metrics.setdefault("first_token_time", now)
             self._add_logprobs(tracked, runner_out.logprobs.get(req.req_id, []))
+            self._advance_grammar(req, new_ids)
             self._detokenize(tracked, new_ids)
             outputs.append(self._output(tracked, now))
         return outputs
@@ -188,6 +255,13 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer and this model folder has none; "
                              "use stop_token_ids instead")
+
+    def _advance_grammar(self, req: Request, new_ids: list[int]) -> None:
+        """Move a constrained request's matcher over its new tokens; a token its grammar refuses (the mask allowed
+        it: a bug) ends the request rather than letting it continue outside the grammar."""
+        if self.structured is not None and not self.structured.accept(req.req_id, new_ids):
+            log.error("request %s: the grammar refused a sampled token %s; aborting it", req.req_id, new_ids)
+            self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_ABORTED)
 
     def _detokenize(self, tracked: _Tracked, new_ids: list[int]) -> None:
         if tracked.detokenizer is None:
@@ -230,6 +304,8 @@ class Engine:
         if finished:
             tracked.metrics["finish_time"] = now
             self._tracked.pop(req.req_id, None)
+            if self.structured is not None:
+                self.structured.release(req.req_id)
         text = tracked.detokenizer.output_text if tracked.detokenizer else ""
         completion = CompletionOutput(0, text, list(req.output_token_ids), req.finish_reason, req.stop_reason,
                                       list(tracked.logprobs) if tracked.logprobs is not None else None,

@@ -26,8 +26,8 @@ preempted request's full pages stay cached, so its recompute usually starts from
 Length limits (as vLLM): a prompt of max_model_len tokens or more is rejected; generation is capped by
 finishing with 'length' when the request reaches max_model_len tokens (or max_tokens outputs).
 
-Decode bursts. When every running request decodes (one token left to compute) without penalties, logprobs or stop
-strings, and nothing waits, the step may be a burst of up to num_decode_steps decode steps: each request gets the
+Decode bursts. When every running request decodes (one token left to compute) without penalties, logprobs, stop
+strings or a grammar (SamplingParams.host_between_tokens), and nothing waits, the step may be a burst of up to num_decode_steps decode steps: each request gets the
 pages for all of them now, the runner feeds each step's token to the next on the device and returns them
 all after one sync, and update_from_output appends them as if they came one step at a time (a stop token or the
 length limit finishes the request there; the tokens computed after it are dropped with its cache). A burst never
@@ -89,7 +89,7 @@ class Scheduler:
 
     def add_request(self, req: Request) -> None:
         """Queue req, or raise ValueError if it can never run (empty, too long, larger than the cache)."""
-        self._check_admissible(req)
+        self.check_admissible(req)
         req.status = RequestStatus.WAITING
         self.requests[req.req_id] = req
         self.waiting.append(req)
@@ -209,7 +209,7 @@ class Scheduler:
         for req in self.running:
             params = req.sampling_params
             if (out.num_scheduled_tokens.get(req.req_id) != 1 or req.num_computed_tokens + 1 != req.num_tokens
-                    or params.logprobs is not None or params.stop or params.penalized):
+                    or params.host_between_tokens):
                 return 1
             steps = min(steps, params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
         if steps <= 1:
@@ -240,8 +240,7 @@ class Scheduler:
         steps, chain = self.num_decode_steps, []
         for req in self.running:
             params, num_tokens = req.sampling_params, inflight.num_scheduled_tokens[req.req_id]
-            if req.num_computed_tokens + num_tokens != req.num_tokens or params.logprobs is not None or params.stop \
-                    or params.penalized:
+            if req.num_computed_tokens + num_tokens != req.num_tokens or params.host_between_tokens:
                 return None  # a prompt chunk short of its end samples nothing; the others never burst
             room = min(params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - produced
             if room < 1:
@@ -351,7 +350,8 @@ class Scheduler:
                 f"{req.num_tokens} tokens are computed; the runner must sample one token per request whose "
                 "last scheduled chunk reaches the end of its tokens")
 
-    def _check_admissible(self, req: Request) -> None:
+    def check_admissible(self, req: Request) -> None:
+        """ValueError if req can never run: a duplicate id, an empty prompt, too long, larger than the cache."""
         prompt_len = req.num_prompt_tokens
         if req.req_id in self.requests:
             raise ValueError(f"request id {req.req_id!r} is already in the engine; give each request a unique id")

@@ -107,6 +107,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams; pass one, or one per prompt")
         encoded = [self._encode(p) for p in prompts]
+        self._compile_grammars(params)
         req_ids = []
         try:
             for (text, ids), sp in zip(encoded, params):
@@ -115,6 +116,14 @@ class LLM:
             self._abort_all(req_ids)  # all or nothing: one rejected prompt leaves none of its batch queued
             raise
         return req_ids
+
+    def _compile_grammars(self, params: list[SamplingParams]) -> None:
+        """Compile every constraint first (in parallel, cached by the engine), so that a bad schema, regex or grammar
+        raises ValueError here, at the call, with nothing queued."""
+        specs = {p.structured_outputs.key: p.structured_outputs for p in params if p.structured_outputs is not None}
+        futures = [self.engine.structured_outputs().submit(spec) for spec in specs.values()]
+        for future in futures:
+            future.result()
 
     def _abort_all(self, req_ids: list[str]) -> None:
         for req_id in req_ids:

@@ -81,6 +81,9 @@ class ModelRunner:
         # kernels tuned by an earlier run on this GPU (and Triton) skip their tuning
         tuning = restore_tuning(self.device) if self.device.type == "cuda" else None
         self.requests: dict[str, RequestState] = {}
+        # logits_processor(req_ids, logits [B, V]) -> logits: called where single steps sample (structured outputs'
+        # token bitmask); decode bursts never carry a request it would change (SamplingParams.host_between_tokens)
+        self.logits_processor = None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else None
         if self.cpu_threads is not None:
@@ -355,6 +358,8 @@ class ModelRunner:
         states = [s for s, _ in sampling]
         params = [s.sampling_params for s in states]
         logits = logits_at([row for _, row in sampling])
+        if self.logits_processor is not None:
+            logits = self.logits_processor([s.req_id for s in states], logits)
         if plain_greedy(params):
             token_ids, result = logits.argmax(dim=-1), None
         else:

@@ -1,0 +1,87 @@
+"""xgrammar behind one small class: the tokenizer's vocabulary as xgrammar needs it, and a compile for each kind of
+constraint, with xgrammar's errors turned into one clear line.
+
+Traps of xgrammar 0.2.8 handled here: deltaserve's tokenizers are not transformers', so TokenizerInfo is built from
+the raw bytes of every id (VocabType.RAW) over the model's vocabulary (which may be larger than the tokenizer's: the
+extra ids get empty bytes, which xgrammar never allows), with the engine's stop ids; special tokens are passed as
+empty bytes (passed as their text, '<|im_end|>' was allowed inside a JSON string); JSON is compiled with
+any_whitespace off (by default a model could emit hundreds of spaces after '{'), so separators are exactly ', '
+and ': '.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from deltaserve.sampling_params import StructuredOutputsParams
+from deltaserve.structured.errors import GrammarError, StructuredOutputsUnavailable
+from deltaserve.structured.schema_check import parse_schema
+
+_JSON_OBJECT = '{"type": "object"}'
+# "[04:38:45] /project/cpp/regex_converter.cc:83: " and "Check failed: (error.empty()) is false: "
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: |Check failed: .*? is false: ")
+
+
+def import_xgrammar():
+    """The xgrammar module; StructuredOutputsUnavailable (a 400 naming the extra) when it cannot be imported."""
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise StructuredOutputsUnavailable(str(e)) from e
+    return xgrammar
+
+
+def param_name(spec: StructuredOutputsParams) -> str:
+    """The StructuredOutputsParams field a spec sets: what an error about it names."""
+    return spec.key[0]
+
+
+def checked(spec: StructuredOutputsParams) -> StructuredOutputsParams:
+    """spec, after the checks that need no xgrammar (a JSON schema's keywords); GrammarError names the problem."""
+    if spec.json is not None:
+        parse_schema(spec.json, "json")
+    return spec
+
+
+class GrammarBackend:
+    """xgrammar's compiler for one model: its vocabulary size, tokenizer and stop ids."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], max_threads: int = 1):
+        xgr = import_xgrammar()
+        special = tokenizer.all_special_ids
+        vocab = [b"" if i in special else tokenizer.id_to_bytes(i) for i in range(vocab_size)]
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
+                                 stop_token_ids=list(stop_token_ids))
+        self.xgr = xgr
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+
+    def compile(self, spec: StructuredOutputsParams):
+        """spec's CompiledGrammar; GrammarError (naming the field) when xgrammar refuses it."""
+        kind = param_name(spec)
+        try:
+            if kind in ("json", "json_object"):
+                schema = json.dumps(parse_schema(spec.json, "json")) if kind == "json" else _JSON_OBJECT
+                return self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+            if kind == "regex":
+                return self._compiler.compile_regex(spec.regex)
+            if kind == "choice":
+                alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+                return self._compiler.compile_grammar(f"root ::= {alternatives}")
+            return self._compiler.compile_grammar(spec.grammar)
+        except RuntimeError as e:  # xgrammar's C++ errors, with a timestamp and a source path
+            raise GrammarError(f"{kind}: {one_line(e)}", kind) from None
+
+    def matcher(self, compiled):
+        return self.xgr.GrammarMatcher(compiled)
+
+    def allocate_bitmask(self, num_rows: int):
+        """[num_rows, ceil(vocab_size / 32)] int32 on the CPU."""
+        return self.xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+
+
+def one_line(error: Exception) -> str:
+    """xgrammar's message without its C++ prefixes, on one line."""
+    lines = [_CPP_PREFIX.sub("", line).strip() for line in str(error).strip().splitlines()]
+    return " ".join(line for line in lines if line)[:500]

@@ -1,0 +1,89 @@
+"""StructuredOutputManager: the engine's side of structured outputs.
+
+Compiling happens on a small thread pool, never inside an engine step: submit() returns a Future (cached by the
+constraint, so a repeated schema compiles once), and a request waits for it outside the scheduler while the others
+step. Once compiled, a request gets a GrammarMatcher; at each step where it samples, the runner calls this object
+(its logits processor) with the step's logits, and the rows of constrained requests get their disallowed tokens
+set to -inf (kernels.token_bitmask, on the logits' device). The engine advances a matcher with every token the
+scheduler accepts and releases it when the request finishes or is aborted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from deltaserve.kernels.token_bitmask import apply_token_bitmask
+from deltaserve.kernels.varlen import to_device
+from deltaserve.sampling_params import StructuredOutputsParams
+from deltaserve.structured.backend import GrammarBackend, checked
+
+log = logging.getLogger("deltaserve")
+MAX_CACHED_GRAMMARS = 256
+COMPILE_THREADS = 2
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+        if tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer (the grammar is over text) and this model folder "
+                             "has none")
+        self._backend_args = (tokenizer, vocab_size, stop_token_ids)
+        self._backend: GrammarBackend | None = None  # built on a pool thread: it imports xgrammar (seconds)
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="deltaserve-grammar")
+        self._lock = threading.Lock()  # submit() comes from the server's thread, compiles from the pool's
+        self._backend_lock = threading.Lock()  # apart: building the backend takes seconds, submit() must not wait
+        self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._matchers: dict[str, object] = {}
+
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        """A Future of spec's compiled grammar (its exception a ValueError naming what is wrong); what needs no
+        xgrammar (a schema's keywords) is checked here and raised at once. Thread-safe."""
+        checked(spec)
+        with self._lock:
+            future = self._compiled.get(spec.key)
+            if future is None:
+                future = self._compiled[spec.key] = self._pool.submit(self._compile, spec)
+                while len(self._compiled) > MAX_CACHED_GRAMMARS:
+                    self._compiled.popitem(last=False)
+            self._compiled.move_to_end(spec.key)
+        return future
+
+    def _compile(self, spec: StructuredOutputsParams):
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = GrammarBackend(*self._backend_args)
+        return self._backend.compile(spec)
+
+    def start(self, req_id: str, compiled) -> None:
+        """Give req_id a matcher at the grammar's start (its future has completed)."""
+        self._matchers[req_id] = self._backend.matcher(compiled)
+
+    def accept(self, req_id: str, token_ids: list[int]) -> bool:
+        """Advance req_id's matcher over tokens the scheduler appended; False if the grammar refuses one (a bug:
+        the bitmask allowed it). A request without a matcher accepts anything."""
+        matcher = self._matchers.get(req_id)
+        return matcher is None or all(matcher.accept_token(t) for t in token_ids)
+
+    def release(self, req_id: str) -> None:
+        self._matchers.pop(req_id, None)
+
+    def __call__(self, req_ids: list[str], logits: torch.Tensor) -> torch.Tensor:
+        """The runner's logits processor: logits [B, V] of req_ids (one row each) with the constrained rows masked
+        to their grammar's next tokens; logits itself when no row is constrained."""
+        rows = [i for i, req_id in enumerate(req_ids) if req_id in self._matchers]
+        if not rows:
+            return logits
+        words = -(-self._backend.vocab_size // 32)
+        bitmask = torch.empty(len(rows), words, dtype=torch.int32, pin_memory=logits.device.type == "cuda")
+        for j, i in enumerate(rows):
+            self._matchers[req_ids[i]].fill_next_token_bitmask(bitmask, j)
+        device_rows = to_device(rows, torch.int64, logits.device)
+        return apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), device_rows)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
