@@ -9,7 +9,9 @@
     (a whole output at once: parser = parse_chat_output(text, prompt.parse_tool_calls))
 
 tool_choice "auto" (the default when tools are given) parses the model's tool calls out of its output;
-"none" leaves the output as content. The tools are declared in the prompt either way, as vLLM does.
+"none" leaves the output as content; "required" and a named function force a call: the output is constrained to
+JSON (prompt.forced.schema, through structured outputs) and read by forced_tools.ForcedToolCallParser. The tools
+are declared in the prompt either way, as vLLM does.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from deltaserve.core.outputs import CompletionOutput
+from deltaserve.entrypoints.forced_tools import ForcedToolCallParser, ForcedTools, forced_tools
 from deltaserve.tokenizer.base import Tokenizer
 from deltaserve.tokenizer.errors import ChatTemplateError
 from deltaserve.tokenizer.tool_calls import MARKERS, ParsedOutput, ToolCall, ToolCallStreamParser
 
-TOOL_CHOICES = ("auto", "none")
+TOOL_CHOICES = ("auto", "none", "required")
 
 
 class ToolRequestError(ChatTemplateError):
@@ -37,6 +40,7 @@ class ToolRequestError(ChatTemplateError):
 class ChatPrompt:
     text: str  # the rendered chat; encode with add_special_tokens=True
     parse_tool_calls: bool  # tool_choice "auto": read tool calls out of the output
+    forced: ForcedTools | None = None  # tool_choice "required" or a named function: the output's constraint
 
 
 @dataclass
@@ -50,18 +54,24 @@ class ChatCompletionOutput(CompletionOutput):
 def render_chat_prompt(tokenizer: Tokenizer, messages, tools=None, tool_choice=None,
                        add_generation_prompt: bool = True) -> ChatPrompt:
     """The prompt for a chat request; ValueError (a ChatTemplateError) names what is wrong with it."""
-    parse = _check_tool_choice(tool_choice, _check_tools(tools))
+    tools = _check_tools(tools)
+    parse = _check_tool_choice(tool_choice, tools)
     if parse:
         _check_markers_survive_detokenization(tokenizer)
+    try:
+        forced = forced_tools(tool_choice, tools)
+    except ValueError as e:
+        raise ToolRequestError(str(e), "tool_choice") from e
     text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
-    return ChatPrompt(text, parse)
+    return ChatPrompt(text, parse, forced)
 
 
 class ChatOutputParser:
     """One choice's output text, whole or in pieces, as an OpenAI assistant message and stream deltas."""
 
-    def __init__(self, parse_tool_calls: bool):
-        self._tool_parser = ToolCallStreamParser() if parse_tool_calls else None
+    def __init__(self, parse_tool_calls: bool, forced: ForcedTools | None = None):
+        self._tool_parser = ForcedToolCallParser(forced) if forced is not None else (
+            ToolCallStreamParser() if parse_tool_calls else None)
         self._text: list[str] = []
         self._finished = False
 
@@ -93,17 +103,18 @@ class ChatOutputParser:
         return "tool_calls" if called and engine_finish_reason == "stop" else engine_finish_reason
 
 
-def parse_chat_output(text: str, parse_tool_calls: bool) -> ChatOutputParser:
+def parse_chat_output(text: str, parse_tool_calls: bool, forced: ForcedTools | None = None) -> ChatOutputParser:
     """A finished parser of a whole output text: ask it for message(), result() or finish_reason()."""
-    parser = ChatOutputParser(parse_tool_calls)
+    parser = ChatOutputParser(parse_tool_calls, forced)
     parser.push(text)
     parser.finish()
     return parser
 
 
-def chat_completion_output(output: CompletionOutput, parse_tool_calls: bool) -> ChatCompletionOutput:
+def chat_completion_output(output: CompletionOutput, parse_tool_calls: bool,
+                           forced: ForcedTools | None = None) -> ChatCompletionOutput:
     """output with its text read as an assistant message (finish_reason "tool_calls" after tool calls)."""
-    parser = parse_chat_output(output.text, parse_tool_calls)
+    parser = parse_chat_output(output.text, parse_tool_calls, forced)
     parsed = parser.result()
     fields = {**vars(output), "finish_reason": parser.finish_reason(output.finish_reason)}
     return ChatCompletionOutput(**fields, content=parsed.content, tool_calls=parsed.tool_calls)
@@ -132,9 +143,10 @@ def _check_tool_choice(tool_choice, tools: list[dict]) -> bool:
     """Whether to parse tool calls out of the output."""
     if tool_choice is None:
         return bool(tools)
-    if tool_choice not in TOOL_CHOICES:
+    if tool_choice not in TOOL_CHOICES and not isinstance(tool_choice, Mapping):
         raise ToolRequestError(f"tool_choice = {tool_choice!r:.80} is not supported; use \"auto\" (the model "
-                               f"decides) or \"none\" (no tool calls)", "tool_choice")
+                               f"decides), \"none\" (no tool calls), \"required\" (at least one call) or "
+                               f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tool_choice")
     if not tools:
         raise ToolRequestError(f"tool_choice = {tool_choice!r} needs tools; send tools, or leave tool_choice out",
                                "tool_choice")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -11,7 +12,7 @@ from deltaserve.config import EngineConfig
 from deltaserve.core.engine import Engine
 from deltaserve.core.outputs import RequestOutput
 from deltaserve.entrypoints.chat_tools import chat_completion_output, render_chat_prompt
-from deltaserve.sampling_params import SamplingParams, generation_defaults
+from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams, generation_defaults
 
 Prompt = str | dict  # text, or {"prompt_token_ids": [...]}
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo-model"
@@ -88,16 +89,21 @@ class LLM:
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False, *, tools: list[dict] | None = None,
-             tool_choice: str | None = None) -> RequestOutput:
+             tool_choice: str | dict | None = None) -> RequestOutput:
         """One chat (a list of {role, content}) through the model's chat template. outputs[0] is a
         ChatCompletionOutput: .content and .tool_calls hold the assistant message read from .text. tools are
         OpenAI's, declared to the model; tool_choice "auto" (the default with tools) parses tool calls, "none"
-        leaves the whole output as content."""
+        leaves the whole output as content, "required" or {"type": "function", "function": {"name": ...}} force a
+        call: the output is constrained to the tools' parameter schemas (structured outputs) and returned as
+        tool_calls."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model folder has no tokenizer")
         prompt = render_chat_prompt(self.tokenizer, messages, tools, tool_choice)
+        if prompt.forced is not None:
+            sampling_params = replace(sampling_params or self.get_default_sampling_params(),
+                                      structured_outputs=StructuredOutputsParams(json=prompt.forced.schema))
         output = self.generate([prompt.text], sampling_params, use_tqdm=use_tqdm)[0]
-        output.outputs = [chat_completion_output(c, prompt.parse_tool_calls) for c in output.outputs]
+        output.outputs = [chat_completion_output(c, prompt.parse_tool_calls, prompt.forced) for c in output.outputs]
         return output
 
     def _add(self, prompts, sampling_params) -> list[str]:

@@ -46,8 +46,9 @@ def test_none_declares_tools_but_does_not_parse(kimi):
 
 
 @pytest.mark.parametrize("tools, tool_choice, message", [
-    (TOOLS, "required", r"tool_choice = 'required' is not supported; use \"auto\""),
-    (TOOLS, {"type": "function", "function": {"name": "get_weather"}}, r"tool_choice = \{'type': 'function'"),
+    (TOOLS, "always", r"tool_choice = 'always' is not supported; use \"auto\""),
+    (TOOLS, {"type": "function", "function": {"name": "get_time"}}, r"names function 'get_time', which is not among"),
+    (TOOLS, {"type": "function"}, r"tool_choice = \{'type': 'function'\}, expected"),
     (None, "auto", r"tool_choice = 'auto' needs tools; send tools, or leave tool_choice out"),
     ({"name": "f"}, None, r"tools = \{'name': 'f'\}, expected None or a list"),
     ([{"name": "f"}], None, r"tools\[0\] = \{'name': 'f'\}, expected a dict with \"type\": \"function\""),

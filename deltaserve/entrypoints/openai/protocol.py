@@ -28,6 +28,30 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """response_format.json_schema: OpenAI's {"name", "schema", "strict", "description"}."""
+
+    name: str | None = None
+    schema_: dict | None = Field(None, alias="schema")  # `schema` would shadow pydantic's method
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(_Request):
+    """vLLM's `structured_outputs` extra: exactly one of these (checked with the request)."""
+
+    json_: dict | str | None = Field(None, alias="json")  # `json` would shadow pydantic's method
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(_Request):
     """What completions and chat share; None means OpenAI's default."""
 
@@ -48,6 +72,8 @@ class SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -72,18 +98,12 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
 
 
-class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict | None = None
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None

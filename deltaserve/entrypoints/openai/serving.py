@@ -19,7 +19,7 @@ from deltaserve.core.outputs import RequestOutput
 from deltaserve.entrypoints.chat_tools import ChatPrompt, ToolRequestError, render_chat_prompt
 from deltaserve.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from deltaserve.entrypoints.openai.protocol import SamplingFields
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.tokenizer import ChatTemplateError
 
 log = logging.getLogger("deltaserve")
@@ -125,7 +125,8 @@ class ServingContext:
                               f"{self.async_engine.capacity} at once; lower n or send fewer prompts", "n")
 
     def sampling_params(self, body: SamplingFields, max_tokens: int, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None) -> list[SamplingParams]:
+                        prompt_logprobs: int | None = None,
+                        structured: StructuredOutputsParams | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i uses seed + i so that choices differ."""
         seed = body.seed if body.seed is not None else self.config.default_seed
         fields = dict(
@@ -135,7 +136,7 @@ class ServingContext:
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             stop=_stop_list(body.stop), stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured)
         try:
             return [SamplingParams(seed=None if seed is None else seed + i, **fields) for i in range(body.n)]
         except ValueError as e:

@@ -4,7 +4,9 @@ Each choice's text is read by a ChatOutputParser. With tools and tool_choice "au
 given) the model's Kimi tool-call section becomes OpenAI `tool_calls`, streamed as OpenAI streams them (a call's
 first delta carries id, type and name, later ones argument text), with finish_reason "tool_calls"; text before
 the section stays content. tool_choice "none" declares the tools to the model but leaves its output as content;
-"required" and a named function are refused, as nothing here can force the model to call.
+"required" and a named function force a call: the output is constrained to the tools' parameter schemas
+(entrypoints/forced_tools.py) and returned as tool_calls. response_format and vLLM's structured_outputs constrain
+the output too (openai/structured.py).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from fastapi import Request
 
 from deltaserve.core.async_engine import EngineInput
 from deltaserve.core.outputs import RequestOutput
-from deltaserve.entrypoints.chat_tools import ChatOutputParser, parse_chat_output
+from deltaserve.entrypoints.chat_tools import ChatOutputParser, ChatPrompt, parse_chat_output
 from deltaserve.entrypoints.openai.errors import bad_request
 from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from deltaserve.entrypoints.openai.serving import ServingContext, json_logprob, respond_or_gone, usage, wants_usage
+from deltaserve.entrypoints.openai.structured import compile_constraint, structured_spec
 
 
 class ChatServing:
@@ -38,27 +41,31 @@ class ChatServing:
         max_tokens = ctx.default_max_tokens(len(ids)) if max_tokens is None else max_tokens
         ctx.check_length(len(ids), max_tokens, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        inputs = [EngineInput(ids, params, prompt.text) for params in ctx.sampling_params(body, max_tokens, logprobs)]
+        constraint = structured_spec(body, prompt.forced)
+        if constraint is not None:
+            await compile_constraint(ctx.async_engine, *constraint)
+        inputs = [EngineInput(ids, params, prompt.text) for params in ctx.sampling_params(
+            body, max_tokens, logprobs, structured=constraint[0] if constraint else None)]
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream, watcher = await ctx.start(inputs, request_id, request)
         meta = ctx.response_meta(request_id)
         if body.stream:
-            return ctx.sse(self._chunks(body, stream, meta, prompt.parse_tool_calls), stream, watcher)
-        return await respond_or_gone(self._whole(body, stream, watcher, meta, prompt.parse_tool_calls))
+            return ctx.sse(self._chunks(body, stream, meta, prompt), stream, watcher)
+        return await respond_or_gone(self._whole(body, stream, watcher, meta, prompt))
 
-    async def _whole(self, body: ChatCompletionRequest, stream, watcher, meta: dict, parse_tool_calls: bool) -> dict:
+    async def _whole(self, body: ChatCompletionRequest, stream, watcher, meta: dict, prompt: ChatPrompt) -> dict:
         outputs = await self.ctx.collect(stream, watcher)
         choices = []
         for index, output in enumerate(outputs):
             completion = output.outputs[0]
-            parser = parse_chat_output(completion.text, parse_tool_calls)
+            parser = parse_chat_output(completion.text, prompt.parse_tool_calls, prompt.forced)
             logprobs = self._logprobs(output, 0, body.top_logprobs or 0) if body.logprobs else None
             choices.append({"index": index, "message": parser.message(), "logprobs": logprobs,
                             "finish_reason": parser.finish_reason(completion.finish_reason),
                             "stop_reason": completion.stop_reason})
         return {**meta, "object": "chat.completion", "choices": choices, "usage": usage(outputs, body.n)}
 
-    async def _chunks(self, body: ChatCompletionRequest, stream, meta: dict, parse_tool_calls: bool):
+    async def _chunks(self, body: ChatCompletionRequest, stream, meta: dict, prompt: ChatPrompt):
         """A role chunk per choice, a chunk per content or tool-call delta (the last with finish_reason), then the
         usage chunk if asked."""
         include_usage = wants_usage(body)
@@ -67,7 +74,7 @@ class ChatServing:
         for index in range(body.n):
             yield {**chunk, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}], **extra}
-        parsers = [ChatOutputParser(parse_tool_calls) for _ in range(body.n)]
+        parsers = [ChatOutputParser(prompt.parse_tool_calls, prompt.forced) for _ in range(body.n)]
         sent_chars, sent_tokens = [0] * body.n, [0] * body.n
         final: dict[int, RequestOutput] = {}
         async for index, output in stream:
@@ -102,9 +109,6 @@ class ChatServing:
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
-    if body.response_format is not None and body.response_format.type != "text":
-        raise bad_request(f"response_format type '{body.response_format.type}' is not supported: this server has no "
-                          "constrained decoding; use 'text' (or leave response_format out)", "response_format")
     if body.top_logprobs and not body.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
 

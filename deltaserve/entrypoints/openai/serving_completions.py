@@ -16,6 +16,7 @@ from deltaserve.core.outputs import RequestOutput
 from deltaserve.entrypoints.openai.errors import bad_request
 from deltaserve.entrypoints.openai.protocol import CompletionRequest
 from deltaserve.entrypoints.openai.serving import ServingContext, json_logprob, respond_or_gone, usage, wants_usage
+from deltaserve.entrypoints.openai.structured import compile_constraint, structured_spec
 
 
 class CompletionServing:
@@ -29,12 +30,16 @@ class CompletionServing:
         ctx.check_max_tokens(body.max_tokens, "max_tokens")
         prompts = self._prompts(body)
         ctx.check_fanout(len(prompts) * body.n)
+        constraint = structured_spec(body)
+        if constraint is not None:
+            await compile_constraint(ctx.async_engine, *constraint)
         inputs, echoes = [], []
         for text, ids in prompts:
             max_tokens = ctx.default_max_tokens(len(ids)) if body.max_tokens is None else body.max_tokens
             ctx.check_length(len(ids), max_tokens, "prompt")
             prompt_logprobs = body.logprobs if body.echo else None
-            for params in ctx.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs):
+            for params in ctx.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs,
+                                              constraint[0] if constraint else None):
                 inputs.append(EngineInput(ids, params, text))
                 echoes.append(self._echo_text(text, ids) if body.echo else "")
         request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -65,9 +65,9 @@ def test_n_choices_with_seed_are_reproducible(client):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    (dict(response_format={"type": "json_object"}), "response_format"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], tool_choice="required"),
-     "tool_choice"),
+    (dict(response_format={"type": "json_schema"}), "response_format.json_schema"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+          tool_choice={"type": "function", "function": {"name": "g"}}), "tool_choice"),
     (dict(top_logprobs=2), "top_logprobs"),
 ])
 def test_unsupported_features_are_refused_clearly(client, kwargs, param):

@@ -72,9 +72,9 @@ def test_tool_choice_none_returns_the_raw_text_as_content(client):
 
 
 @pytest.mark.parametrize("request_fields, message", [
-    (dict(tools=TOOLS, tool_choice="required"), "tool_choice = 'required' is not supported"),
-    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
-     "tool_choice = {'type': 'function'"),
+    (dict(tools=TOOLS, tool_choice="always"), "tool_choice = 'always' is not supported"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}),
+     "tool_choice names function 'get_time', which is not among tools"),
     (dict(tool_choice="auto"), "tool_choice = 'auto' needs tools"),
 ])
 def test_bad_tool_choice_is_a_400_in_openai_shape(client, request_fields, message):

@@ -1,0 +1,88 @@
+"""Forced tool calls: tool_choice "required" or a named function, as vLLM serves them.
+
+The output is constrained (structured outputs) to JSON instead of the model's own tool-call markers, so it always
+parses: for a named function, the output is the call's arguments, matching the tool's parameter schema; for
+"required", a non-empty JSON array of {"name": ..., "parameters": {...}}, each item matching one tool's schema.
+ForcedToolCallParser turns that output into OpenAI tool_calls (whole at the end, also when streamed).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from deltaserve.tokenizer.tool_calls import ParsedOutput, ToolCall
+
+_ANY_OBJECT = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ForcedTools:
+    """What the output must be: the arguments of `name`'s call, or (name None: "required") a list of calls."""
+
+    schema: dict  # the JSON schema the output is constrained to
+    name: str | None = None
+
+
+def forced_tools(tool_choice, tools: list[dict]) -> ForcedTools | None:
+    """The constraint for tool_choice "required" or {"type": "function", "function": {"name": ...}}; None for
+    the other choices. A named function must be among tools (ValueError names it otherwise)."""
+    by_name = {tool["function"]["name"]: tool["function"].get("parameters") or _ANY_OBJECT for tool in tools}
+    if tool_choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},
+                  "required": ["name", "parameters"]} for name, params in by_name.items()]
+        return ForcedTools({"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+    if not isinstance(tool_choice, Mapping):
+        return None
+    function = tool_choice.get("function")
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise ValueError(f"tool_choice = {tool_choice!r:.80}, expected {{\"type\": \"function\", \"function\": "
+                         f"{{\"name\": ...}}}}")
+    if name not in by_name:
+        raise ValueError(f"tool_choice names function {name!r}, which is not among tools ({', '.join(by_name)})")
+    return ForcedTools(by_name[name], name)
+
+
+class ForcedToolCallParser:
+    """Reads a forced output: nothing until it finishes, then its tool calls as one stream delta."""
+
+    def __init__(self, forced: ForcedTools):
+        self.forced = forced
+        self._text: list[str] = []
+        self._calls: list[ToolCall] | None = None
+
+    def push(self, text: str) -> list[dict]:
+        self._text.append(text)
+        return []
+
+    def finish(self) -> list[dict]:
+        self._calls = self._read("".join(self._text))
+        if not self._calls:
+            return []
+        return [{"tool_calls": [{"index": i, **call.to_openai()} for i, call in enumerate(self._calls)]}]
+
+    def result(self) -> ParsedOutput:
+        if self._calls is None:
+            raise RuntimeError("result() before finish(); call finish() once the output is complete")
+        return ParsedOutput(None if self._calls else "".join(self._text), self._calls)
+
+    def _read(self, text: str) -> list[ToolCall]:
+        """The calls of the output; none when it was cut off (max_tokens) before its JSON was complete."""
+        if self.forced.name is not None:
+            return [ToolCall(f"functions.{self.forced.name}:0", self.forced.name, text)] if _parses(text) else []
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            return []
+        return [ToolCall(f"functions.{item['name']}:{i}", item["name"], json.dumps(item["parameters"]))
+                for i, item in enumerate(items)]
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True

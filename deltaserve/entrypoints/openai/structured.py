@@ -1,0 +1,64 @@
+"""Structured outputs on the OpenAI routes: response_format (json_object, json_schema), vLLM's structured_outputs
+extra (json, regex, choice, grammar, json_object) and forced tool calls, read into one StructuredOutputsParams and
+compiled before the request reaches the engine, so that a bad constraint is a 400 naming what is wrong (and a slow
+one waits in its handler while the engine steps the others)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from deltaserve.core.async_engine import AsyncEngine
+from deltaserve.entrypoints.forced_tools import ForcedTools
+from deltaserve.entrypoints.openai.errors import bad_request
+from deltaserve.entrypoints.openai.protocol import SamplingFields
+from deltaserve.sampling_params import StructuredOutputsParams
+from deltaserve.structured import GrammarError, StructuredOutputsUnavailable
+
+
+# where in the request a constraint's error is (its field, then the kind of constraint: json, regex, ...)
+_WHERE = {"structured_outputs": "{param}.{kind}", "response_format": "response_format.json_schema.schema",
+          "tools": "tools (a tool's parameters)"}
+
+
+def structured_spec(body: SamplingFields, forced: ForcedTools | None = None) -> tuple[StructuredOutputsParams, str] \
+        | None:
+    """The request's constraint and the field it came from; None for a free request. At most one source."""
+    fmt = body.response_format if body.response_format is not None and body.response_format.type != "text" else None
+    sources = [name for name, given in (("response_format", fmt), ("structured_outputs", body.structured_outputs),
+                                        ("tool_choice", forced)) if given is not None]
+    if len(sources) > 1:
+        raise bad_request(f"{' and '.join(sources)} both constrain the output; send only one of them", sources[1])
+    if forced is not None:
+        return StructuredOutputsParams(json=forced.schema), "tools"
+    if fmt is not None:
+        return _response_format(fmt), "response_format"
+    if body.structured_outputs is not None:
+        fields = body.structured_outputs.model_dump(exclude_none=True, by_alias=True)
+        try:
+            return StructuredOutputsParams(**fields), "structured_outputs"
+        except ValueError as e:
+            raise bad_request(str(e).removeprefix("StructuredOutputsParams"), "structured_outputs") from e
+    return None
+
+
+def _response_format(fmt) -> StructuredOutputsParams:
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise bad_request("response_format of type 'json_schema' needs json_schema.schema (the JSON schema the "
+                          "output must match)", "response_format.json_schema")
+    return StructuredOutputsParams(json=fmt.json_schema.schema_)
+
+
+async def compile_constraint(async_engine: AsyncEngine, spec: StructuredOutputsParams, param: str) -> None:
+    """Compile spec on the engine's grammar pool (cached) and wait for it here, off the engine's step; a 400 naming
+    the field when the constraint cannot be used or xgrammar is not installed."""
+    try:
+        await asyncio.wrap_future(async_engine.engine.structured_outputs().submit(spec))
+    except StructuredOutputsUnavailable as e:
+        raise bad_request(str(e), param) from e
+    except GrammarError as e:
+        where = _WHERE.get(param, "{param}").format(param=param, kind=e.param)
+        raise bad_request(f"{where}: {str(e).removeprefix(e.param + ': ')}", where) from e
+    except ValueError as e:
+        raise bad_request(str(e), param) from e
