@@ -158,7 +158,7 @@ class Engine:
     def _admit(self, req: Request, future: Future) -> None:
         compiled = future.result()  # a ValueError naming what is wrong when it failed
         self.scheduler.add_request(req)
-        self.structured.start(req.req_id, compiled)
+        self.structured.start(req.req_id, req.sampling_params.structured_outputs, compiled)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Admit the requests whose grammar has compiled; one finished ("abort") output each for those whose grammar

@@ -52,14 +52,14 @@ class ChatCompletionOutput(CompletionOutput):
 
 
 def render_chat_prompt(tokenizer: Tokenizer, messages, tools=None, tool_choice=None,
-                       add_generation_prompt: bool = True) -> ChatPrompt:
+                       add_generation_prompt: bool = True, parallel_tool_calls: bool = True) -> ChatPrompt:
     """The prompt for a chat request; ValueError (a ChatTemplateError) names what is wrong with it."""
     tools = _check_tools(tools)
     parse = _check_tool_choice(tool_choice, tools)
     if parse:
         _check_markers_survive_detokenization(tokenizer)
     try:
-        forced = forced_tools(tool_choice, tools)
+        forced = forced_tools(tool_choice, tools, parallel_tool_calls)
     except ValueError as e:
         raise ToolRequestError(str(e), "tool_choice") from e
     text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools)

@@ -2,7 +2,8 @@
 
 The output is constrained (structured outputs) to JSON instead of the model's own tool-call markers, so it always
 parses: for a named function, the output is the call's arguments, matching the tool's parameter schema; for
-"required", a non-empty JSON array of {"name": ..., "parameters": {...}}, each item matching one tool's schema.
+"required", a non-empty JSON array of {"name": ..., "parameters": {...}}, each item matching one tool's schema
+(one item only with parallel_tool_calls false).
 ForcedToolCallParser turns that output into OpenAI tool_calls (whole at the end, also when streamed).
 """
 
@@ -25,14 +26,15 @@ class ForcedTools:
     name: str | None = None
 
 
-def forced_tools(tool_choice, tools: list[dict]) -> ForcedTools | None:
+def forced_tools(tool_choice, tools: list[dict], parallel_tool_calls: bool = True) -> ForcedTools | None:
     """The constraint for tool_choice "required" or {"type": "function", "function": {"name": ...}}; None for
     the other choices. A named function must be among tools (ValueError names it otherwise)."""
     by_name = {tool["function"]["name"]: tool["function"].get("parameters") or _ANY_OBJECT for tool in tools}
     if tool_choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},
                   "required": ["name", "parameters"]} for name, params in by_name.items()]
-        return ForcedTools({"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        return ForcedTools(schema if parallel_tool_calls else {**schema, "maxItems": 1})
     if not isinstance(tool_choice, Mapping):
         return None
     function = tool_choice.get("function")

@@ -89,16 +89,17 @@ class LLM:
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False, *, tools: list[dict] | None = None,
-             tool_choice: str | dict | None = None) -> RequestOutput:
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool = True) -> RequestOutput:
         """One chat (a list of {role, content}) through the model's chat template. outputs[0] is a
         ChatCompletionOutput: .content and .tool_calls hold the assistant message read from .text. tools are
         OpenAI's, declared to the model; tool_choice "auto" (the default with tools) parses tool calls, "none"
         leaves the whole output as content, "required" or {"type": "function", "function": {"name": ...}} force a
         call: the output is constrained to the tools' parameter schemas (structured outputs) and returned as
-        tool_calls."""
+        tool_calls (one call only with parallel_tool_calls false)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model folder has no tokenizer")
-        prompt = render_chat_prompt(self.tokenizer, messages, tools, tool_choice)
+        prompt = render_chat_prompt(self.tokenizer, messages, tools, tool_choice,
+                                    parallel_tool_calls=parallel_tool_calls)
         if prompt.forced is not None:
             sampling_params = replace(sampling_params or self.get_default_sampling_params(),
                                       structured_outputs=StructuredOutputsParams(json=prompt.forced.schema))

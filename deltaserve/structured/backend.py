@@ -6,13 +6,16 @@ the raw bytes of every id (VocabType.RAW) over the model's vocabulary (which may
 extra ids get empty bytes, which xgrammar never allows), with the engine's stop ids; special tokens are passed as
 empty bytes (passed as their text, '<|im_end|>' was allowed inside a JSON string); JSON is compiled with
 any_whitespace off (by default a model could emit hundreds of spaces after '{'), so separators are exactly ', '
-and ': '.
+and ': '; and xgrammar's JSON strings admit raw control characters (U+0000-U+001F, which JSON forbids: a parser
+refuses the output), so JSON constraints also never allow a token holding such a byte (json_safe_bitmask).
 """
 
 from __future__ import annotations
 
 import json
 import re
+
+import torch
 
 from deltaserve.sampling_params import StructuredOutputsParams
 from deltaserve.structured.errors import GrammarError, StructuredOutputsUnavailable
@@ -55,6 +58,7 @@ class GrammarBackend:
                                  stop_token_ids=list(stop_token_ids))
         self.xgr = xgr
         self.vocab_size = vocab_size
+        self.json_safe_bitmask = pack_bitmask([not any(b < 0x20 for b in token) for token in vocab])
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
 
     def compile(self, spec: StructuredOutputsParams):
@@ -79,6 +83,15 @@ class GrammarBackend:
     def allocate_bitmask(self, num_rows: int):
         """[num_rows, ceil(vocab_size / 32)] int32 on the CPU."""
         return self.xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+
+
+def pack_bitmask(allowed: list[bool]) -> torch.Tensor:
+    """[ceil(len / 32)] int32 words, bit j of word w set when allowed[32 * w + j] (xgrammar's layout)."""
+    words = -(-len(allowed) // 32)
+    bits = torch.zeros(words * 32, dtype=torch.int64)
+    bits[: len(allowed)] = torch.tensor(allowed, dtype=torch.int64)
+    packed = (bits.view(words, 32) << torch.arange(32)).sum(dim=1)  # in [0, 2**32)
+    return (packed - (packed >= 2**31) * 2**32).to(torch.int32)
 
 
 def one_line(error: Exception) -> str:

@@ -39,6 +39,7 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()  # apart: building the backend takes seconds, submit() must not wait
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._matchers: dict[str, object] = {}
+        self._json: set[str] = set()  # requests whose output is JSON: no raw control characters (backend.py)
 
     def submit(self, spec: StructuredOutputsParams) -> Future:
         """A Future of spec's compiled grammar (its exception a ValueError naming what is wrong); what needs no
@@ -59,9 +60,11 @@ class StructuredOutputManager:
                 self._backend = GrammarBackend(*self._backend_args)
         return self._backend.compile(spec)
 
-    def start(self, req_id: str, compiled) -> None:
+    def start(self, req_id: str, spec: StructuredOutputsParams, compiled) -> None:
         """Give req_id a matcher at the grammar's start (its future has completed)."""
         self._matchers[req_id] = self._backend.matcher(compiled)
+        if spec.key[0] in ("json", "json_object"):
+            self._json.add(req_id)
 
     def accept(self, req_id: str, token_ids: list[int]) -> bool:
         """Advance req_id's matcher over tokens the scheduler appended; False if the grammar refuses one (a bug:
@@ -71,6 +74,7 @@ class StructuredOutputManager:
 
     def release(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)
+        self._json.discard(req_id)
 
     def __call__(self, req_ids: list[str], logits: torch.Tensor) -> torch.Tensor:
         """The runner's logits processor: logits [B, V] of req_ids (one row each) with the constrained rows masked
@@ -82,6 +86,8 @@ class StructuredOutputManager:
         bitmask = torch.empty(len(rows), words, dtype=torch.int32, pin_memory=logits.device.type == "cuda")
         for j, i in enumerate(rows):
             self._matchers[req_ids[i]].fill_next_token_bitmask(bitmask, j)
+            if req_ids[i] in self._json:
+                bitmask[j] &= self._backend.json_safe_bitmask
         device_rows = to_device(rows, torch.int64, logits.device)
         return apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), device_rows)
 

@@ -93,11 +93,13 @@ class ServingContext:
                               f"maximum context length is {self.max_model_len} tokens; shorten it", param)
         return tokenizer.encode(text, add_special_tokens=True)
 
-    def render_chat(self, messages: list[dict], tools: list[dict] | None, tool_choice) -> ChatPrompt:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None, tool_choice,
+                    parallel_tool_calls: bool = True) -> ChatPrompt:
         """The prompt text, and whether to read tool calls out of the output (tools with tool_choice "auto")."""
         tokenizer = self.need_tokenizer("chat")
         try:
-            return render_chat_prompt(tokenizer, messages, tools, tool_choice)
+            return render_chat_prompt(tokenizer, messages, tools, tool_choice,
+                                      parallel_tool_calls=parallel_tool_calls)
         except ToolRequestError as e:
             raise bad_request(str(e), e.param) from e
         except ChatTemplateError as e:

@@ -1,0 +1,137 @@
+"""Structured outputs through the LLM API on the demo model (decode bursts on, so that the constrained requests'
+single steps are exercised beside free requests that would burst alone)."""
+
+import json
+import random
+import re
+import sys
+import threading
+
+import pytest
+from structured.schemas import random_schema
+
+from deltaserve import LLM
+from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar", reason="the structured extra is part of the test extra")
+NUM_SCHEMAS = 100
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", num_decode_steps=4)
+
+
+def constrained(max_tokens=48, temperature=1.0, seed=0, **spec) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
+                          structured_outputs=StructuredOutputsParams(**spec))
+
+
+def test_generated_schemas_give_valid_json(llm):
+    schemas = [random_schema(random.Random(i)) for i in range(NUM_SCHEMAS)]
+    params = [constrained(max_tokens=160, seed=i, json=schema) for i, schema in enumerate(schemas)]
+    outputs = llm.generate(["Answer in JSON:"] * NUM_SCHEMAS, params, use_tqdm=False)
+    for schema, output in zip(schemas, outputs):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", (schema, completion.text)
+        jsonschema.validate(json.loads(completion.text), schema)  # json.loads refuses raw control characters
+
+
+@pytest.mark.parametrize("pattern", [r"[a-z]{3}-\d{2,4}", r"(yes|no), because [a-z ]{1,12}\.", r"\d+(\.\d{1,2})?"])
+def test_regex_outputs_match_in_full(llm, pattern):
+    params = [constrained(seed=seed, regex=pattern) for seed in range(4)]
+    for output in llm.generate(["Go:"] * 4, params, use_tqdm=False):
+        assert re.fullmatch(pattern, output.outputs[0].text), output.outputs[0].text
+
+
+def test_choice_outputs_are_one_of_the_choices(llm):
+    choices = ["positive", "negative", "it is \"neutral\""]
+    params = [constrained(seed=seed, choice=choices) for seed in range(6)]
+    texts = [o.outputs[0].text for o in llm.generate(["Sentiment:"] * 6, params, use_tqdm=False)]
+    assert set(texts) <= set(choices)
+
+
+def test_free_requests_get_the_same_tokens_beside_constrained_ones(llm):
+    free = [SamplingParams(max_tokens=24, temperature=0), SamplingParams(max_tokens=24, temperature=0.9, seed=7)]
+    alone = llm.generate(["The sea", "A king"], free, use_tqdm=False)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 20}}, "required": ["a"]}
+    mixed = llm.generate(["The sea", "JSON:", "A king", "Pick:"],
+                         [free[0], constrained(json=schema), free[1], constrained(regex="[0-9]{1,30}")],
+                         use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in (mixed[0], mixed[2])] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_a_batch_with_a_constrained_request_takes_single_steps(llm, monkeypatch):
+    steps = []
+    submit = llm.engine.runner.submit
+    monkeypatch.setattr(llm.engine.runner, "submit", lambda sched, **kw: steps.append(
+        (sched.num_decode_steps, set(sched.num_scheduled_tokens))) or submit(sched, **kw))
+    llm.generate(["Hi", "Yo"], [SamplingParams(max_tokens=16, temperature=0), constrained(regex="[ab]{30}")],
+                 use_tqdm=False)
+    assert all(n == 1 for n, _ in steps)
+    steps.clear()
+    llm.generate(["Hi"], SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+    assert max(n for n, _ in steps) == 4  # alone, the free request bursts
+
+
+@pytest.mark.parametrize("spec, message", [
+    (dict(regex="a(b"), r"^regex: Regex parsing error at position 4"),
+    (dict(grammar="root ::= foo"), r'^grammar: EBNF parser error.*Rule "foo" is not defined'),
+    (dict(json={"type": "array", "uniqueItems": True}), r"^json: keyword 'uniqueItems' at '/uniqueItems'"),
+    (dict(json="{oops"), r"^json is not valid JSON"),
+])
+def test_a_bad_constraint_raises_at_the_call(llm, spec, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["x"], constrained(**spec), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_ignore_eos_is_refused_with_a_constraint(llm):
+    with pytest.raises(ValueError, match="ignore_eos cannot go with structured outputs"):
+        llm.generate(["x"], SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a")),
+                     use_tqdm=False)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_tool_call_returns_valid_arguments(llm, tool_choice):
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                  "required": ["city", "days"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": parameters}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                 "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+    out = llm.chat([{"role": "user", "content": "Weather in Paris?"}], SamplingParams(max_tokens=80, temperature=0),
+                   tools=tools, tool_choice=tool_choice, parallel_tool_calls=False).outputs[0]
+    assert out.finish_reason == "tool_calls" and out.content is None and out.tool_calls
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+    for call in out.tool_calls:
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    assert len(out.tool_calls) == 1
+    if isinstance(tool_choice, dict):
+        assert out.tool_calls[0].name == "get_weather"
+
+
+def test_a_slow_grammar_does_not_stall_the_others(llm, monkeypatch):
+    engine = llm.engine
+    manager = engine.structured_outputs()
+    release, compile_ = threading.Event(), manager._compile
+    monkeypatch.setattr(manager, "_compile", lambda spec: release.wait(30) and compile_(spec))
+    slow = engine.add_request([1, 2, 3], constrained(regex="[xyz]{5}"))  # a pattern no other test compiles
+    free = engine.add_request([4, 5, 6], SamplingParams(max_tokens=12, temperature=0))
+    finished = {}
+    while free not in finished:
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert slow not in finished and engine.has_unfinished_requests()  # it waited while the other ran to the end
+    release.set()
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert re.fullmatch("[xyz]{5}", finished[slow].outputs[0].text)
+
+
+def test_without_xgrammar_a_constrained_request_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ImportError
+    fresh = LLM(device="cpu")
+    with pytest.raises(ValueError, match=r"need xgrammar.*pip install 'deltaserve\[structured\]'"):
+        fresh.generate(["x"], constrained(regex="a"), use_tqdm=False)
+    assert fresh.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids

@@ -1,0 +1,42 @@
+"""Our check of JSON schemas: what xgrammar would ignore is refused, naming the keyword and where it is."""
+
+import pytest
+
+from deltaserve.structured import GrammarError
+from deltaserve.structured.schema_check import parse_schema
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "array", "uniqueItems": True}, r"keyword 'uniqueItems' at '/uniqueItems' is not supported"),
+    ({"not": {"type": "integer"}}, r"keyword 'not' at '/not'"),
+    ({"if": {"type": "integer"}, "then": {"minimum": 1}}, r"keyword 'if' at '/if'"),
+    ({"allOf": [{"type": "integer"}]}, r"keyword 'allOf'"),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"contains": {}}}}},
+     r"keyword 'contains' at '/properties/a/items/contains'"),
+    ({"anyOf": [{"type": "string", "foo": 1}]}, r"keyword 'foo' at '/anyOf/0/foo'"),
+    ({"type": "string", "format": "ipv5"}, r"format 'ipv5' at '/format' is not supported"),
+    ({"properties": []}, r"'/properties' must be an object of name -> schema"),
+    ({"anyOf": []}, r"'/anyOf' must be a non-empty list of schemas"),
+    ("[1, 2]", r"must be a JSON object \(a JSON schema\), got list"),
+    ("{not json", r"json is not valid JSON"),
+])
+def test_refused(schema, message):
+    with pytest.raises(GrammarError, match=message) as err:
+        parse_schema(schema, "json")
+    assert err.value.param == "json"
+
+
+def test_a_pydantic_schema_passes():
+    pydantic = pytest.importorskip("pydantic")
+
+    class Item(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=8, description="what it is")
+        tags: list[str] = pydantic.Field(max_length=3)
+        price: float | None = None
+
+    class Order(pydantic.BaseModel):
+        items: list[Item]
+        kind: str = pydantic.Field(json_schema_extra={"enum": ["a", "b"]})
+
+    schema = Order.model_json_schema()
+    assert parse_schema(schema, "json") is schema
