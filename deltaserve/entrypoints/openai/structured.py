@@ -17,7 +17,7 @@ from deltaserve.structured import GrammarError, StructuredOutputsUnavailable
 
 # where in the request a constraint's error is (its field, then the kind of constraint: json, regex, ...)
 _WHERE = {"structured_outputs": "{param}.{kind}", "response_format": "response_format.json_schema.schema",
-          "tools": "tools (a tool's parameters)"}
+          "tools": "tools"}
 
 
 def structured_spec(body: SamplingFields, forced: ForcedTools | None = None) -> tuple[StructuredOutputsParams, str] \

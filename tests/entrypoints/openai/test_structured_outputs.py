@@ -1,0 +1,153 @@
+"""Structured outputs through the OpenAI routes, with the official openai client, on the demo model."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import openai
+import pydantic
+import pytest
+from helpers.http_server import API_KEY, start_server, wait_idle
+
+from deltaserve.entrypoints.llm import BUNDLED_MODEL
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar", reason="the structured extra is part of the test extra")
+MESSAGES = [{"role": "user", "content": "Describe a person."}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}]
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=10)
+    age: int = pydantic.Field(ge=0, le=120)
+    hobbies: list[str] = pydantic.Field(max_length=2)
+
+
+@pytest.fixture(scope="module")
+def demo_server():
+    srv = start_server(BUNDLED_MODEL, max_model_len=1024)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(demo_server):
+    with demo_server.http() as http:
+        yield openai.OpenAI(base_url=f"{demo_server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        wait_idle(http)
+
+
+def test_parse_with_a_pydantic_model_returns_the_object(client):
+    completion = client.chat.completions.parse(model="tiny", messages=MESSAGES, response_format=Person,
+                                               max_tokens=120, temperature=0)
+    person = completion.choices[0].message.parsed
+    assert isinstance(person, Person) and len(person.hobbies) <= 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_response_format_on_chat(client, stream):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=60, temperature=1.0, seed=3, response_format=fmt)
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True)
+                       if c.choices)
+    else:
+        text = client.chat.completions.create(**kwargs).choices[0].message.content
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("extra, check", [
+    ({"structured_outputs": {"regex": r"[A-Z][a-z]{2,5} \d{2}"}}, lambda t: re.fullmatch(r"[A-Z][a-z]{2,5} \d{2}", t)),
+    ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
+    ({"structured_outputs": {"json": SCHEMA}}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) is None),
+    ({"structured_outputs": {"grammar": 'root ::= "a" ("b" | "c")*  "."'}}, lambda t: re.fullmatch(r"a[bc]*\.", t)),
+])
+def test_completions_are_constrained(client, extra, check):
+    response = client.completions.create(model="tiny", prompt=["Say:", "Now:"], max_tokens=60, temperature=1.0,
+                                         seed=1, extra_body=extra)
+    for choice in response.choices:
+        assert choice.finish_reason == "stop" and check(choice.text), choice.text
+
+
+def test_json_object_response_format_on_completions(client):
+    """Any JSON object: its strings are unbounded, so a cut-off output is an object begun; a finished one parses."""
+    response = client.completions.create(model="tiny", prompt=["Say:", "Now:", "Go:"], max_tokens=40, seed=2,
+                                         extra_body={"response_format": {"type": "json_object"}})
+    for choice in response.choices:
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.text), dict)
+        else:
+            assert choice.text.startswith("{"), choice.text
+
+
+def test_vllm_structured_outputs_on_chat(client):
+    response = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, n=3, seed=0,
+                                              extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert {c.message.content for c in response.choices} <= {"yes", "no"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_named_tool_choice_returns_a_tool_call_with_valid_arguments(client, stream):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=40, temperature=0, tools=TOOLS,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    if stream:
+        chunks = [c for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+        calls = [call for c in chunks for call in c.choices[0].delta.tool_calls or []]
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls, finish = choice.message.tool_calls, choice.finish_reason
+    [call] = calls
+    assert (call.type, call.function.name, finish) == ("function", "get_weather", "tool_calls")
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
+
+
+def test_tool_choice_required_calls_a_tool(client):
+    choice = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=60, temperature=0,
+                                            tools=TOOLS, tool_choice="required", parallel_tool_calls=False).choices[0]
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and choice.message.content is None
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex",
+     "structured_outputs.regex: Regex parsing error at position 4: The parenthesis is not closed"),
+    ({"structured_outputs": {"grammar": "root ::= foo"}}, "structured_outputs.grammar", 'Rule "foo" is not defined'),
+    ({"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}}, "structured_outputs.json",
+     "keyword 'uniqueItems' at '/uniqueItems' is not supported"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+     "set exactly one of json, regex, choice, grammar or json_object"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+     "response_format.json_schema.schema", "keyword 'not' at '/not'"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "response_format and structured_outputs both constrain the output"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"if": {}}}}], "tool_choice": "required"},
+     "tools", "keyword 'if'"),
+])
+def test_a_bad_constraint_is_a_400_naming_it(client, extra, param, message):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, extra_body=extra)
+    body = err.value.response.json()["error"]
+    assert body["param"] == param and message in body["message"], body
+
+
+def test_without_xgrammar_a_constrained_request_is_a_400_naming_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ImportError in this process
+    srv = start_server(BUNDLED_MODEL, max_model_len=256)
+    try:
+        with srv.http() as http:
+            response = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4,
+                                                          "structured_outputs": {"regex": "a+"}})
+            assert response.status_code == 400
+            assert "pip install 'deltaserve[structured]'" in response.json()["error"]["message"]
+            free = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4})
+            assert free.status_code == 200
+    finally:
+        srv.stop()
