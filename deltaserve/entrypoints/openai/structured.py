@@ -45,8 +45,8 @@ def _response_format(fmt) -> StructuredOutputsParams:
     if fmt.type == "json_object":
         return StructuredOutputsParams(json_object=True)
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise bad_request("response_format of type 'json_schema' needs json_schema.schema (the JSON schema the "
-                          "output must match)", "response_format.json_schema")
+        raise bad_request("response_format.json_schema.schema is missing: a response_format of type 'json_schema' "
+                          "needs the JSON schema the output must match", "response_format.json_schema")
     return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
 
