@@ -13,6 +13,7 @@ refuses the output), so JSON constraints also never allow a token holding such a
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import torch
@@ -60,6 +61,8 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.json_safe_bitmask = pack_bitmask([not any(b < 0x20 for b in token) for token in vocab])
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        # a step's bitmasks filled by C++ threads (one row a matcher); half the cores: the host has other work
+        self._batch = xgr.BatchGrammarMatcher(max(1, min(8, (os.cpu_count() or 2) // 2)))
 
     def compile(self, spec: StructuredOutputsParams):
         """spec's CompiledGrammar; GrammarError (naming the field) when xgrammar refuses it."""
@@ -83,6 +86,10 @@ class GrammarBackend:
     def allocate_bitmask(self, num_rows: int):
         """[num_rows, ceil(vocab_size / 32)] int32 on the CPU."""
         return self.xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+
+    def fill(self, matchers: list, bitmask: torch.Tensor) -> None:
+        """Row i of bitmask [len(matchers), W] int32 (CPU) := the tokens matchers[i] allows next."""
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
 
 
 def pack_bitmask(allowed: list[bool]) -> torch.Tensor:

@@ -84,10 +84,10 @@ class StructuredOutputManager:
             return logits
         words = -(-self._backend.vocab_size // 32)
         bitmask = torch.empty(len(rows), words, dtype=torch.int32, pin_memory=logits.device.type == "cuda")
-        for j, i in enumerate(rows):
-            self._matchers[req_ids[i]].fill_next_token_bitmask(bitmask, j)
-            if req_ids[i] in self._json:
-                bitmask[j] &= self._backend.json_safe_bitmask
+        self._backend.fill([self._matchers[req_ids[i]] for i in rows], bitmask)
+        json_rows = [j for j, i in enumerate(rows) if req_ids[i] in self._json]
+        if json_rows:
+            bitmask[json_rows] &= self._backend.json_safe_bitmask
         device_rows = to_device(rows, torch.int64, logits.device)
         return apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), device_rows)
 

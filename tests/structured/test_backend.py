@@ -72,3 +72,11 @@ def test_without_xgrammar_the_error_names_the_extra(monkeypatch, tokenizer):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now raises ImportError
     with pytest.raises(StructuredOutputsUnavailable, match=r"pip install 'deltaserve\[structured\]'"):
         GrammarBackend(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+
+
+def test_the_server_and_the_cli_start_without_importing_xgrammar():
+    import subprocess
+
+    code = ("import sys, deltaserve.entrypoints.cli, deltaserve.entrypoints.openai.api_server, deltaserve.core.engine;"
+            "assert 'xgrammar' not in sys.modules and 'transformers' not in sys.modules, 'imported at start-up'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
