@@ -21,6 +21,9 @@
 #   profile   kernel time of a batch-1 decode step, bf16 (and fp8)
 #   prefill   one 8k-token prompt, bf16, alone
 #   baseline  4 layers (3 KDA + 1 MLA) of the 48B shape: deltaserve and transformers + fla-core, same call
+#   structured (not in the default list) the 48B shape, 64 concurrent requests, half constrained by a JSON schema
+#             against none (benchmarks/structured_outputs.py), once per maxLength in SO_MAX_LENGTHS (default 0:
+#             unbounded strings); needs the xgrammar and apache_tvm_ffi wheels in wheels/
 # Time limits: T_TESTS, T_KERNELS, T_BENCH, T_FP8 (whole stage) and T_PARITY (each parity command); a fresh
 # machine's first chunked prefill compiles fla-core's kernels for over 100 s, so a bench stage needs ~200 s. Do not
 # wrap this script in `timeout`: that kills bash and leaves its python child holding the GPU (a lease's later tests
@@ -31,6 +34,12 @@ STAGES=${STAGES:-tests kernels parity bench fp8 pdl async normgemv profile prefi
 export PYTHONPATH=$PWD/.gpu/site:$PWD
 python3 -m pip install --no-deps --no-index --target "$PWD/.gpu/site" wheels/fla_core-0.6.0-py3-none-any.whl \
     wheels/transformers-5.24.0-py3-none-any.whl >/dev/null 2>&1 || echo "wheel install failed"
+if ls wheels/xgrammar-*.whl >/dev/null 2>&1; then  # the structured extra, when its wheels were carried
+  python3 -c "import pydantic" 2>/dev/null || PYDANTIC_WHEELS="wheels/pydantic-*.whl wheels/pydantic_core-*.whl
+      wheels/annotated_types-*.whl wheels/typing_inspection-*.whl wheels/typing_extensions-*.whl"  # the image lacks it
+  python3 -m pip install --no-deps --no-index --target "$PWD/.gpu/site" wheels/xgrammar-*.whl \
+      wheels/apache_tvm_ffi-*.whl ${PYDANTIC_WHEELS:-} >/dev/null 2>&1 || echo "xgrammar wheel install failed"
+fi
 python3 -c "import torch, triton, fla, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
 CFG=benchmarks/configs/kimi-linear-48b-a3b.json
 DS="python3 -m deltaserve.entrypoints.cli"
@@ -156,6 +165,14 @@ PY
       --json-out "$OUT/bench_4layers.json" > "$OUT/bench_4layers.txt" 2>&1; tail -4 "$OUT/bench_4layers.txt" | cut -c1-200
   timeout 200 python3 benchmarks/gpu/transformers_baseline.py --config $CFG --layers 4 --prompt-len 2048 2>&1 \
       | tail -1 | tee "$OUT/baseline_4layers.json"
+fi
+if has structured; then
+  for ml in ${SO_MAX_LENGTHS:-0}; do
+    timeout ${T_STRUCTURED:-450} python3 benchmarks/structured_outputs.py --config $CFG --concurrency 64 \
+        --prompt-len 512 --output-len 128 --rounds 3 --max-length $ml --json-out "$OUT/structured_ml$ml.json" \
+        > "$OUT/structured_ml$ml.txt" 2>&1
+    echo "maxLength $ml"; grep -E "^round|^\||half / none|Error" "$OUT/structured_ml$ml.txt" | cut -c1-200
+  done
 fi
 wait
 [ "${TESTS_BACKGROUND:-}" = 1 ] && tail -4 "$OUT/gpu_tests.txt"
