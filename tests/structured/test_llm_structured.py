@@ -135,3 +135,25 @@ def test_without_xgrammar_a_constrained_request_names_the_extra(monkeypatch):
     with pytest.raises(ValueError, match=r"need xgrammar.*pip install 'deltaserve\[structured\]'"):
         fresh.generate(["x"], constrained(regex="a"), use_tqdm=False)
     assert fresh.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_grammar_that_fails_while_its_request_waits_finishes_it_as_aborted(llm, monkeypatch):
+    from deltaserve.structured import GrammarError
+
+    engine = llm.engine
+    manager = engine.structured_outputs()
+    release = threading.Event()
+
+    def failing(spec):
+        release.wait(30)
+        raise GrammarError("regex: refused by the test", "regex")
+
+    monkeypatch.setattr(manager, "_compile", failing)
+    req_id = engine.add_request([1, 2, 3], constrained(regex="[pqr]{7}"))  # not compiled before: it waits
+    assert engine.step() == [] and engine.has_unfinished_requests()
+    release.set()
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    [output] = outputs
+    assert (output.request_id, output.finished, output.outputs[0].finish_reason) == (req_id, True, "abort")
