@@ -139,6 +139,7 @@ class SamplingParams:
         grammar): such a request keeps its batch out of decode bursts."""
         return self.logprobs is not None or bool(self.stop) or self.penalized or self.structured_outputs is not None
 
+
 def generation_defaults(folder: str | os.PathLike) -> dict:
     """The sampling defaults that the model folder's generation_config.json sets (GENERATION_CONFIG_FIELDS), checked
     by SamplingParams' own rules; {} where the folder has no such file. A bad file is a ValueError naming it."""
