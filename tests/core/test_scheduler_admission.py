@@ -62,16 +62,20 @@ def test_rejects_empty_or_too_long_prompt(make_scheduler, prompt_len, match):
 
 def test_accepts_prompt_one_short_of_max_model_len(make_scheduler):
     sched = make_scheduler(max_model_len=16)
-    sched.add_request(make_request("a", prompt_len=15, max_tokens=10))
+    req = make_request("a", prompt_len=15, max_tokens=10)
+    sched.add_request(req)
     run_to_completion(sched)
+    assert req.output_token_ids == [1000] and req.finish_reason == "length"  # 16 tokens: the model's length
 
 
 def test_rejects_request_larger_than_whole_cache(make_scheduler):
     sched = make_scheduler(num_blocks=3, block_size=4)
     with pytest.raises(ValueError, match=r"may cache up to 13 tokens .* 4 pages, but the whole cache holds 3 pages"):
         sched.add_request(make_request("a", prompt_len=10, max_tokens=4))
-    sched.add_request(make_request("b", prompt_len=10, max_tokens=3))  # caches 12 tokens: exactly 3 pages
+    req = make_request("b", prompt_len=10, max_tokens=3)  # caches 12 tokens: exactly 3 pages
+    sched.add_request(req)
     run_to_completion(sched)
+    assert req.output_token_ids == [1000, 1001, 1002] and req.finish_reason == "length"
 
 
 def test_rejects_duplicate_request_id(make_scheduler):

@@ -59,3 +59,15 @@ def test_budget_is_never_exceeded_and_running_requests_go_first(make_scheduler):
     assert first == {"r0": 5, "r1": 1}
     assert outputs[1].num_scheduled_tokens == {"r0": 1, "r1": 4, "r2": 1}
     assert_pools_full(sched)
+
+
+def test_a_request_left_without_budget_is_not_scheduled(make_scheduler):
+    """A chunk cut at a snapshot position lets a later request in beside a prompt still prefilling; when that
+    prompt's next chunk takes the whole budget, the later request sits the step out rather than being sent with 0
+    tokens."""
+    sched = make_scheduler(block_size=4, max_num_batched_tokens=3, num_snapshot_slots=2)
+    sched.add_request(make_request("a", prompt_len=7, max_tokens=2))
+    sched.add_request(make_request("b", prompt_len=5, max_tokens=2))
+    outputs = run_to_completion(sched)
+    assert [o.num_scheduled_tokens for o in outputs] == [
+        {"a": 3}, {"a": 1, "b": 2}, {"a": 3}, {"a": 1, "b": 2}, {"b": 1}, {"b": 1}]
