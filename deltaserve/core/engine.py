@@ -28,14 +28,16 @@ from deltaserve.cache.manager import CacheManager
 from deltaserve.cache.prefix_cache import PrefixCacheStats
 from deltaserve.cache.sizing import describe_plan, plan_cache
 from deltaserve.config import EngineConfig, ModelConfig
-from deltaserve.core.outputs import CompletionOutput, Logprob, Logprobs, RequestOutput, SchedulerOutput
+from deltaserve.core.outputs import CompletionOutput, Logprob, RequestOutput
 from deltaserve.core.scheduler import Scheduler
 from deltaserve.distributed import SINGLE, ParallelConfig, broadcast_object
 from deltaserve.loader.model_loader import DTYPES
 from deltaserve.request import Request, RequestStatus
 from deltaserve.runner.model_runner import ModelRunner, PendingOutput
 from deltaserve.runner.startup import ProgressBar, phase
+from deltaserve.runner_output import Logprobs
 from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
+from deltaserve.scheduler_output import SchedulerOutput
 from deltaserve.structured.manager import StructuredOutputManager
 from deltaserve.tokenizer import load_tokenizer
 from deltaserve.tokenizer.detokenizer import IncrementalDetokenizer

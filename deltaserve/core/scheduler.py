@@ -54,8 +54,9 @@ from collections.abc import Iterable
 
 from deltaserve.cache.manager import CacheManager
 from deltaserve.config import EngineConfig
-from deltaserve.core.outputs import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
 from deltaserve.request import Request, RequestStatus
+from deltaserve.runner_output import RunnerOutput
+from deltaserve.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 
 
 class Scheduler:

@@ -3,7 +3,8 @@
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels.varlen import PackedSeqs
+from deltaserve.forward_batch import PackedSeqs
+from deltaserve.kernels.varlen import pack_seqs
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor):
@@ -41,7 +42,7 @@ def causal_conv1d_varlen(
     if x.is_cuda:
         from deltaserve.kernels.conv1d_triton import conv1d_varlen
 
-        return conv1d_varlen(x, weight, conv_state, packed or PackedSeqs.build(state_slots, cu_seqlens, x.device))
+        return conv1d_varlen(x, weight, conv_state, packed or pack_seqs(state_slots, cu_seqlens, x.device))
     D, W = weight.shape
     y = torch.empty_like(x)
     for b, slot in enumerate(state_slots):

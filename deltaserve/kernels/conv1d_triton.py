@@ -7,8 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.forward_batch import PackedSeqs
 from deltaserve.kernels.pdl import pdl_args, pdl_enter
-from deltaserve.kernels.varlen import TOKEN_TILE, PackedSeqs
+from deltaserve.kernels.varlen import TOKEN_TILE
 
 
 @triton.jit

@@ -2,22 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
+from deltaserve.forward_batch import ForwardBatch
 from deltaserve.kernels import cpu_gemv
 from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from deltaserve.kernels.kda import kda_decode, kda_prefill
 from deltaserve.kernels.norm import gated_rms_norm
 from deltaserve.layers import linear
 from deltaserve.layers.linear import Linear
-
-if TYPE_CHECKING:
-    from deltaserve.runner.forward_batch import ForwardBatch
 
 
 class KimiDeltaAttention(nn.Module):
@@ -58,7 +54,7 @@ class KimiDeltaAttention(nn.Module):
         if N > nd:
             conv_parts.append(causal_conv1d_varlen(
                 qkv[nd:], self.conv_weight, cache["conv"], batch.state_slot_list[nd:], batch.prefill_cu_seqlens(),
-                batch.prefill_packed() if projected.is_cuda else None))
+                batch.prefill))
         qkv = (conv_parts[0] if len(conv_parts) == 1 else torch.cat(conv_parts)).view(N, 3, H, K)
         g_raw, gate = self._gate_up_projections(fg_a, batched=projected.is_cuda and nd == N)
         o = self._delta_rule(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b, batch, cache["recurrent"])
@@ -103,7 +99,7 @@ class KimiDeltaAttention(nn.Module):
             return kda_decode(q, k, v, g_raw, b_raw, *params, state, batch.state_slots, scale).to(v.dtype)
         prefill = kda_prefill(q[nd:], k[nd:], v[nd:], g_raw[nd:], b_raw[nd:], *params, state,
                               batch.state_slot_list[nd:], batch.prefill_cu_seqlens(), scale,
-                              batch.prefill_packed() if q.is_cuda else None)
+                              batch.prefill)
         if not nd:
             return prefill.to(v.dtype)
         o = torch.empty(v.shape, dtype=v.dtype, device=v.device)

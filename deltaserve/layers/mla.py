@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
+from deltaserve.forward_batch import ForwardBatch
 from deltaserve.kernels.cache_ops import write_latents
 from deltaserve.kernels.mla import (
     gather_latents,
@@ -20,9 +19,6 @@ from deltaserve.kernels.mla import (
 )
 from deltaserve.kernels.norm import rms_norm
 from deltaserve.layers.linear import Linear
-
-if TYPE_CHECKING:
-    from deltaserve.runner.forward_batch import ForwardBatch
 
 # Prefill expands the context's latents into per-head keys and values: ~28 KB a token a layer at the 48B shape in
 # bf16 (kv_b_proj's 256 values a head and the 192-wide keys, 32 heads). 256k keys (~7 GB) ran on an H200 beside the

@@ -7,22 +7,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from deltaserve.config import KDA, MOE, ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig
+from deltaserve.forward_batch import ForwardBatch
 from deltaserve.layers import linear
 from deltaserve.layers.kda import KimiDeltaAttention
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.mla import MultiheadLatentAttention
 from deltaserve.layers.moe import MoE, SwiGLU
 from deltaserve.layers.norm import RMSNorm
-
-if TYPE_CHECKING:
-    from deltaserve.runner.forward_batch import ForwardBatch
 
 
 class DecoderLayer(nn.Module):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.runner.forward_batch import ForwardBatch
+from deltaserve.forward_batch import ForwardBatch
+from deltaserve.kernels.varlen import pack_seqs
 from deltaserve.runner.model_runner import allocate_caches
 
 
@@ -31,7 +32,8 @@ class SequenceRunner:
         one = lambda value: torch.tensor([value], dtype=torch.int64, device=self.device)  # noqa: E731
         batch = ForwardBatch(positions=positions, slot_mapping=positions.clone(), state_slots=one(0),
                              block_tables=one(0)[None], context_lens=one(start + n), num_decodes=int(n == 1),
-                             query_lens=[n], start_positions=[start], state_slot_list=[0])
+                             query_lens=[n], start_positions=[start], state_slot_list=[0],
+                             prefill=pack_seqs([0], [0, n], self.device) if n > 1 else None)
         hidden = self.model(torch.tensor(token_ids, device=self.device), batch, self.caches)  # [n, D]
         self.num_computed += n
         return self.model.compute_logits(hidden[first_row:])

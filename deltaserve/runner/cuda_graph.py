@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from deltaserve.runner.forward_batch import ForwardBatch, HostBatch
+from deltaserve.forward_batch import ForwardBatch
+from deltaserve.runner.host_batch import HostBatch
 from deltaserve.runner.startup import phase_bar
 
 log = logging.getLogger("deltaserve")

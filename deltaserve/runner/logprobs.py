@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.core.outputs import Logprobs
 from deltaserve.kernels.sampling import SampledLogprobs
+from deltaserve.runner_output import Logprobs
 
 
 def sampled_logprobs(result: SampledLogprobs, token_ids: list[int], nums: list[int | None]) -> list[Logprobs | None]:

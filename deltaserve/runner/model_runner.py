@@ -14,26 +14,27 @@ import logging
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
 from deltaserve.cache.sizing import CachePlan
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce, check_divisible
+from deltaserve.forward_batch import ForwardBatch
 from deltaserve.kernels import cpu_gemv
 from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, row_generators, sample
 from deltaserve.kernels.tuning_cache import persist_tuning, restore_tuning
 from deltaserve.kernels.varlen import to_device
+from deltaserve.layers.linear import Linear
+from deltaserve.layers.moe import MoE
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
 from deltaserve.runner.cuda_graph import DecodeGraphs, graph_width
-from deltaserve.runner.forward_batch import ForwardBatch, HostBatch, cache_slot
+from deltaserve.runner.host_batch import HostBatch, cache_slot
 from deltaserve.runner.logprobs import prompt_logprobs, sampled_logprobs
 from deltaserve.runner.startup import phase
+from deltaserve.runner_output import RunnerOutput
 from deltaserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from deltaserve.core.outputs import RunnerOutput, SchedulerOutput
+from deltaserve.scheduler_output import SchedulerOutput
 
 log = logging.getLogger("deltaserve")
 ACTIVATION_RESERVE_BYTES = 4 << 30  # left free on a GPU for a step's activations and the CUDA graphs
@@ -166,8 +167,6 @@ class ModelRunner:
         """Queue one scheduler step; its PendingOutput's result() waits for its sampled tokens (a step with prompt
         logprobs has waited for those already). inflight: for a chained burst (sched.chained), the step still running
         whose last tokens are this one's first inputs."""
-        from deltaserve.core.outputs import RunnerOutput
-
         self._update_requests(sched)
         order = sorted(sched.num_scheduled_tokens, key=lambda r: sched.num_scheduled_tokens[r] != 1)
         if not order:
@@ -284,8 +283,6 @@ class ModelRunner:
         graph, or the eager model). saves: KDA states copied to snapshot slots after the burst step in save_steps.
         first_ids: [B] on the device, the first step's input ids (a chained burst's), else the requests' last
         tokens. The requests' computed tokens advance now; their sampled tokens join them in result()."""
-        from deltaserve.core.outputs import RunnerOutput
-
         states = [self.requests[req_id] for req_id in order]
         params = [s.sampling_params for s in states]
         meta = None if plain_greedy(params) else build_sampling_metadata(  # no penalties nor logprobs (scheduler)
@@ -342,8 +339,6 @@ class ModelRunner:
         """logits_at(rows) -> logits [len(rows), V] float32 at those token rows of this step. The sampled tokens
         reach the host in result(); when every request samples, they also stay on the device as last_tokens (the
         inputs of a chained burst)."""
-        from deltaserve.core.outputs import RunnerOutput
-
         out = RunnerOutput(req_ids=list(order), sampled_token_ids={r: [] for r in order})
         sampling = []  # (state, row of its last token)
         for req_id, end, n in zip(order, itertools.accumulate(query_lens), query_lens):
@@ -501,9 +496,6 @@ def _input_major_weights(model: torch.nn.Module) -> None:
     matrix-vector products then stream whole rows, measured 5-10% faster on the layers and up to 2x on lm_head when
     the weights are not in cache. Not for half precision: bfloat16 decoded 4-8% faster output-major (BENCHMARKS.md).
     Skipped: kv_b_proj (MLA decode views it per head), an lm_head tied to the embedding (looked up by row), FP8."""
-    from deltaserve.layers.linear import Linear
-    from deltaserve.layers.moe import MoE
-
     params = [m.weight for name, m in model.named_modules() if isinstance(m, Linear) and not name.endswith("kv_b_proj")]
     params += [w for m in model.modules() if isinstance(m, MoE) for w in (m.w13, m.w2)]
     for param in params:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from deltaserve.cache.manager import CacheManager
 from deltaserve.config import EngineConfig
-from deltaserve.core.outputs import RunnerOutput
 from deltaserve.core.scheduler import Scheduler
 from deltaserve.request import Request
+from deltaserve.runner_output import RunnerOutput
 from deltaserve.sampling_params import SamplingParams
 
 EOS = 99

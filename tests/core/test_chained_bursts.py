@@ -5,7 +5,7 @@ a burst's tokens when it is queued; the model's tokens in test_engine_bursts.py)
 from scheduler_harness import EOS, assert_pools_full, make_request, new_scheduler
 from test_decode_bursts import run, stream
 
-from deltaserve.core.outputs import RunnerOutput
+from deltaserve.runner_output import RunnerOutput
 
 
 def launch(sched, out, tokens, num_pending: int = 0) -> dict[str, list[int]]:

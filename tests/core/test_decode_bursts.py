@@ -3,7 +3,7 @@ at a time (scheduler with a fake runner here; the model's tokens in test_engine_
 
 from scheduler_harness import EOS, assert_pools_full, make_request, new_scheduler
 
-from deltaserve.core.outputs import RunnerOutput
+from deltaserve.runner_output import RunnerOutput
 
 
 def burst_step(sched, tokens: dict[str, list[int]]):

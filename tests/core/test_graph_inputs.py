@@ -4,7 +4,7 @@ shrink (the graphs themselves need CUDA; tests/gpu/test_gpu_engine.py runs them)
 import torch
 
 from deltaserve.runner.cuda_graph import DecodeGraphs
-from deltaserve.runner.forward_batch import HostBatch
+from deltaserve.runner.host_batch import HostBatch
 
 SCRATCH_SLOT, SCRATCH_BLOCK, PAGE = 9, 30, 4
 

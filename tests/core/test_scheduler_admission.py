@@ -3,8 +3,8 @@
 import pytest
 from scheduler_harness import assert_pools_full, make_request, run_to_completion, step
 
-from deltaserve.core.outputs import RunnerOutput
 from deltaserve.request import RequestStatus
+from deltaserve.runner_output import RunnerOutput
 
 
 def test_new_request_is_sent_in_full_then_as_diffs(make_scheduler):

@@ -5,8 +5,8 @@ its prefill index tensors once for all layers."""
 import torch
 
 from deltaserve.kernels.pdl import pdl_args
-from deltaserve.kernels.varlen import PackedSeqs
-from deltaserve.runner.forward_batch import HostBatch
+from deltaserve.kernels.varlen import pack_seqs
+from deltaserve.runner.host_batch import HostBatch
 from deltaserve.runner.model_runner import LayerCaches, allocate_caches
 
 
@@ -32,16 +32,18 @@ def test_kda_states_are_rows_of_one_stack_a_name():
     assert caches[0]["conv"].is_contiguous() and caches[2]["recurrent"].is_contiguous()
 
 
-def test_a_step_builds_its_packed_prefill_sequences_once():
+def test_prefill_sequences_pack_as_the_kernels_take_them():
     host = HostBatch(input_ids=[1] * 9, positions=list(range(9)), slot_mapping=list(range(9)),
                      query_lens=[1, 5, 3], start_positions=[4, 0, 0], state_slots=[2, 7, 5],
                      block_tables=[[0, 1, 2], [3], [4]])
     _, batch = host.to_device(torch.device("cpu"))
-    packed = batch.prefill_packed()
-    assert packed is batch.prefill_packed()  # one set of tensors for every layer of the step
+    assert batch.prefill is None  # the CPU kernels read the host lists
+    assert batch.prefill_cu_seqlens() == [0, 5, 8]
+    packed = pack_seqs(batch.state_slot_list[batch.num_decodes:], batch.prefill_cu_seqlens(), torch.device("cpu"))
     assert packed.state_slots.tolist() == [7, 5] and packed.cu_seqlens.tolist() == [0, 5, 8]
     assert packed.cu_seqlens_cpu.tolist() == [0, 5, 8] and packed.max_len == 5
-    assert PackedSeqs.build([], [0], torch.device("cpu")).max_len == 0
+    assert packed.token_tiles.tolist() == [[0, 0], [1, 0]]
+    assert pack_seqs([], [0], torch.device("cpu")).max_len == 0
 
 
 def test_pdl_is_off_off_the_gpu():

@@ -9,7 +9,7 @@ from helpers.engine import as_inputs, assert_idle, random_prompts, token_ids, wi
 from helpers.hand_runner import prefill_logits
 
 from deltaserve import SamplingParams
-from deltaserve.core.outputs import SchedulerOutput
+from deltaserve.scheduler_output import SchedulerOutput
 
 LOGPROB_ATOL = 1e-4  # the engine's batched step vs one plain prefill: same float32 math, other shapes
 TEXT_PROMPT = "The quick brown fox"

@@ -10,7 +10,7 @@ from deltaserve.kernels.mla.naive import naive_mla
 from deltaserve.kernels.moe.experts import grouped_experts
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk
 from deltaserve.kernels.moe.triton_routing import router_logits, triton_topk
-from deltaserve.kernels.varlen import PackedSeqs
+from deltaserve.kernels.varlen import pack_seqs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEV = "cuda"
@@ -64,7 +64,7 @@ def test_fla_chunk_prefill_matches_torch_chunk(lengths):
     state = torch.randn(S, H, K, K, generator=gen, device=DEV) * 0.1
     twin_state = state.clone()
     slots = list(range(1, len(lengths) + 1))
-    o = fla_chunk_kda(qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, K ** -0.5, state, PackedSeqs.build(slots, cu, DEV))
+    o = fla_chunk_kda(qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, K ** -0.5, state, pack_seqs(slots, cu, DEV))
     o_twin = chunk_kda(l2norm(qkv[:, 0]), l2norm(qkv[:, 1]), qkv[:, 2].float(), g, beta, K ** -0.5, twin_state,
                        slots, cu)
     assert rel_err(o, o_twin) < 2e-2

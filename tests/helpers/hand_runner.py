@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deltaserve.runner.forward_batch import ForwardBatch
+from deltaserve.forward_batch import ForwardBatch
 
 POISON = 1e30
 

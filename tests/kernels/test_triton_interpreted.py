@@ -20,7 +20,7 @@ from deltaserve.kernels.moe.triton_combine import weighted_sum  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import decode_experts  # noqa: E402
 from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, router_logits, triton_topk  # noqa: E402
 from deltaserve.kernels.norm_gemv import add_norm_gemv, gated_norm_gemv, naive_add_norm_linear, naive_gated_norm_linear  # noqa: E402
-from deltaserve.kernels.varlen import PackedSeqs  # noqa: E402
+from deltaserve.kernels.varlen import pack_seqs  # noqa: E402
 
 
 @pytest.mark.parametrize("B,H,K", [(1, 2, 16), (3, 4, 32), (5, 1, 64), (2, 4, 48)])  # 48: the demo model's
@@ -74,7 +74,7 @@ def test_conv_varlen_kernels_match_naive(W, lengths):
     state = torch.randn(S, C, W - 1, generator=gen)
     slots = torch.randperm(S, generator=gen)[:len(lengths)]
     before = state.clone()
-    y = conv1d_varlen(x, weight, state, PackedSeqs.build(slots.tolist(), cu, torch.device("cpu")))
+    y = conv1d_varlen(x, weight, state, pack_seqs(slots.tolist(), cu, torch.device("cpu")))
     for b, slot in enumerate(slots.tolist()):
         y_ref, state_ref = naive_causal_conv1d(x[cu[b]:cu[b + 1]], weight, before[slot])
         assert rel_err(y[cu[b]:cu[b + 1]], y_ref) < 1e-5
@@ -87,7 +87,7 @@ def test_conv_varlen_kernels_with_no_tokens_leave_the_states():
     """A step with no prefill tokens: an empty output, every state slot as it was."""
     state = torch.randn(3, 8, 3, generator=torch.Generator().manual_seed(1))
     before = state.clone()
-    y = conv1d_varlen(torch.empty(0, 8), torch.randn(8, 4), state, PackedSeqs.build([], [0], torch.device("cpu")))
+    y = conv1d_varlen(torch.empty(0, 8), torch.randn(8, 4), state, pack_seqs([], [0], torch.device("cpu")))
     assert y.shape == (0, 8) and torch.equal(state, before)
 
 

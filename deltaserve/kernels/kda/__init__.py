@@ -4,10 +4,11 @@ fla-core's chunked prefill (the `gpu` extra). naive.py is the spec all of them a
 
 import torch
 
+from deltaserve.forward_batch import PackedSeqs
 from deltaserve.kernels.kda.chunk import chunk_kda
 from deltaserve.kernels.kda.fused_recurrent import fused_recurrent_kda
 from deltaserve.kernels.kda.gate import kda_gate, l2norm
-from deltaserve.kernels.varlen import PackedSeqs
+from deltaserve.kernels.varlen import pack_seqs
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "kda_decode", "kda_gate", "kda_prefill", "l2norm"]
 
@@ -34,7 +35,7 @@ def kda_prefill(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: list[
     if q.is_cuda and q.dtype != torch.float32 and _fla_available():  # float32 keeps the exact torch path
         from deltaserve.kernels.kda.fla_chunk import fla_chunk_kda
 
-        packed = packed or PackedSeqs.build(state_slots, cu_seqlens, q.device)
+        packed = packed or pack_seqs(state_slots, cu_seqlens, q.device)
         return fla_chunk_kda(q, k, v, g, beta, scale, state, packed)
     return chunk_kda(l2norm(q), l2norm(k), v.float(), g, beta, scale, state, state_slots, cu_seqlens)
 

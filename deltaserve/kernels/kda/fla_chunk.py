@@ -3,7 +3,7 @@
 import torch
 from fla.ops.kda import chunk_kda
 
-from deltaserve.kernels.varlen import PackedSeqs
+from deltaserve.forward_batch import PackedSeqs
 
 
 def fla_chunk_kda(q, k, v, g, beta, scale, state, packed: PackedSeqs) -> torch.Tensor:

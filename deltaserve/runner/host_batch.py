@@ -1,51 +1,13 @@
-"""ForwardBatch: the per-step metadata the model reads, passed explicitly (never a global).
-
-Sequences are ordered decodes first: the first num_decodes sequences have exactly one new token each (a decode,
-or a one-token prompt chunk), so their tokens are x[:num_decodes] and run through the batched recurrent paths;
-the rest are prefill chunks, packed, through the chunked paths (prefill_packed: their index tensors, once a step).
-"""
+"""HostBatch: a step's inputs as host lists, and where a token lies in the MLA cache (cache_slot)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from deltaserve.kernels.varlen import PackedSeqs, to_device
-
-
-@dataclass
-class ForwardBatch:
-    positions: torch.Tensor  # [N] int64, absolute position of each new token
-    slot_mapping: torch.Tensor  # [N] int64, MLA cache index of each new token (block_id * block_size + offset)
-    state_slots: torch.Tensor  # [B] int64, KDA conv + recurrent state slot of each sequence
-    block_tables: torch.Tensor  # [B, max_blocks] int64, MLA pages of each sequence (padded with 0)
-    context_lens: torch.Tensor  # [B] int64, tokens in the cache after this step
-    num_decodes: int
-    # host copies, for loops over prefill sequences without device syncs
-    query_lens: list[int]  # new tokens per sequence
-    start_positions: list[int]  # tokens already cached per sequence before this step
-    state_slot_list: list[int]
-    _packed: PackedSeqs | None = field(default=None, init=False, repr=False, compare=False)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    def prefill_cu_seqlens(self) -> list[int]:
-        """Offsets of the prefill sequences' tokens, relative to the first prefill token."""
-        cu = [0]
-        for n in self.query_lens[self.num_decodes:]:
-            cu.append(cu[-1] + n)
-        return cu
-
-    def prefill_packed(self) -> PackedSeqs:
-        """The prefill sequences' slots and offsets as tensors on this batch's device, made at the first call and
-        shared by every layer after."""
-        if self._packed is None:
-            self._packed = PackedSeqs.build(self.state_slot_list[self.num_decodes:], self.prefill_cu_seqlens(),
-                                            self.positions.device)
-        return self._packed
+from deltaserve.forward_batch import ForwardBatch
+from deltaserve.kernels.varlen import pack_seqs, to_device
 
 
 def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:
@@ -94,10 +56,14 @@ class HostBatch:
             self.query_lens, [s + steps for s in self.start_positions], self.state_slots, self.block_tables)
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, ForwardBatch]:
-        """(input_ids [N] int64, ForwardBatch) on device, copied without waiting for the device (to_device)."""
+        """(input_ids [N] int64, ForwardBatch) on device, copied without waiting for the device (to_device). On a GPU
+        the prefill sequences are packed here, once for every layer; the CPU kernels read the host lists."""
         tensor = lambda x: to_device(x, torch.int64, device)  # noqa: E731
-        return tensor(self.input_ids), ForwardBatch(
+        batch = ForwardBatch(
             positions=tensor(self.positions), slot_mapping=tensor(self.slot_mapping),
             state_slots=tensor(self.state_slots), block_tables=tensor(self.padded_tables()),
             context_lens=tensor(self.context_lens), num_decodes=sum(n == 1 for n in self.query_lens),
             query_lens=self.query_lens, start_positions=self.start_positions, state_slot_list=self.state_slots)
+        if device.type == "cuda" and batch.num_decodes < batch.num_seqs:
+            batch.prefill = pack_seqs(self.state_slots[batch.num_decodes:], batch.prefill_cu_seqlens(), device)
+        return tensor(self.input_ids), batch

@@ -1,0 +1,60 @@
+"""ForwardBatch: the model's input besides the token ids, one a step, passed explicitly (never a global).
+
+Built by the runner, read by the layers: a data-only contract on the ground floor, so that no layer imports the
+runner. It holds device tensors because it is the model's input.
+
+Sequences are ordered decodes first: the first num_decodes sequences have exactly one new token each (a decode,
+or a one-token prompt chunk), so their tokens are x[:num_decodes] and run through the batched recurrent paths;
+the rest are prefill chunks, packed, through the chunked paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PackedSeqs:
+    """A step's prefill sequences as tensors (kernels.varlen.pack_seqs makes them): their state slots [B] and
+    cu_seqlens [B+1] (token offsets) on the device, cu_seqlens on the host too, and the longest sequence. Made once
+    a step and shared by every layer: a host list turned into a device tensor is a copy each time, and fla-core
+    caches what it derives from cu_seqlens (its chunk indices) by the tensors' identity."""
+
+    state_slots: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+    max_len: int
+    # [tiles, 2] on the device: (sequence, first token of the tile within it) for every TOKEN_TILE tokens of every
+    # sequence, so a kernel over token tiles launches as many programs as there are tiles, however uneven the
+    # lengths (a grid of sequences x the longest's tiles was mostly empty programs beside one long chunk)
+    token_tiles: torch.Tensor
+
+
+@dataclass
+class ForwardBatch:
+    positions: torch.Tensor  # [N] int64, absolute position of each new token
+    slot_mapping: torch.Tensor  # [N] int64, MLA cache index of each new token (block_id * block_size + offset)
+    state_slots: torch.Tensor  # [B] int64, KDA conv + recurrent state slot of each sequence
+    block_tables: torch.Tensor  # [B, max_blocks] int64, MLA pages of each sequence (padded with 0)
+    context_lens: torch.Tensor  # [B] int64, tokens in the cache after this step
+    num_decodes: int
+    # host copies, for loops over prefill sequences without device syncs
+    query_lens: list[int]  # new tokens per sequence
+    start_positions: list[int]  # tokens already cached per sequence before this step
+    state_slot_list: list[int]
+    # the prefill sequences (those after num_decodes) packed for the GPU kernels; None: the kernels pack their own
+    # (or, on the CPU, read the host lists)
+    prefill: PackedSeqs | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    def prefill_cu_seqlens(self) -> list[int]:
+        """Offsets of the prefill sequences' tokens, relative to the first prefill token."""
+        cu = [0]
+        for n in self.query_lens[self.num_decodes:]:
+            cu.append(cu[-1] + n)
+        return cu
