@@ -339,6 +339,12 @@ class EngineConfig:
     # batch 1 on the small benchmark model (BENCHMARKS.md, CPU), but inductor's kernels sum in their own order: logits
     # within ~1e-5 of eager's, not bit-exact, so off by default (float32 eager is the exact regime)
     compile_decode: bool = False
+    # CPU, float32: products of up to 4 rows through our kernel (kernels/cpu_gemv.py, where it builds), which sums in
+    # its own order (the last bits differ from MKL's); False: PyTorch's products only
+    cpu_gemv: bool = True
+    # GPU, half precision: a norm inside the GEMV of the projection that reads it (kernels/norm_gemv.py, a launch
+    # less a layer; the bf16 roundings may differ in the last bits); False: norm and projection apart, for an A/B
+    norm_gemv: bool = True
 
     def __post_init__(self):
         def bad(name, value, expectation):

@@ -47,6 +47,9 @@ class ForwardBatch:
     # the prefill sequences (those after num_decodes) packed for the GPU kernels; None: the kernels pack their own
     # (or, on the CPU, read the host lists)
     prefill: PackedSeqs | None = None
+    # a CUDA graph's warm-up or capture (runner.cuda_graph): kernels that keep no memory past the step and compile at
+    # the warm-up what the capture runs
+    in_graph: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -59,6 +59,21 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile-decode", action="store_true",
                    help="CPU: run decode steps of up to 4 requests through torch.compile (seconds to compile per "
                         "batch size; ~1.4x faster a token on small models; not bit-exact: logits within ~1e-5)")
+    g.add_argument("--cpu-gemv", action=argparse.BooleanOptionalAction, default=_env_switch("DELTASERVE_CPU_GEMV"),
+                   help="CPU, float32: decode products through our AVX kernel where it builds (default: on, or "
+                        "DELTASERVE_CPU_GEMV=0 off); off: PyTorch's products")
+    g.add_argument("--norm-gemv", action=argparse.BooleanOptionalAction, default=_env_switch("DELTASERVE_NORM_GEMV"),
+                   help="GPU, half precision: norms inside the GEMVs that read them (default: on, or "
+                        "DELTASERVE_NORM_GEMV=0 off); off: apart, for an A/B")
+
+
+def _env_switch(name: str) -> bool:
+    """A kernel switch's default: on unless the environment sets it to 0 (read here only, never below the CLI)."""
+    return os.environ.get(name, "1") != "0"
+
+
+def _kernel_switches(args) -> dict:
+    return {"compile_decode": args.compile_decode, "cpu_gemv": args.cpu_gemv, "norm_gemv": args.norm_gemv}
 
 
 def _token_ids(text: str) -> list[int]:
@@ -118,7 +133,7 @@ def _make_llm(args):
                enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
                enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
                num_decode_steps=args.num_decode_steps, async_scheduling=args.async_scheduling,
-               compile_decode=args.compile_decode)
+               **_kernel_switches(args))
 
 
 def cmd_generate(args) -> None:
@@ -175,7 +190,7 @@ def cmd_bench(args) -> None:
                           tensor_parallel_size=args.tensor_parallel_size,
                           enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
                           num_decode_steps=args.num_decode_steps, async_scheduling=args.async_scheduling,
-                          compile_decode=args.compile_decode)
+                          **_kernel_switches(args))
     result = bench(args.config or args.model or str(BUNDLED_MODEL), engine, args.batch_sizes, args.prompt_len,
                    args.output_len, args.long_prompt_len)
     print_report(result)

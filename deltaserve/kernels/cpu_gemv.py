@@ -8,9 +8,10 @@ them at ~60% of what a core can, on one core whatever the thread setting: measur
 The kernel is `kernels/cpu/gemv.c` (AVX-512, or AVX2 with FMA; each output row a dot product in four vector
 accumulators; OpenMP over the output rows), compiled with the machine's C compiler at first use into the user's
 cache folder (`-march=native`: the library is built for the machine that runs it). Where no compiler or neither
-instruction set is there, or `DELTASERVE_CPU_GEMV=0`, `enabled()` is False and callers keep F.linear, as they do for
-products of fewer than MIN_WEIGHT weights (where the ctypes call's overhead outweighs the faster sums). Every row of
-x takes the same sums in the same order, so a row's result does not depend on the rows beside it. Twin: F.linear.
+instruction set is there, `available()` is False and callers keep F.linear, as they do where the engine turns
+it off (KernelOptions.cpu_gemv: callers pass threads=None) and for products of fewer than MIN_WEIGHT weights
+(where the ctypes call's overhead outweighs the faster sums). Every row of x takes the same sums in the same order,
+so a row's result does not depend on the rows beside it. Twin: F.linear.
 """
 
 from __future__ import annotations
@@ -37,19 +38,11 @@ MAX_ROWS = 4  # decode steps of up to 4 tokens (more rows: MKL's GEMM reuses eac
 MIN_WEIGHT = 1 << 17
 PARALLEL_MIN_WEIGHT = 1 << 16  # elements (256 KB): a smaller weight runs on one thread (forking costs more)
 _SOURCE = Path(__file__).parent / "cpu" / "gemv.c"
-_threads = max(1, torch.get_num_threads())
 
 
-def set_threads(threads: int) -> None:
-    """The threads a large product splits over (the process's CPU threads; the runner runs a decode step's other
-    ops on one)."""
-    global _threads
-    _threads = max(1, int(threads))
-
-
-def enabled() -> bool:
-    """The kernel is built and allowed (DELTASERVE_CPU_GEMV=0 turns it off, at any time)."""
-    return os.environ.get("DELTASERVE_CPU_GEMV", "1") != "0" and _library() is not None
+def available() -> bool:
+    """The kernel is built for this machine (built at the first call)."""
+    return _library() is not None
 
 
 def can_run(x: torch.Tensor, weight: torch.Tensor, group: int = 1) -> bool:
@@ -58,35 +51,37 @@ def can_run(x: torch.Tensor, weight: torch.Tensor, group: int = 1) -> bool:
     where this kernel is off) and at least MIN_WEIGHT elements in the call."""
     return (weight.numel() * group >= MIN_WEIGHT and x.dtype is torch.float32 and weight.dtype is torch.float32
             and x.is_cpu and weight.is_cpu and weight.dim() == 2 and weight.is_contiguous() and x.shape[-1] > 0
-            and 0 < x.numel() <= MAX_ROWS * x.shape[-1] and not torch.compiler.is_compiling() and enabled())
+            and 0 < x.numel() <= MAX_ROWS * x.shape[-1] and not torch.compiler.is_compiling() and available())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) (no bias), through cpu_gemv where can_run says it may."""
-    if can_run(x, weight):
+def linear(x: torch.Tensor, weight: torch.Tensor, threads: int | None) -> torch.Tensor:
+    """F.linear(x, weight) (no bias), through cpu_gemv on `threads` where can_run says it may; threads None: the
+    kernel is off (F.linear)."""
+    if threads is not None and can_run(x, weight):
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # checked by can_run: no second validation here
-        return _launch(rows, 0, (weight,)).view(*x.shape[:-1], weight.shape[0])
+        return _launch(rows, 0, (weight,), threads).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
 
 
-def cpu_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] float32 with at most MAX_ROWS rows, weight [N, K] float32 contiguous -> [..., N]."""
+def cpu_gemv(x: torch.Tensor, weight: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    """x [..., K] float32 with at most MAX_ROWS rows, weight [N, K] float32 contiguous -> [..., N]. threads: those
+    a product of PARALLEL_MIN_WEIGHT weights or more splits over (the bits do not depend on them)."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return _run(rows, 0, [weight]).view(*x.shape[:-1], weight.shape[0])
+    return _run(rows, 0, [weight], threads).view(*x.shape[:-1], weight.shape[0])
 
 
-def cpu_gemv_grouped(x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+def cpu_gemv_grouped(x: torch.Tensor, weights: list[torch.Tensor], threads: int = 1) -> torch.Tensor:
     """One call for several weights (a token's experts): x [M, K] for all of them or [G, M, K], one a weight;
     weights: G tensors [N, K] float32 contiguous -> [G, M, N] (each the bits cpu_gemv gives it alone)."""
     if x.dim() == 2:
-        return _run(x.contiguous(), 0, weights)
+        return _run(x.contiguous(), 0, weights, threads)
     if x.shape[0] != len(weights):
         raise ValueError(f"cpu_gemv_grouped: {x.shape[0]} inputs for {len(weights)} weights")
     x = x.contiguous()
-    return _run(x, x.stride(0), weights)
+    return _run(x, x.stride(0), weights, threads)
 
 
-def _run(x: torch.Tensor, x_stride: int, weights: list[torch.Tensor]) -> torch.Tensor:
+def _run(x: torch.Tensor, x_stride: int, weights: list[torch.Tensor], threads: int) -> torch.Tensor:
     """x [M, K] or [G, M, K] contiguous (x_stride: elements from one weight's x to the next; 0: shared)."""
     M, (N, K) = x.shape[-2], weights[0].shape
     if x.shape[-1] != K or any(w.shape != (N, K) or not w.is_contiguous() for w in weights):
@@ -96,16 +91,16 @@ def _run(x: torch.Tensor, x_stride: int, weights: list[torch.Tensor]) -> torch.T
         raise ValueError("cpu_gemv takes float32 CPU tensors (can_run tells where it serves)")
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"cpu_gemv takes 1 to {MAX_ROWS} rows, not {M}")
-    return _launch(x, x_stride, weights)
+    return _launch(x, x_stride, weights, threads)
 
 
-def _launch(x: torch.Tensor, x_stride: int, weights) -> torch.Tensor:
+def _launch(x: torch.Tensor, x_stride: int, weights, threads: int) -> torch.Tensor:
     """The kernel on checked arguments (_run's): x [..., M, K] contiguous, weights G x [N, K] -> [G, M, N]."""
     (N, K), M, G = weights[0].shape, x.shape[-2], len(weights)
     y = torch.empty(G, M, N, dtype=torch.float32)
     pointers = (ctypes.c_void_p * G)(*[w.data_ptr() for w in weights])
     _library().gemv_f32(x.data_ptr(), x_stride, pointers, y.data_ptr(), G, M, K, N,
-                        _threads if G * N * K >= PARALLEL_MIN_WEIGHT else 1)
+                        max(1, threads) if G * N * K >= PARALLEL_MIN_WEIGHT else 1)
     return y
 
 

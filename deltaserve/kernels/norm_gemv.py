@@ -21,13 +21,11 @@ scales as kernels.gemv's FP8 GEMV does: folded into the normalised input where a
 blocks, else one per weight.
 
 Twins: kernels.norm's add_rms_norm / gated_rms_norm (eager) followed by F.linear (FP8: by the dequantizing twin,
-kernels.quant.naive.naive_fp8_linear). DELTASERVE_NORM_GEMV=0 in the environment (read at import; tests set ENABLED)
-keeps the norms and projections apart, for an A/B.
+kernels.quant.naive.naive_fp8_linear). The layers call them where KernelOptions.norm_gemv allows (EngineConfig
+.norm_gemv; the CLI's --no-norm-gemv keeps the norms and projections apart, for an A/B).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +39,6 @@ from deltaserve.kernels.pdl import pdl_args, pdl_enter
 
 NORM_GEMV_MAX_TOKENS = 1  # bf16 weights: a token's programs re-read them (kernels.gemv's GEMV_MAX_TOKENS)
 ROUTER_NORM_MAX_TOKENS = ROUTER_GEMV_MAX_TOKENS  # the router's 2.4 MB of float32 weights: re-read from L2
-ENABLED = os.environ.get("DELTASERVE_NORM_GEMV", "1") != "0"
 FP8 = torch.float8_e4m3fn  # kernels.quant's weight dtype
 MAX_HEAD = 128  # gated: a tile's columns (every BLOCK_K candidate is a multiple of 128) hold whole heads
 
@@ -180,7 +177,7 @@ def fits(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, max_t
     and `other` (the residual, or the gate) of one dtype with contiguous columns (x contiguous: KDA's o is read as
     [T, H * K]), a norm weight of their dtype, a plain contiguous weight of their dtype, float32 (the router) or FP8
     (with its block scales)."""
-    return (ENABLED and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= max_tokens
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= max_tokens
             and x.is_contiguous() and other.dtype == norm_weight.dtype == x.dtype and other.stride(-1) == 1
             and weight.dtype in (x.dtype, torch.float32, FP8) and weight.dim() == 2 and weight.is_contiguous())
 

@@ -8,6 +8,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
 from deltaserve.forward_batch import ForwardBatch
+from deltaserve.kernel_options import KernelOptions
 from deltaserve.kernels import cpu_gemv
 from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
 from deltaserve.kernels.kda import kda_decode, kda_prefill
@@ -17,6 +18,8 @@ from deltaserve.layers.linear import Linear
 
 
 class KimiDeltaAttention(nn.Module):
+    kernels = KernelOptions()  # the engine's choice, set on the built model (KimiLinearForCausalLM.set_kernel_options)
+
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig = SINGLE):
         super().__init__()
         # tensor parallel: this rank's H of the heads (every per-head tensor sharded); f_a, g_a and o_norm
@@ -64,11 +67,11 @@ class KimiDeltaAttention(nn.Module):
         """o [N, H, K], gate [N, H*K] -> o_proj(gated_rms_norm(o, gate)); for one token on a GPU in one kernel
         (kernels.norm_gemv: the norm inside o_proj's GEMV, one launch less a layer)."""
         N, H, K = o.shape
-        kernels = linear.norm_gemv_kernels(o)
+        fused = linear.norm_gemv_kernels(o, self.kernels)
         weight = linear.gemv_weight(self.o_proj, o)
-        if kernels is not None and weight is not None and kernels.MAX_HEAD % K == 0 \
-                and kernels.fits(o, self.o_norm_weight, weight["weight"], kernels.NORM_GEMV_MAX_TOKENS, gate):
-            return kernels.gated_norm_gemv(o, gate, self.o_norm_weight, self.eps, **weight)
+        if fused is not None and weight is not None and fused.MAX_HEAD % K == 0 \
+                and fused.fits(o, self.o_norm_weight, weight["weight"], fused.NORM_GEMV_MAX_TOKENS, gate):
+            return fused.gated_norm_gemv(o, gate, self.o_norm_weight, self.eps, **weight)
         return self.o_proj(gated_rms_norm(o, gate.view(N, H, K), self.o_norm_weight, self.eps).view(N, H * K))
 
     def _gate_up_projections(self, fg_a: torch.Tensor, batched: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +91,8 @@ class KimiDeltaAttention(nn.Module):
                 return out[:, : w.shape[1]], out[:, w.shape[1]:]
             out = torch.bmm(fg_a.view(N, 2, K).transpose(0, 1), w.transpose(1, 2))  # [2, N, HK]
             return out[0], out[1]
-        return cpu_gemv.linear(fg_a[:, :K], w[0]), cpu_gemv.linear(fg_a[:, K:], w[1])
+        threads = linear.cpu_gemv_threads(self.kernels)
+        return cpu_gemv.linear(fg_a[:, :K], w[0], threads), cpu_gemv.linear(fg_a[:, K:], w[1], threads)
 
     def _delta_rule(self, q, k, v, g_raw, b_raw, batch: ForwardBatch, state: torch.Tensor) -> torch.Tensor:
         """q, k, v [N, H, K] raw; g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V] in the layer's dtype (each part rounded

@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltaserve.kernel_options import KernelOptions
 from deltaserve.kernels import cpu_gemv
 
 
@@ -11,7 +12,10 @@ class Linear(nn.Module):
 
     On a GPU, one token against a large half-precision weight runs through our GEMV kernel (kernels.gemv: one
     launch at near the copy bandwidth, where cuBLAS splits K over two kernels); gemv=False keeps cuBLAS (lm_head,
-    which cuBLAS streams faster). On the CPU, up to 4 float32 rows run through kernels.cpu_gemv where it is built."""
+    which cuBLAS streams faster). On the CPU, up to 4 float32 rows run through kernels.cpu_gemv where it is built
+    and the engine's KernelOptions allow it."""
+
+    kernels = KernelOptions()  # the engine's choice, set on the built model (KimiLinearForCausalLM.set_kernel_options)
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype | None = None, gemv: bool = True):
         super().__init__()
@@ -20,7 +24,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda:
-            return cpu_gemv.linear(x, self.weight)
+            return cpu_gemv.linear(x, self.weight, cpu_gemv_threads(self.kernels))
         if self.gemv:
             from deltaserve.kernels.gemv import gemv, use_gemv
 
@@ -29,11 +33,16 @@ class Linear(nn.Module):
         return F.linear(x, self.weight)
 
 
-def norm_gemv_kernels(x: torch.Tensor):
+def cpu_gemv_threads(kernels: KernelOptions) -> int | None:
+    """The threads of kernels.cpu_gemv's products (its functions' argument), None where the engine turned it off."""
+    return kernels.cpu_threads if kernels.cpu_gemv else None
+
+
+def norm_gemv_kernels(x: torch.Tensor, kernels: KernelOptions):
     """The module kernels.norm_gemv (norms inside the GEMVs that read them) where its kernels may serve x's step (a
-    GPU; imported here, since it needs Triton), else None. The layers ask this one function, so a test can stand
-    the kernels' twins in for them on the CPU."""
-    if not x.is_cuda:
+    GPU, and KernelOptions.norm_gemv; imported here, since it needs Triton), else None. The layers ask this one
+    function, so a test can stand the kernels' twins in for them on the CPU."""
+    if not x.is_cuda or not kernels.norm_gemv:
         return None
     from deltaserve.kernels import norm_gemv
 
@@ -51,18 +60,18 @@ def gemv_weight(proj: nn.Module, x: torch.Tensor) -> dict | None:
     return None
 
 
-def norm_then_project(norm, proj: Linear, x: torch.Tensor, residual: torch.Tensor | None):
+def norm_then_project(norm, proj: Linear, x: torch.Tensor, residual: torch.Tensor | None, kernels: KernelOptions):
     """(proj(h), s) for (h, s) = norm(x, residual) (s = x when residual is None): a decoder layer's input norm and
     its attention's first projection. For one token on a GPU with the residual add, one kernel
     (kernels.norm_gemv.add_norm_gemv: the norm inside the projection's GEMV, a launch less a layer; bf16 or FP8
     weights)."""
     if residual is None:
         return proj(norm(x)), x
-    kernels = norm_gemv_kernels(x)
+    fused = norm_gemv_kernels(x, kernels)
     weight = gemv_weight(proj, x)
-    if kernels is not None and weight is not None \
-            and kernels.fits(x, norm.weight, weight["weight"], kernels.NORM_GEMV_MAX_TOKENS, residual):
-        y, residual, _ = kernels.add_norm_gemv(x, residual, norm.weight, norm.eps, **weight)
+    if fused is not None and weight is not None \
+            and fused.fits(x, norm.weight, weight["weight"], fused.NORM_GEMV_MAX_TOKENS, residual):
+        y, residual, _ = fused.add_norm_gemv(x, residual, norm.weight, norm.eps, **weight)
         return y, residual
     h, residual = norm(x, residual)
     return proj(h), residual

@@ -8,6 +8,7 @@ from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
+from deltaserve.kernel_options import KernelOptions
 from deltaserve.kernels import cpu_gemv
 from deltaserve.kernels.moe import fused_experts, select_experts
 from deltaserve.kernels.moe.experts import FEW_ASSIGNMENTS_GPU
@@ -36,14 +37,17 @@ class SwiGLU(nn.Module):
         out = self.down_proj(F.silu(gate) * up)
         return all_reduce(out, self.parallel) if self.reduce else out
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor,
-                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(h), s) for (h, s) = norm(x, residual): the decoder layer's post-attention norm, then this block."""
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                       in_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(h), s) for (h, s) = norm(x, residual): the decoder layer's post-attention norm, then this block
+        (in_graph: MoE's; the same kernels here either way)."""
         h, residual = norm(x, residual)
         return self(h), residual
 
 
 class MoE(nn.Module):
+    kernels = KernelOptions()  # the engine's choice, set on the built model (KimiLinearForCausalLM.set_kernel_options)
+
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig = SINGLE):
         super().__init__()
         E, D, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -60,25 +64,25 @@ class MoE(nn.Module):
         # called with each step's chosen expert ids [N, k] (all experts' ids) when set: bench's routing statistics
         self.routing_observer: Callable[[torch.Tensor], None] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, D] -> routed experts (scaled) + shared expert (unscaled), [N, D]."""
-        return self._route_and_run(x, self._router_logits(x))
+    def forward(self, x: torch.Tensor, in_graph: bool = False) -> torch.Tensor:
+        """x [N, D] -> routed experts (scaled) + shared expert (unscaled), [N, D]. in_graph: ForwardBatch.in_graph."""
+        return self._route_and_run(x, self._router_logits(x), in_graph)
 
-    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor,
-                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                       in_graph: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(h), s) for (h, s) = norm(x, residual): the decoder layer's post-attention norm, then this block.
         Where the router's GEMV serves the step (a few half-precision tokens on a GPU, one process: _router_gemv),
         the norm runs inside it (kernels.norm_gemv: one launch less a layer), which also stores h for the experts."""
-        kernels = linear.norm_gemv_kernels(x)
-        if kernels is not None and self.parallel.world_size == 1 \
-                and kernels.fits(x, norm.weight, self.gate_weight, kernels.ROUTER_NORM_MAX_TOKENS, residual):
-            logits, residual, h = kernels.add_norm_gemv(x, residual, norm.weight, norm.eps, self.gate_weight,
-                                                        store_normed=True)
-            return self._route_and_run(h, logits), residual
+        fused = linear.norm_gemv_kernels(x, self.kernels)
+        if fused is not None and self.parallel.world_size == 1 \
+                and fused.fits(x, norm.weight, self.gate_weight, fused.ROUTER_NORM_MAX_TOKENS, residual):
+            logits, residual, h = fused.add_norm_gemv(x, residual, norm.weight, norm.eps, self.gate_weight,
+                                                      store_normed=True)
+            return self._route_and_run(h, logits, in_graph), residual
         h, residual = norm(x, residual)
-        return self(h), residual
+        return self(h, in_graph), residual
 
-    def _route_and_run(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def _route_and_run(self, x: torch.Tensor, logits: torch.Tensor, in_graph: bool) -> torch.Tensor:
         """x [N, D] and its router logits [N, E] float32 -> the block's output [N, D]."""
         cfg = self.cfg
         weights, ids = select_experts(logits, self.e_score_correction_bias.float(), cfg.num_experts_per_token,
@@ -93,8 +97,8 @@ class MoE(nn.Module):
             scales = (self.w13_scale_inv, self.w2_scale_inv, self.block) if self.w13.dtype == FP8 else ()
             return all_reduce(decode_experts(x, self.w13, self.w2, weights, ids, *scales, shared=shared),
                               self.parallel)
-        out = self._local_experts(x, weights, ids) if self.parallel.expert_parallel else self._experts(
-            x, weights, ids)
+        out = self._local_experts(x, weights, ids, in_graph) if self.parallel.expert_parallel else self._experts(
+            x, weights, ids, in_graph)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return all_reduce(out, self.parallel)
@@ -105,7 +109,8 @@ class MoE(nn.Module):
             from deltaserve.kernels.moe.triton_routing import router_logits
 
             return router_logits(x, self.gate_weight)
-        return cpu_gemv.linear(x.float(), self.gate_weight.float())  # F.linear where cpu_gemv does not serve
+        # F.linear where cpu_gemv does not serve
+        return cpu_gemv.linear(x.float(), self.gate_weight.float(), linear.cpu_gemv_threads(self.kernels))
 
     def _router_gemv(self, x: torch.Tensor) -> bool:
         """Whether the router's logits come from our GEMV kernel: a few half-precision tokens on a GPU, one process
@@ -136,21 +141,21 @@ class MoE(nn.Module):
             return None
         return gate_up.weight, down.weight, gate_up.weight_scale_inv, down.weight_scale_inv
 
-    def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _local_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, in_graph: bool) -> torch.Tensor:
         """Expert parallel: the contributions of this rank's experts only, [N, D] (zero rows for tokens that chose
         none of them); weights, ids [N, k] over all experts."""
         local_ids = ids - self.first_expert
         rows, slots = ((local_ids >= 0) & (local_ids < self.w13.shape[0])).nonzero(as_tuple=True)
         out = torch.zeros_like(x)
         if rows.numel():
-            y = self._experts(x[rows], weights[rows, slots, None], local_ids[rows, slots, None])
+            y = self._experts(x[rows], weights[rows, slots, None], local_ids[rows, slots, None], in_graph)
             out.index_add_(0, rows, y)
         return out
 
-    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, in_graph: bool) -> torch.Tensor:
         """The routed experts' weighted sum, [N, D]; ids index this rank's experts. FP8 weights (layers/fp8.py
         swaps them in, with w13_scale_inv, w2_scale_inv and the block size) go through their own kernels."""
         if self.w13.dtype == FP8:
             return fp8_fused_experts(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, weights, ids,
-                                     self.block)
-        return fused_experts(x, self.w13, self.w2, weights, ids)
+                                     self.block, linear.cpu_gemv_threads(self.kernels), in_graph)
+        return fused_experts(x, self.w13, self.w2, weights, ids, linear.cpu_gemv_threads(self.kernels))

@@ -13,6 +13,7 @@ from torch import nn
 from deltaserve.config import KDA, MOE, ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig
 from deltaserve.forward_batch import ForwardBatch
+from deltaserve.kernel_options import KernelOptions
 from deltaserve.layers import linear
 from deltaserve.layers.kda import KimiDeltaAttention
 from deltaserve.layers.linear import Linear
@@ -22,6 +23,8 @@ from deltaserve.layers.norm import RMSNorm
 
 
 class DecoderLayer(nn.Module):
+    kernels = KernelOptions()  # the engine's choice, set on the built model (KimiLinearForCausalLM.set_kernel_options)
+
     def __init__(self, cfg: ModelConfig, layer_id: int, parallel: ParallelConfig = SINGLE):
         super().__init__()
         self.is_kda = cfg.layer_types[layer_id] == KDA
@@ -36,9 +39,10 @@ class DecoderLayer(nn.Module):
                 cache: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embedding for layer 0, with residual None); residual: the stream
         before it. Returns this layer's (MLP output, stream before it); adds are fused into the next norm."""
-        projected, residual = linear.norm_then_project(self.input_layernorm, self.self_attn.in_proj, x, residual)
+        projected, residual = linear.norm_then_project(self.input_layernorm, self.self_attn.in_proj, x, residual,
+                                                      self.kernels)
         attn = self.self_attn.forward_projected(projected, batch, cache)
-        return self.mlp.forward_normed(attn, residual, self.post_attention_layernorm)
+        return self.mlp.forward_normed(attn, residual, self.post_attention_layernorm, batch.in_graph)
 
 
 class KimiLinearForCausalLM(nn.Module):
@@ -54,6 +58,12 @@ class KimiLinearForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, gemv=False)  # cuBLAS streams it faster
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def set_kernel_options(self, options: KernelOptions) -> None:
+        """The engine's kernel choices, on every layer that makes one (once, after the model is built)."""
+        for module in self.modules():
+            if isinstance(getattr(type(module), "kernels", None), KernelOptions):
+                module.kernels = options
 
     def cache_shapes(self) -> list[dict[str, tuple[tuple[int, ...], str]]]:
         """Per layer, what its cache holds: KDA per state slot, MLA per cached token (see the layers)."""

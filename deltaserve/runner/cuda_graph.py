@@ -68,10 +68,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every size, largest first, sharing one memory pool; log the seconds of the warm-up runs (where
         kernels compile and tune) and of the captures."""
-        from deltaserve.kernels.quant.experts import decode_graph_capture
-
-        with decode_graph_capture():
-            warm_up, capture = self._capture_all()
+        warm_up, capture = self._capture_all()
         sizes = ",".join(map(str, self.sizes))
         log.info("start-up: compile and tune %.2f s, in the warm-up runs of batch sizes %s", warm_up, sizes)
         log.info("start-up: graph capture %.2f s, %d graphs", capture, len(self.sizes))
@@ -133,7 +130,7 @@ class DecodeGraphs:
             positions=self.positions[:size], slot_mapping=self.slot_mapping[:size],
             state_slots=self.state_slots[:size], block_tables=self.block_tables[:size],
             context_lens=self.context_lens[:size], num_decodes=size, query_lens=[1] * size,
-            start_positions=[0] * size, state_slot_list=[self.scratch_slot] * size)
+            start_positions=[0] * size, state_slot_list=[self.scratch_slot] * size, in_graph=True)
 
     def _forward(self, size: int, batch: ForwardBatch) -> torch.Tensor:
         return self.model.compute_logits(self.model(self.input_ids[:size], batch, self.caches))

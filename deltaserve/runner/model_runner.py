@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -21,6 +20,7 @@ from deltaserve.cache.sizing import CachePlan
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce, check_divisible
 from deltaserve.forward_batch import ForwardBatch
+from deltaserve.kernel_options import KernelOptions
 from deltaserve.kernels import cpu_gemv
 from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, row_generators, sample
 from deltaserve.kernels.tuning_cache import persist_tuning, restore_tuning
@@ -87,8 +87,6 @@ class ModelRunner:
         self.logits_processor = None
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else None
-        if self.cpu_threads is not None:
-            cpu_gemv.set_threads(self.cpu_threads)  # a decode step's large products split over them (its ops: one)
         self.compiled_decode = None
         if compile_decode and self.device.type == "cpu":
             # the CPU's CUDA graphs: a decode step's ~460 small ops in one compiled graph (EngineConfig.compile_decode).
@@ -128,9 +126,9 @@ class ModelRunner:
             init_dummy_weights(model, engine.seed, seed_per_parameter=parallel.world_size > 1)
         else:
             model = load_model(folder, model_config, dtype, engine.device, progress, parallel)
-        if engine.device == "cpu" and parallel.world_size > 1:
-            _agree_on_cpu_gemv(parallel)
-        if engine.device == "cpu" and dtype == torch.float32 and (engine.compile_decode or not cpu_gemv.enabled()):
+        options = kernel_options(engine, parallel)
+        model.set_kernel_options(options)
+        if engine.device == "cpu" and dtype == torch.float32 and (engine.compile_decode or not options.cpu_gemv):
             _input_major_weights(model)  # for MKL's float32 products; kernels.cpu_gemv reads them output-major
         return model.eval()
 
@@ -480,14 +478,17 @@ def allocate_caches(model, num_pages: int, page_size: int, num_slots: int, dtype
     return LayerCaches(layers, stacks)
 
 
-def _agree_on_cpu_gemv(parallel: ParallelConfig) -> None:
-    """Tensor-parallel ranks on the CPU use kernels.cpu_gemv all or none: the replicated router's logits must round
-    alike on every rank (a near-tie in its top-k would otherwise route a token differently on one rank)."""
-    mine = cpu_gemv.enabled()
-    if int(all_reduce(torch.tensor([int(mine)]), parallel)) < parallel.world_size:
-        if mine:
-            log.warning("cpu_gemv is off on this rank: another rank could not build it")
-        os.environ["DELTASERVE_CPU_GEMV"] = "0"
+def kernel_options(engine: EngineConfig, parallel: ParallelConfig = SINGLE) -> KernelOptions:
+    """The engine's kernel choices for its model's layers: cpu_gemv where asked for, on the CPU, and built here (and,
+    with tensor parallel, on every rank: the replicated router's logits must round alike on all of them, or a
+    near-tie in its top-k would route a token differently on one rank), over this process's CPU threads."""
+    use_gemv = engine.cpu_gemv and engine.device == "cpu" and cpu_gemv.available()
+    if engine.device == "cpu" and parallel.world_size > 1:
+        if int(all_reduce(torch.tensor([int(use_gemv)]), parallel)) < parallel.world_size:
+            if use_gemv:
+                log.warning("cpu_gemv is off on this rank: another rank could not build it")
+            use_gemv = False
+    return KernelOptions(cpu_gemv=use_gemv, cpu_threads=torch.get_num_threads(), norm_gemv=engine.norm_gemv)
 
 
 def _input_major_weights(model: torch.nn.Module) -> None:

@@ -1,6 +1,7 @@
 """The engine's CPU decode steps and kernels.cpu_gemv: the products of a step of a few tokens (projections, KDA's gate
 up-projections, the router, a token's experts in one call, lm_head) reach the kernel, whose weights stay output-major;
-with DELTASERVE_CPU_GEMV=0 or compile_decode the weights are stored input-major for MKL and the kernel is not called.
+with cpu_gemv=False (EngineConfig, --no-cpu-gemv) or compile_decode the weights are stored input-major for MKL and
+the kernel is not called.
 Both ways give the same greedy tokens."""
 
 import pytest
@@ -11,7 +12,7 @@ from deltaserve.kernels import cpu_gemv
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.moe import MoE
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.enabled(), reason="no C compiler or no AVX2/AVX-512 here")
+pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler or no AVX2/AVX-512 here")
 
 PROMPTS = [[5, 6, 7], list(range(20, 61))]
 
@@ -27,9 +28,9 @@ def record_calls(monkeypatch) -> list[tuple[int, int, tuple[int, int]]]:
     calls = []
     launch = cpu_gemv._launch
 
-    def recording(x, x_stride, weights):
+    def recording(x, x_stride, weights, threads):
         calls.append((x.shape[-2], len(weights), tuple(weights[0].shape)))
-        return launch(x, x_stride, weights)
+        return launch(x, x_stride, weights, threads)
 
     monkeypatch.setattr(cpu_gemv, "_launch", recording)
     return calls
@@ -66,18 +67,17 @@ def test_decode_steps_run_every_product_through_the_kernel(make_llm, monkeypatch
     assert 2 in rows and max(rows) <= cpu_gemv.MAX_ROWS  # both requests' decodes in a step; MKL past 4 rows
 
 
-@pytest.mark.parametrize("off", ["env", "compile_decode"])
+@pytest.mark.parametrize("off", ["option", "compile_decode"])
 def test_without_the_kernel_weights_are_input_major_and_tokens_the_same(make_llm, monkeypatch, off):
     monkeypatch.setattr(cpu_gemv, "MIN_WEIGHT", 0)
     expected = greedy(make_llm(max_num_seqs=4), PROMPTS)
-    if off == "env":
-        monkeypatch.setenv("DELTASERVE_CPU_GEMV", "0")
-        llm = make_llm(max_num_seqs=4)
+    if off == "option":
+        llm = make_llm(max_num_seqs=4, cpu_gemv=False)
     else:
         llm = make_llm(max_num_seqs=4, compile_decode=True)
     weights = projections(llm.engine.runner.model)
     assert not any(w.is_contiguous() for w in weights.values())  # stored transposed, for MKL
-    if off == "env":  # (compiled decode's logits are close to eager's, not equal: test_compile_decode.py)
+    if off == "option":  # (compiled decode's logits are close to eager's, not equal: test_compile_decode.py)
         calls = record_calls(monkeypatch)
         assert greedy(llm, PROMPTS) == expected
         assert not calls
@@ -87,10 +87,11 @@ def test_without_the_kernel_weights_are_input_major_and_tokens_the_same(make_llm
 def test_tensor_parallel_ranks_use_the_kernel_all_or_none(monkeypatch, ranks_with_it):
     """A rank whose peer could not build the kernel turns it off too (the sum of the ranks' flags, as gloo's
     all-reduce gives it, stood in here)."""
+    from deltaserve.config import EngineConfig
     from deltaserve.distributed import ParallelConfig
     from deltaserve.runner import model_runner
 
-    monkeypatch.setenv("DELTASERVE_CPU_GEMV", "1")  # and restored after the test, whatever the runner sets
+
     monkeypatch.setattr(model_runner, "all_reduce", lambda flag, parallel: flag.fill_(ranks_with_it))
-    model_runner._agree_on_cpu_gemv(ParallelConfig(rank=0, world_size=2))
-    assert cpu_gemv.enabled() == (ranks_with_it == 2)
+    options = model_runner.kernel_options(EngineConfig(), ParallelConfig(rank=0, world_size=2))
+    assert options.cpu_gemv == (ranks_with_it == 2)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve import SamplingParams
+from deltaserve.kernel_options import KernelOptions
 from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm
 from deltaserve.kernels.quant import dequantize_fp8
 from deltaserve.layers import linear
@@ -62,7 +63,7 @@ def test_layers_through_the_norm_gemv_interface_give_the_same_tokens(make_llm, m
     llm = make_llm(max_num_seqs=1, enable_prefix_caching=False, quantization=quantization)
     apart = greedy(llm, prompts)
     twins = TwinKernels()
-    monkeypatch.setattr(linear, "norm_gemv_kernels", lambda x: twins)
+    monkeypatch.setattr(linear, "norm_gemv_kernels", lambda x, kernels: twins)
     assert greedy(llm, prompts) == apart
     layers = llm.engine.model_config.num_hidden_layers
     assert twins.calls["in_proj"] >= 3 * 11 * (layers - 1)  # every decode step's layers past the first
@@ -73,4 +74,4 @@ def test_layers_through_the_norm_gemv_interface_give_the_same_tokens(make_llm, m
 
 
 def test_the_kernels_are_asked_for_only_on_a_gpu():
-    assert linear.norm_gemv_kernels(torch.zeros(1, 4)) is None
+    assert linear.norm_gemv_kernels(torch.zeros(1, 4), KernelOptions()) is None

@@ -1,6 +1,7 @@
 """The engine on a GPU: float32 equals the CPU's greedy tokens; CUDA graphs equal eager bf16; chained bursts equal
 unchained ones. Skipped without CUDA."""
 
+import dataclasses
 import json
 
 import pytest
@@ -60,7 +61,8 @@ def test_norms_inside_the_projections_match_them_apart_up_to_near_ties(tiny, mon
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert {"add_norm_gemv", "gated_norm_gemv"} <= set(calls)
-    monkeypatch.setattr(norm_gemv, "ENABLED", False)
+    model = llm.engine.runner.model
+    model.set_kernel_options(dataclasses.replace(model.layers[0].kernels, norm_gemv=False))  # EngineConfig.norm_gemv
     calls.clear()
     apart = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert not calls

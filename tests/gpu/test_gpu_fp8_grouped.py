@@ -34,8 +34,7 @@ def test_gpu_fp8_prefill_sized_experts_dequantize_and_match_naive(T, monkeypatch
     x, w13, s13, w2, s2, weights, ids, expected = fp8_expert_case(T, E, K, D, I, BLOCK, seeds=(T, 1, 2))
     args = (x.to(DEV).bfloat16(), w13.to(DEV), s13.to(DEV), w2.to(DEV), s2.to(DEV), weights.to(DEV), ids.to(DEV),
             BLOCK)
-    with fp8_experts.decode_graph_capture():  # inside decode graphs: the grouped FP8 kernel whatever the size
-        in_graphs = fp8_experts.fp8_fused_experts(*args)
+    in_graphs = fp8_experts.fp8_fused_experts(*args, in_graph=True)  # the grouped FP8 kernel whatever the size
     monkeypatch.setattr("deltaserve.kernels.quant.triton_grouped.fp8_grouped_experts",
                         lambda *a: pytest.fail("a prefill-sized bf16 step ran the grouped FP8 kernel"))
     out = fp8_experts.fp8_fused_experts(*args)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from deltaserve.kernels import cpu_gemv
 
-needs_kernel = pytest.mark.skipif(not cpu_gemv.enabled(), reason="no C compiler or no AVX2/AVX-512 here")
+needs_kernel = pytest.mark.skipif(not cpu_gemv.available(), reason="no C compiler or no AVX2/AVX-512 here")
 
 # K: below one vector strip, a strip +- 1, ragged; N: 1, ragged, above the one-thread limit
 SHAPES = [(1, 1), (7, 3), (63, 5), (64, 17), (65, 33), (300, 129), (1024, 511), (257, 1031)]
@@ -26,11 +26,10 @@ def _reference(x, w):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matches_the_twin_at_ragged_shapes(K, N, rows, threads, monkeypatch):
-    monkeypatch.setattr(cpu_gemv, "_threads", threads)
     monkeypatch.setattr(cpu_gemv, "PARALLEL_MIN_WEIGHT", 0)  # the split at every size
     gen = torch.Generator().manual_seed(K * 1000 + N * 10 + rows)
     x, w = torch.randn(rows, K, generator=gen), torch.randn(N, K, generator=gen)
-    y = cpu_gemv.cpu_gemv(x, w)
+    y = cpu_gemv.cpu_gemv(x, w, threads)
     assert y.shape == (rows, N) and y.dtype == torch.float32
     torch.testing.assert_close(y, _reference(x, w), rtol=1e-5, atol=1e-5 * K ** 0.5)
     torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-5 * K ** 0.5)
@@ -43,11 +42,10 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(monkeypatch):
     x, w = torch.randn(4, 777, generator=gen), torch.randn(2053, 777, generator=gen)
     together = cpu_gemv.cpu_gemv(x, w)
     for threads in (1, 2):
-        monkeypatch.setattr(cpu_gemv, "_threads", threads)
         for r in range(4):
-            assert torch.equal(cpu_gemv.cpu_gemv(x[r:r + 1], w)[0], together[r])
-            assert torch.equal(cpu_gemv.cpu_gemv(x[[r, (r + 1) % 4]], w)[0], together[r])
-            assert torch.equal(cpu_gemv.cpu_gemv(x[[r, (r + 1) % 4, (r + 2) % 4]], w)[0], together[r])
+            assert torch.equal(cpu_gemv.cpu_gemv(x[r:r + 1], w, threads)[0], together[r])
+            assert torch.equal(cpu_gemv.cpu_gemv(x[[r, (r + 1) % 4]], w, threads)[0], together[r])
+            assert torch.equal(cpu_gemv.cpu_gemv(x[[r, (r + 1) % 4, (r + 2) % 4]], w, threads)[0], together[r])
 
 
 @needs_kernel
@@ -57,7 +55,7 @@ def test_leading_dimensions_and_a_strided_x(monkeypatch):
     w = torch.randn(40, 96, generator=gen)
     x = torch.randn(2, 1, 192, generator=gen)[..., ::2]  # [2, 1, 96], not contiguous
     assert cpu_gemv.can_run(x, w)
-    y = cpu_gemv.linear(x, w)
+    y = cpu_gemv.linear(x, w, 1)
     assert y.shape == (2, 1, 40)
     torch.testing.assert_close(y, _reference(x.reshape(2, 96), w).view(2, 1, 40), rtol=1e-5, atol=1e-4)
 
@@ -69,12 +67,12 @@ def test_products_below_the_size_it_takes_stay_with_f_linear(monkeypatch):
     small, large = torch.randn(cpu_gemv.MIN_WEIGHT // 64 - 1, 64, generator=gen), torch.randn(2048, 64, generator=gen)
     assert not cpu_gemv.can_run(x, small) and cpu_gemv.can_run(x, small, group=2)  # a call of two such weights
     assert cpu_gemv.can_run(x, large)
-    assert torch.equal(cpu_gemv.linear(x, small), F.linear(x, small))
+    assert torch.equal(cpu_gemv.linear(x, small, 1), F.linear(x, small))
 
 
 def test_linear_falls_back_where_the_kernel_does_not_serve(monkeypatch):
     """More than MAX_ROWS rows, another dtype, an input-major weight, empty tensors, a weight off the CPU or
-    DELTASERVE_CPU_GEMV=0: F.linear's bits (whatever the size: MIN_WEIGHT 0 here)."""
+    the kernel turned off (threads None): F.linear's bits (whatever the size: MIN_WEIGHT 0 here)."""
     monkeypatch.setattr(cpu_gemv, "MIN_WEIGHT", 0)
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(24, 40, generator=gen)
@@ -87,10 +85,9 @@ def test_linear_falls_back_where_the_kernel_does_not_serve(monkeypatch):
     for x, weight in cases:
         assert not cpu_gemv.can_run(x, weight)
         if weight.device.type == "cpu":
-            assert torch.equal(cpu_gemv.linear(x, weight), F.linear(x, weight))
-    monkeypatch.setenv("DELTASERVE_CPU_GEMV", "0")
+            assert torch.equal(cpu_gemv.linear(x, weight, 1), F.linear(x, weight))
     x = torch.randn(1, 40, generator=gen)
-    assert not cpu_gemv.enabled() and torch.equal(cpu_gemv.linear(x, w), F.linear(x, w))
+    assert torch.equal(cpu_gemv.linear(x, w, None), F.linear(x, w))
 
 
 @needs_kernel
@@ -114,13 +111,12 @@ def test_rows_past_the_limit_are_refused():
 def test_grouped_gives_each_weight_its_bits_alone(K, N, shared_x, threads, monkeypatch):
     """One call for a token's experts: each weight's rows are the bits cpu_gemv gives it alone, whichever thread
     (the split crosses from one weight to the next) computes them."""
-    monkeypatch.setattr(cpu_gemv, "_threads", threads)
     monkeypatch.setattr(cpu_gemv, "PARALLEL_MIN_WEIGHT", 0)
     gen = torch.Generator().manual_seed(K + N)
     stack = torch.randn(8, N, K, generator=gen)  # an expert stack; the chosen ones are views into it
     chosen = [stack[e] for e in (1, 2, 6)]
     x = torch.randn(2, K, generator=gen) if shared_x else torch.randn(3, 2, K, generator=gen)
-    y = cpu_gemv.cpu_gemv_grouped(x, chosen)
+    y = cpu_gemv.cpu_gemv_grouped(x, chosen, threads)
     assert y.shape == (3, 2, N)
     for g, w in enumerate(chosen):
         assert torch.equal(y[g], cpu_gemv.cpu_gemv(x if shared_x else x[g], w))
@@ -172,10 +168,10 @@ def test_no_compiler_means_no_kernel_and_a_warning(tmp_path, monkeypatch, caplog
     cpu_gemv._library.cache_clear()
     try:
         with caplog.at_level("WARNING"):
-            assert not cpu_gemv.enabled()
+            assert not cpu_gemv.available()
         assert "no C compiler" in caplog.text
         x, w = torch.randn(1, 16), torch.randn(8, 16)
-        assert torch.equal(cpu_gemv.linear(x, w), F.linear(x, w))
+        assert torch.equal(cpu_gemv.linear(x, w, 1), F.linear(x, w))
     finally:
         cpu_gemv._library.cache_clear()
 

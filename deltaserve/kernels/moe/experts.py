@@ -4,6 +4,7 @@ Contributions are summed in ascending expert order, the order the reference uses
 the products' own rounding (kernels.cpu_gemv sums a row in its own order).
 """
 
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -16,9 +17,11 @@ FEW_ASSIGNMENTS_GPU = 32  # up to this many pairs, one GEMV per pair beats sorti
 
 
 def fused_experts(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    cpu_threads: int | None = None,
 ) -> torch.Tensor:
     """x [T, D]; w13 [E, 2I, D] (gate rows, then up rows); w2 [E, D, I]; weights [T, k] float32; ids [T, k].
+    cpu_threads: on the CPU, kernels.cpu_gemv's threads where it serves a product; None: PyTorch's products only.
 
     Returns sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, D] in x's dtype.
     """
@@ -31,27 +34,32 @@ def fused_experts(
     if not x.is_cuda and torch.compiler.is_compiling():  # a traced CPU decode step (runner: compile_decode)
         return _gathered(x, w13, w2, weights, ids)
     if x.shape[0] == 1 and not x.is_cuda:
-        return _one_token(x, w13, w2, weights, ids)
+        return _one_token(x, w13, w2, weights, ids, cpu_threads)
     out = torch.zeros_like(x)
     flat_weights = weights.flatten()
-    ours = cpu_gemv.can_run(x[:1], w13[0], group=ids.shape[1])  # _one_token's rule, so a token's bits match it
+    # _one_token's rule, so a token's bits match it
+    ours = cpu_threads is not None and cpu_gemv.can_run(x[:1], w13[0], group=ids.shape[1])
     for expert, rows, positions in _group_by_expert(ids):
-        product = cpu_gemv.cpu_gemv if ours and len(rows) <= cpu_gemv.MAX_ROWS else F.linear
+        if ours and len(rows) <= cpu_gemv.MAX_ROWS:
+            product = functools.partial(cpu_gemv.cpu_gemv, threads=cpu_threads)
+        else:
+            product = F.linear
         gate, up = product(x[rows], w13[expert]).chunk(2, dim=-1)
         y = product(F.silu(gate) * up, w2[expert]) * flat_weights[positions, None]
         out.index_add_(0, rows, y.to(x.dtype))
     return out
 
 
-def _one_token(x, w13, w2, weights, ids) -> torch.Tensor:
+def _one_token(x, w13, w2, weights, ids, cpu_threads: int | None) -> torch.Tensor:
     """fused_experts for one token on the CPU (a decode step at batch 1, bound by reading the experts' weights): its
     experts in ascending order, summed directly, with none of the grouping's index ops; the grouped path's sums where
     each expert it runs has at most cpu_gemv.MAX_ROWS tokens. Through kernels.cpu_gemv, each product for all k
     experts in one call (one parallel region, more bytes in flight)."""
     chosen = sorted(zip(ids[0].tolist(), range(ids.shape[1])))
-    if cpu_gemv.can_run(x, w13[0], group=len(chosen)):  # all k experts in one call a product (fused_experts' rule)
-        gate, up = cpu_gemv.cpu_gemv_grouped(x, [w13[e] for e, _ in chosen]).chunk(2, dim=-1)  # [k, 1, I] each
-        ys = cpu_gemv.cpu_gemv_grouped(F.silu(gate) * up, [w2[e] for e, _ in chosen])  # [k, 1, D]
+    # all k experts in one call a product (fused_experts' rule)
+    if cpu_threads is not None and cpu_gemv.can_run(x, w13[0], group=len(chosen)):
+        gate, up = cpu_gemv.cpu_gemv_grouped(x, [w13[e] for e, _ in chosen], cpu_threads).chunk(2, dim=-1)  # [k,1,I]
+        ys = cpu_gemv.cpu_gemv_grouped(F.silu(gate) * up, [w2[e] for e, _ in chosen], cpu_threads)  # [k, 1, D]
     else:
         ys = []
         for expert, _ in chosen:

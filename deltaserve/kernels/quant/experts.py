@@ -8,8 +8,6 @@ dtype."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from deltaserve.kernels.moe import fused_experts
@@ -24,33 +22,22 @@ MAX_PAIRS_PER_PAIR_GEMV = 256
 # and this the crossover lies is for benchmarks/gpu/kernels_bench.py --parts fp8_experts to measure
 _MIN_PAIRS_TO_DEQUANTIZE = 8192
 _EXPERTS_PER_CHUNK = 32  # dequantized 32 at a time: 0.45 GB of bf16 at the 48B shape, inside the activation reserve
-_decode_graphs = False  # set by decode_graph_capture(): warm-ups and captures of decode graphs take the FP8 kernels
-
-
-@contextlib.contextmanager
-def decode_graph_capture():
-    """Around a CUDA graph's warm-up and capture: the FP8 kernels only, whatever the step's size (a graph's pool would
-    keep dequantized weights for good, and a warm-up must compile what the capture will run)."""
-    global _decode_graphs
-    previous, _decode_graphs = _decode_graphs, True
-    try:
-        yield
-    finally:
-        _decode_graphs = previous
 
 
 def fp8_fused_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
                       w2_scale_inv: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                      block: tuple[int, int]) -> torch.Tensor:
+                      block: tuple[int, int], cpu_threads: int | None = None, in_graph: bool = False) -> torch.Tensor:
     """x [T, D]; w13 [E, 2I, D] and w2 [E, D, I] float8_e4m3fn with their block scales [E, ceil(rows/bn),
     ceil(cols/bk)]; weights [T, k] float32; ids [T, k]. Same result as fused_experts on the dequantized weights,
-    [T, D] in x's dtype."""
+    [T, D] in x's dtype (cpu_threads: fused_experts'). in_graph (a CUDA graph's warm-up or capture): the FP8 kernels
+    whatever the step's size (a graph's pool would keep dequantized weights for good, and a warm-up must compile what
+    the capture will run)."""
     if x.is_cuda:
         if ids.numel() <= MAX_PAIRS_PER_PAIR_GEMV:
             from deltaserve.kernels.moe.triton_decode import decode_experts
 
             return decode_experts(x, w13, w2, weights, ids, w13_scale_inv, w2_scale_inv, block)
-        if ids.numel() >= _MIN_PAIRS_TO_DEQUANTIZE and x.dtype == torch.bfloat16 and not _decode_graphs:
+        if ids.numel() >= _MIN_PAIRS_TO_DEQUANTIZE and x.dtype == torch.bfloat16 and not in_graph:
             return dequantized_grouped_experts(x, w13, w13_scale_inv, w2, w2_scale_inv, weights, ids, block)
         from deltaserve.kernels.quant.triton_grouped import fp8_grouped_experts
 
@@ -59,7 +46,7 @@ def fp8_fused_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.T
     local_ids = torch.searchsorted(hit, ids)
     w13_hit = dequantize_fp8(w13[hit], w13_scale_inv[hit], block, x.dtype)
     w2_hit = dequantize_fp8(w2[hit], w2_scale_inv[hit], block, x.dtype)
-    return fused_experts(x, w13_hit, w2_hit, weights, local_ids)
+    return fused_experts(x, w13_hit, w2_hit, weights, local_ids, cpu_threads)
 
 
 def dequantized_grouped_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
