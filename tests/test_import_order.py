@@ -11,7 +11,7 @@ import deltaserve
 
 PACKAGE = Path(deltaserve.__file__).parent
 # the ground floor: data-only leaves that import nothing of the package but each other
-LEAVES = {"config", "sampling_params", "request", "forward_batch", "scheduler_output", "runner_output",
+LEAVES = {"config", "sampling_params", "request", "forward_batch", "scheduler_output", "runner_output", "cache_spec",
           "kernel_options"}
 # parts that import only leaves, and that any part above the leaves may use
 GROUND = {"cache", "tokenizer", "distributed"}

@@ -1,10 +1,8 @@
-"""Per-layer cache specs and the sizing of the two pools (MLA pages, KDA state slots) from a memory budget.
+"""The sizing of the two pools (MLA pages, KDA state slots) from a memory budget.
 
-Every layer declares what it caches: an MLA layer a paged latent spec (a page is block_size tokens ×
-latent_dim values in the run dtype), a KDA layer a fixed state spec per request (the short-conv tails of q, k
-and v in the run dtype, and the float32 recurrent state). Pages are shared by all MLA layers (one block id
-addresses the page of every MLA layer), slots by all KDA layers, so the plan prices one page and one slot
-across the whole model. For the 48B model in bf16: ~8 KB of MLA cache per token, ~43 MB per KDA slot.
+The layers' cache specs (deltaserve/cache_spec.py) price one page and one slot across the whole model: pages are
+shared by all MLA layers, slots by all KDA layers. For the 48B model in bf16: ~8 KB of MLA cache per token, ~43 MB
+per KDA slot.
 """
 
 from __future__ import annotations
@@ -12,47 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from deltaserve.config import KDA, ConfigError, EngineConfig, ModelConfig
+from deltaserve.cache_spec import KDAStateSpec, MLAPageSpec, layer_cache_specs
+from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-RECURRENT_STATE_BYTES = 4  # the KDA state is float32 whatever the run dtype
 DEFAULT_CPU_CACHE_BYTES = 1 << 30  # cap of the CPU default: enough for small models, cheap to zero on a laptop
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
-
-
-@dataclass(frozen=True)
-class MLAPageSpec:
-    """One MLA layer's paged latent cache: per page [block_size, latent_dim] values (c_kv 512 + k_rot 64)."""
-
-    layer_id: int
-    block_size: int
-    latent_dim: int
-    dtype_bytes: int
-
-    @property
-    def page_bytes(self) -> int:
-        return self.block_size * self.latent_dim * self.dtype_bytes
-
-
-@dataclass(frozen=True)
-class KDAStateSpec:
-    """One KDA layer's per-request state.
-
-    Conv tails [conv_dim, conv_width] in the run dtype; recurrent state [num_heads, head_dim, head_dim] float32.
-    """
-
-    layer_id: int
-    conv_dim: int  # 3 * kda_dim: q, k and v each run their own short conv
-    conv_width: int  # conv_kernel_size - 1 past inputs
-    num_heads: int
-    head_dim: int
-    dtype_bytes: int  # of the conv tails; the recurrent state is always float32
-
-    @property
-    def slot_bytes(self) -> int:
-        conv = self.conv_dim * self.conv_width * self.dtype_bytes
-        recurrent = self.num_heads * self.head_dim * self.head_dim * RECURRENT_STATE_BYTES
-        return conv + recurrent
 
 
 @dataclass(frozen=True)
@@ -67,19 +30,6 @@ class CachePlan:
     num_snapshot_slots: int = 0  # prefix caching's KDA state snapshots (bytes_per_slot each); 0: caching off
 
 
-def layer_cache_specs(model: ModelConfig, block_size: int, dtype: str) -> list[MLAPageSpec | KDAStateSpec]:
-    """One spec per decoder layer, in layer order."""
-    dtype_bytes = _dtype_bytes(dtype)
-    specs: list[MLAPageSpec | KDAStateSpec] = []
-    for layer_id, layer_type in enumerate(model.layer_types):
-        if layer_type == KDA:
-            specs.append(KDAStateSpec(layer_id, 3 * model.kda_dim, model.conv_kernel_size - 1,
-                                      model.kda_num_heads, model.kda_head_dim, dtype_bytes))
-        else:
-            specs.append(MLAPageSpec(layer_id, block_size, model.latent_dim, dtype_bytes))
-    return specs
-
-
 def plan_cache(model: ModelConfig, engine: EngineConfig, max_model_len: int,
                budget_bytes: int | None = None) -> CachePlan:
     """Size the pools: num_slots = max_num_seqs, snapshot slots (prefix caching only) from num_snapshot_slots
@@ -89,9 +39,9 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, max_model_len: int,
     The budget is `budget_bytes` (the runner's measurement of free device memory), else engine.cache_bytes,
     else on CPU the bytes of max_num_seqs sequences of max_model_len tokens (plus the snapshots), capped at 1 GiB.
     """
-    specs = layer_cache_specs(model, engine.block_size, engine.dtype)
-    bytes_per_block = sum(s.page_bytes for s in specs if isinstance(s, MLAPageSpec))
-    bytes_per_slot = sum(s.slot_bytes for s in specs if isinstance(s, KDAStateSpec))
+    specs, dtype_bytes = layer_cache_specs(model), _dtype_bytes(engine.dtype)
+    bytes_per_block = sum(s.page_bytes(engine.block_size, dtype_bytes) for s in specs if isinstance(s, MLAPageSpec))
+    bytes_per_slot = sum(s.slot_bytes(dtype_bytes) for s in specs if isinstance(s, KDAStateSpec))
     num_slots = engine.max_num_seqs
     num_snapshots = (engine.num_snapshot_slots or 2 * num_slots) if engine.enable_prefix_caching else 0
     blocks_per_seq = math.ceil(max_model_len / engine.block_size)

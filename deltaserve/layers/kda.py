@@ -37,11 +37,6 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm_weight = nn.Parameter(torch.ones(K))
         self.o_proj = Linear(H * K, D)
 
-    def cache_shapes(self, cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Per state slot: the last W-1 conv inputs (run dtype) and the recurrent state (float32)."""
-        H, K = self.num_heads, self.head_dim
-        return {"conv": ((3 * H * K, cfg.conv_kernel_size - 1), "model"), "recurrent": ((H, K, K), "float32")}
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
         """x [N, D] -> [N, D]; reads and updates the conv and recurrent states of batch.state_slots."""
         return self.forward_projected(self.in_proj(x), batch, cache)

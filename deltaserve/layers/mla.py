@@ -46,10 +46,6 @@ class MultiheadLatentAttention(nn.Module):
         self.kv_b_proj = Linear(R, H * (self.nope_dim + self.v_dim))
         self.o_proj = Linear(H * self.v_dim, D)
 
-    def cache_shapes(self, cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Per page of block_size tokens: latent_dim values per token (the runner adds the page dims)."""
-        return {"latent": ((cfg.latent_dim,), "model")}
-
     def forward(self, x: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
         """x [N, D] -> [N, D]; writes this step's latents, then attends over each sequence's cached ones."""
         return self.forward_projected(self.in_proj(x), batch, cache)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltaserve.cache_spec import KDAStateSpec, MLAPageSpec, layer_cache_specs
 from deltaserve.config import KDA, MOE, ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig
 from deltaserve.forward_batch import ForwardBatch
@@ -50,7 +51,7 @@ class KimiLinearForCausalLM(nn.Module):
         """parallel: this rank's shard of a tensor-parallel model; the embedding, norms and lm_head are replicated,
         so every rank ends a step with the same logits."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.world_size = cfg, parallel.world_size
         # from an empty tensor: Embedding's own random init on the meta device imports torch._dynamo (a second)
         self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.hidden_size), freeze=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, parallel) for i in range(cfg.num_hidden_layers))
@@ -65,9 +66,9 @@ class KimiLinearForCausalLM(nn.Module):
             if isinstance(getattr(type(module), "kernels", None), KernelOptions):
                 module.kernels = options
 
-    def cache_shapes(self) -> list[dict[str, tuple[tuple[int, ...], str]]]:
-        """Per layer, what its cache holds: KDA per state slot, MLA per cached token (see the layers)."""
-        return [layer.self_attn.cache_shapes(self.cfg) for layer in self.layers]
+    def cache_specs(self) -> list[MLAPageSpec | KDAStateSpec]:
+        """Per layer, what its cache holds (this rank's share of it): KDA a state a request slot, MLA a paged latent."""
+        return layer_cache_specs(self.cfg, self.world_size)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, caches: list[dict[str, torch.Tensor]]):
         """input_ids [N] -> final hidden states [N, D] (normalised); caches[i] is layer i's cache tensors."""

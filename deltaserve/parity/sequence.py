@@ -22,7 +22,8 @@ class SequenceRunner:
         self.model, self.num_computed = model, 0
         weight = model.embed_tokens.weight
         self.device = weight.device
-        self.caches = allocate_caches(model, 1, max_tokens, 1, weight.dtype, weight.device)  # one page, one slot
+        # one page, one slot
+        self.caches = allocate_caches(model.cache_specs(), 1, max_tokens, 1, weight.dtype, weight.device)
 
     @torch.inference_mode()
     def extend(self, token_ids: list[int], first_row: int = 0) -> torch.Tensor:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from deltaserve.cache.sizing import CachePlan
+from deltaserve.cache_spec import KDAStateSpec, MLAPageSpec
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce, check_divisible
 from deltaserve.forward_batch import ForwardBatch
@@ -76,8 +77,8 @@ class ModelRunner:
             torch.backends.cudnn.allow_tf32 = False
         # the last page and slot are scratch space for the padding rows of CUDA graphs; never handed out
         with phase("cache allocation"):
-            self.caches = allocate_caches(model, plan.num_blocks + 1, plan.block_size, plan.num_slots + 1, dtype,
-                                          self.device)
+            self.caches = allocate_caches(model.cache_specs(), plan.num_blocks + 1, plan.block_size,
+                                          plan.num_slots + 1, dtype, self.device)
             self.snapshots = self._allocate_snapshots()
         # kernels tuned by an earlier run on this GPU (and Triton) skip their tuning
         tuning = restore_tuning(self.device) if self.device.type == "cuda" else None
@@ -448,33 +449,25 @@ class LayerCaches(list):
         self.stacks = stacks
 
 
-def allocate_caches(model, num_pages: int, page_size: int, num_slots: int, dtype: torch.dtype,
-                    device: torch.device) -> LayerCaches:
-    """Zeroed cache tensors, per layer: MLA pages [num_pages, page_size, latent_dim] in dtype; KDA conv tails
-    [num_slots, ...] in dtype and recurrent states [num_slots, ...] float32 (model.cache_shapes() says which), both
+def allocate_caches(specs: list[MLAPageSpec | KDAStateSpec], num_pages: int, page_size: int, num_slots: int,
+                    dtype: torch.dtype, device: torch.device) -> LayerCaches:
+    """Zeroed cache tensors, per layer (specs: the model's cache_specs()): MLA pages [num_pages, page_size,
+    latent_dim] in dtype; KDA conv tails [num_slots, ...] in dtype and recurrent states [num_slots, ...] float32, both
     rows of LayerCaches.stacks."""
-    shapes = model.cache_shapes()
-    per_slot: dict[str, list[tuple[tuple[int, ...], str]]] = {}
-    for layer in shapes:
-        for name, spec in layer.items():
-            if name != "latent":
-                per_slot.setdefault(name, []).append(spec)
+    kda = [spec for spec in specs if isinstance(spec, KDAStateSpec)]
+    assert len(set(kda)) <= 1, f"the KDA layers' states differ in shape: {sorted(set(kda), key=str)}"
     stacks = {}
-    for name, specs in per_slot.items():
-        assert len(set(specs)) == 1, f"the layers' {name} states differ in shape: {sorted(set(specs))}"
-        shape, kind = specs[0]
-        stacks[name] = torch.zeros(len(specs), num_slots, *shape, dtype=torch.float32 if kind == "float32" else dtype,
-                                   device=device)
-    taken = dict.fromkeys(stacks, 0)
-    layers = []
-    for layer in shapes:
-        tensors = {}
-        for name, (shape, _) in layer.items():
-            if name == "latent":
-                tensors[name] = torch.zeros(num_pages, page_size, *shape, dtype=dtype, device=device)
-            else:
-                tensors[name], taken[name] = stacks[name][taken[name]], taken[name] + 1
-        layers.append(tensors)
+    if kda:
+        stacks["conv"] = torch.zeros(len(kda), num_slots, *kda[0].conv_shape, dtype=dtype, device=device)
+        stacks["recurrent"] = torch.zeros(len(kda), num_slots, *kda[0].recurrent_shape, dtype=torch.float32,
+                                          device=device)
+    layers, row = [], 0
+    for spec in specs:
+        if isinstance(spec, KDAStateSpec):
+            layers.append({name: stack[row] for name, stack in stacks.items()})
+            row += 1
+        else:
+            layers.append({"latent": torch.zeros(num_pages, page_size, spec.latent_dim, dtype=dtype, device=device)})
     return LayerCaches(layers, stacks)
 
 

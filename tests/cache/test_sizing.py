@@ -5,14 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from deltaserve.cache.sizing import (
-    DEFAULT_CPU_CACHE_BYTES,
-    KDAStateSpec,
-    MLAPageSpec,
-    describe_plan,
-    layer_cache_specs,
-    plan_cache,
-)
+from deltaserve.cache.sizing import DEFAULT_CPU_CACHE_BYTES, describe_plan, plan_cache
+from deltaserve.cache_spec import KDAStateSpec, MLAPageSpec, layer_cache_specs
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 
 CONFIG_48B = Path("/work/shared/models/kimi-linear-48b-a3b/config.json")
@@ -31,9 +25,11 @@ def model_48b(raw_48b):
 
 
 def test_48b_specs_follow_the_layer_types(model_48b):
-    specs = layer_cache_specs(model_48b, block_size=16, dtype="bfloat16")
-    mla = [s.layer_id + 1 for s in specs if isinstance(s, MLAPageSpec)]
+    specs = layer_cache_specs(model_48b)
+    mla = [i + 1 for i, s in enumerate(specs) if isinstance(s, MLAPageSpec)]
     assert mla == [4, 8, 12, 16, 20, 24, 27] and sum(isinstance(s, KDAStateSpec) for s in specs) == 20
+    assert specs[0] == KDAStateSpec((3 * 4096, 3), (32, 128, 128)) and specs[3] == MLAPageSpec(576)
+    assert layer_cache_specs(model_48b, world_size=2)[0] == KDAStateSpec((3 * 2048, 3), (16, 128, 128))
 
 
 def test_48b_bytes_per_token_and_per_slot_in_bf16(model_48b):

@@ -4,22 +4,18 @@ its prefill index tensors once for all layers."""
 
 import torch
 
+from deltaserve.cache_spec import KDAStateSpec, MLAPageSpec
 from deltaserve.kernels.pdl import pdl_args
 from deltaserve.kernels.varlen import pack_seqs
 from deltaserve.runner.host_batch import HostBatch
 from deltaserve.runner.model_runner import LayerCaches, allocate_caches
 
-
-class TwoKindsOfLayer:
-    """Stands in for a model: what cache_shapes() says of a KDA, an MLA and another KDA layer."""
-
-    def cache_shapes(self):
-        kda = {"conv": ((6, 3), "model"), "recurrent": ((2, 4, 4), "float32")}
-        return [kda, {"latent": ((5,), "model")}, dict(kda)]
+# what a model's cache_specs() says of a KDA, an MLA and another KDA layer
+TWO_KINDS_OF_LAYER = [KDAStateSpec((6, 3), (2, 4, 4)), MLAPageSpec(5), KDAStateSpec((6, 3), (2, 4, 4))]
 
 
 def test_kda_states_are_rows_of_one_stack_a_name():
-    caches = allocate_caches(TwoKindsOfLayer(), num_pages=3, page_size=2, num_slots=4, dtype=torch.bfloat16,
+    caches = allocate_caches(TWO_KINDS_OF_LAYER, num_pages=3, page_size=2, num_slots=4, dtype=torch.bfloat16,
                              device=torch.device("cpu"))
     assert isinstance(caches, LayerCaches) and len(caches) == 3
     assert caches.stacks["conv"].shape == (2, 4, 6, 3) and caches.stacks["conv"].dtype == torch.bfloat16

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deltaserve.cache_spec import MLAPageSpec
 from deltaserve.forward_batch import ForwardBatch
 
 POISON = 1e30
@@ -32,11 +33,12 @@ class HandRunner:
         self.used_slots: list[int] = []
         dtype = next(model.parameters()).dtype
         self.caches = []
-        for shapes in model.cache_shapes():
-            layer = {}
-            for name, (shape, kind) in shapes.items():
-                lead = (num_blocks, block_size) if name == "latent" else (num_slots,)
-                layer[name] = torch.full((*lead, *shape), POISON, dtype=torch.float32 if kind == "float32" else dtype)
+        for spec in model.cache_specs():
+            if isinstance(spec, MLAPageSpec):
+                layer = {"latent": torch.full((num_blocks, block_size, spec.latent_dim), POISON, dtype=dtype)}
+            else:
+                layer = {"conv": torch.full((num_slots, *spec.conv_shape), POISON, dtype=dtype),
+                         "recurrent": torch.full((num_slots, *spec.recurrent_shape), POISON, dtype=torch.float32)}
             self.caches.append(layer)
 
     def new_sequence(self) -> Sequence:
