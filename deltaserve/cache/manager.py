@@ -46,6 +46,18 @@ class CachedPrefix:
     snapshot_slot: int | None = None
 
 
+@dataclass(frozen=True)
+class CacheOccupancy:
+    """The pools now: MLA pages and KDA state slots, in all and free (CacheManager's counts), for metrics."""
+
+    num_blocks: int
+    num_free_blocks: int
+    block_size: int
+    num_slots: int
+    num_free_slots: int
+    usage: float  # fraction of pages held by requests
+
+
 @dataclass
 class _Lookups:
     num_queries: int = 0
@@ -100,6 +112,10 @@ class CacheManager:
     def usage(self) -> float:
         """Fraction of MLA pages held by requests, in [0, 1] (cached pages no request holds count as free)."""
         return 1.0 - self.num_free_blocks / self.block_pool.num_blocks
+
+    def occupancy(self) -> CacheOccupancy:
+        return CacheOccupancy(self.num_blocks, self.num_free_blocks, self.block_size, self.state_pool.num_slots,
+                              self.num_free_slots, self.usage)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Pages that hold num_tokens tokens."""

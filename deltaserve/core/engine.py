@@ -24,7 +24,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deltaserve.cache.manager import CacheManager
+import torch
+
+from deltaserve.cache.manager import CacheManager, CacheOccupancy
 from deltaserve.cache.prefix_cache import PrefixCacheStats
 from deltaserve.cache.sizing import describe_plan, plan_cache
 from deltaserve.config import EngineConfig, ModelConfig
@@ -76,6 +78,7 @@ class Engine:
         plan = plan_cache(self.model_config, engine_config, self.max_model_len, budget)
         broadcast_object(plan, parallel)  # every rank allocates the pages and slots this scheduler hands out
         log.info(describe_plan(plan))
+        self.cache_plan = plan  # the pages and slots allocated, and their bytes
         self.runner = ModelRunner(weights, self.model_config, plan, DTYPES[engine_config.dtype], engine_config.device,
                                   engine_config.seed, cuda_graphs=parallel.world_size == 1,
                                   graph_max_context=self.max_model_len, num_decode_steps=engine_config.num_decode_steps,
@@ -178,6 +181,27 @@ class Engine:
                     req.status = RequestStatus.FINISHED_ABORTED
                     failed.append(self._output(self._tracked[req_id], time.monotonic()))
         return failed
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model the runner runs (this rank's shard), for tools that call it directly (parity)."""
+        return self.runner.model
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def cache_occupancy(self) -> CacheOccupancy:
+        """The cache's pages and state slots now, in all and free."""
+        return self.scheduler.cache.occupancy()
+
+    def num_unfinished_output_tokens(self) -> int:
+        """Output tokens generated so far by the requests still in the engine."""
+        return sum(len(r.output_token_ids) for r in self.scheduler.requests.values())
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats | None:

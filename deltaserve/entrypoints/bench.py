@@ -138,8 +138,7 @@ def _prefill_phase(engine: Engine, batch: int) -> list:
 
 def _tokens_so_far(engine: Engine, finished: list) -> int:
     """Output tokens generated so far by the requests in the engine and those already finished."""
-    running = sum(len(r.output_token_ids) for r in engine.scheduler.requests.values())
-    return running + sum(len(o.outputs[0].token_ids) for o in finished)
+    return engine.num_unfinished_output_tokens() + sum(len(o.outputs[0].token_ids) for o in finished)
 
 
 LONG_OUTPUT_LEN = 16  # output tokens of a long-prompt row (at most): its decode steps time TPOT at that context
@@ -194,7 +193,7 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
             "programmatic_dependent_launch": _pdl_on(device),
             "async_scheduling": engine.async_scheduling,
             "copy_GBps": bandwidth / 1e9, "peak_memory_GiB": peak / 2**30 if peak else None,
-            "prompt_len": prompt_len, "output_len": output_len, "capacity": cache_capacity(engine.runner.plan),
+            "prompt_len": prompt_len, "output_len": output_len, "capacity": cache_capacity(engine.cache_plan),
             "rows": rows}
 
 

@@ -34,7 +34,7 @@ class DeltaserveBackend:
 
         self.llm = LLM(model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
                        max_num_seqs=max(1, min(max_num_seqs, 32)), quantization=quantization)
-        self.model = self.llm.engine.runner.model
+        self.model = self.llm.engine.model
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[Greedy]:
         from deltaserve.sampling_params import SamplingParams

@@ -48,14 +48,14 @@ class ServerMetrics(EngineObserver):
         self.model_name = model_name
 
     def on_step(self, engine: Engine) -> None:
-        cache = engine.scheduler.cache
-        self.running.set(engine.scheduler.num_running)
-        self.waiting.set(engine.scheduler.num_waiting)
+        cache = engine.cache_occupancy()
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
         self.cache_usage.set(cache.usage)
         self.free_blocks.set(cache.num_free_blocks)
         self.num_blocks.set(cache.num_blocks)
         self.free_slots.set(cache.num_free_slots)
-        self.num_slots.set(cache.state_pool.num_slots)
+        self.num_slots.set(cache.num_slots)
 
     def on_output(self, output: RequestOutput, num_new_tokens: int, first: bool) -> None:
         self.generation_tokens.inc(num_new_tokens)

@@ -45,7 +45,7 @@ class ServingContext:
         self.config = config
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
-        cache = engine.scheduler.cache
+        cache = engine.cache_occupancy()
         self.cache_tokens = cache.num_blocks * cache.block_size
         self.max_token_bytes = _longest_token_bytes(self.tokenizer)
 
