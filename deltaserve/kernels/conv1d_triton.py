@@ -1,7 +1,7 @@
 """The short conv on the GPU: the decode step as one Triton kernel (read the state slot, convolve, SiLU, shift the
 state; twin: kernels.conv1d.causal_conv1d_update, six torch ops), and prefill over packed sequences as two (twin:
-kernels.conv1d.causal_conv1d_varlen's torch path, which on a GPU ran a transposed copy, cuDNN's depthwise conv and
-two more copies a layer: ~2 ms at 8k tokens of the 48B shape on an H200)."""
+kernels.conv1d.causal_conv1d_varlen's torch path, which on a GPU runs a transposed copy, cuDNN's depthwise conv and
+two more copies a layer)."""
 
 import torch
 import triton

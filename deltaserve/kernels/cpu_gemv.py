@@ -1,9 +1,7 @@
 """A CPU matrix-vector product for decode steps: y = x W^T for 1 to 4 float32 rows against an output-major weight.
 
 A decode step on the CPU is bound by reading its weights, and PyTorch's float32 product at one row (MKL) streams
-them at ~60% of what a core can, on one core whatever the thread setting: measured here (2 cores, AMD EPYC),
-1,024 x 1,024 in 75 us against 48 us for this kernel on one thread and 26 us on two; the 0.5B-class preset's lm_head
-[32000 x 1024], read from memory, 4.8-5.6 ms against 2.3-4.0 ms on two threads (BENCHMARKS.md, CPU).
+them well below what a core can, on one core whatever the thread setting (BENCHMARKS.md, CPU, has the timings).
 
 The kernel is `kernels/cpu/gemv.c` (AVX-512, or AVX2 with FMA; each output row a dot product in four vector
 accumulators; OpenMP over the output rows), compiled with the machine's C compiler at first use into the user's
@@ -33,8 +31,8 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 MAX_ROWS = 4  # decode steps of up to 4 tokens (more rows: MKL's GEMM reuses each weight across them better)
-# elements: a smaller product stays with F.linear, whose ~3 us of overhead beat this module's ~10 (checks, the output,
-# the ctypes call); measured crossover 144-192K elements with the weights in cache (a few us either way there)
+# elements: a smaller product stays with F.linear, whose call overhead is a few times lower than this module's (checks,
+# the output, the ctypes call); the crossover is in BENCHMARKS.md
 MIN_WEIGHT = 1 << 17
 PARALLEL_MIN_WEIGHT = 1 << 16  # elements (256 KB): a smaller weight runs on one thread (forking costs more)
 _SOURCE = Path(__file__).parent / "cpu" / "gemv.c"

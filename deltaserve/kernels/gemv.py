@@ -1,18 +1,16 @@
 """A dense projection for one token on the GPU: y = x W^T in one GEMV kernel, autotuned per weight shape.
 
-At batch 1 of the 48B shape cuBLAS picks a split-K GEMM for o_proj ([2304, 4096]: 7.5 us plus a 1.6 us reduce
-kernel, 2.1 TB/s, for 4.7 us of bytes at 4 TB/s on an H200) and reaches 2.7-3.4 TB/s on the other projections.
-This kernel gives each program BLOCK_N output rows of a token (grid: row blocks x tokens; each token's programs
-read the weights again, so it serves single tokens: batch-1 decode) and sums over the input in BLOCK_K steps, in
-float32, rounding once to x's dtype like cuBLAS. Used by layers.linear.Linear for bf16/fp16 weights of at least
-GEMV_MIN_WEIGHT elements and at most GEMV_MAX_TOKENS tokens; the caller keeps lm_head on cuBLAS, which streams it
-at 4.4 TB/s. Twin: F.linear.
+At batch 1 cuBLAS splits some projections over two kernels (a split-K GEMM and its reduce) and streams the others
+below the card's bandwidth (BENCHMARKS.md, "Figures behind the kernels' choices"). This kernel gives each program
+BLOCK_N output rows of a token (grid: row blocks x tokens; each token's programs read the weights again, so it
+serves single tokens: batch-1 decode) and sums over the input in BLOCK_K steps, in float32, rounding once to x's
+dtype like cuBLAS. Used by layers.linear.Linear for bf16/fp16 weights of at least GEMV_MIN_WEIGHT elements and at
+most GEMV_MAX_TOKENS tokens; the caller keeps lm_head (and KDA's in_proj) on cuBLAS, which streams them faster.
+Twin: F.linear.
 
-Measured (kernels_bench.py's gemv part, H200): o_proj 5.3 us against cuBLAS's 7.7, MLA's in_proj 7.4 against 8.5,
-the dense MLP's down 10.6 against 12.6; KDA's in_proj 17.7 against 17.2 (so it stays on cuBLAS). With groups, one
-launch serves several projections of their own inputs (KDA's two gate up-projections). Tiles are autotuned per
-(N, K, rows per group) at first use; a CUDA graph's sizes are each run eagerly before capture, so tuning never runs
-inside one.
+With groups, one launch serves several projections of their own inputs (KDA's two gate up-projections). Tiles are
+autotuned per (N, K, rows per group) at first use; a CUDA graph's sizes are each run eagerly before capture, so
+tuning never runs inside one.
 
 FP8 weights (float8_e4m3fn with block scales, kernels.quant) run the same kernel with SCALED: a tile whose rows lie in
 one scale block (BN a multiple of BLOCK_N) folds its column blocks' scales into x, one vector load a step; any other
@@ -29,8 +27,7 @@ import triton.language as tl
 from deltaserve.kernels.autotune import tile_configs, with_tile
 from deltaserve.kernels.pdl import pdl_args, pdl_enter
 
-# one token only: a token's programs re-read the weights, and at 4 tokens that took 2-3x cuBLAS's time on an H200
-# (o_proj 14.8 against 7.7 us; at 1 token 5.3 against 7.7)
+# one token only: a token's programs re-read the weights, so at a few tokens cuBLAS is faster
 GEMV_MAX_TOKENS = 1
 GEMV_MIN_WEIGHT = 1 << 22  # elements (8 MB in bf16): smaller projections stay on cuBLAS (launch-bound either way)
 # (rows, columns) of a program's tile: fewer rows give more programs, more columns more bytes in flight per load

@@ -1,11 +1,10 @@
 """A norm and the projection that reads it, in one GEMV kernel: a batch-1 decode step saves the norm's launch.
 
-At batch 1 a decode step of the 48B shape is ~390 kernels and each costs its run plus a boundary (the GPU drains one
-kernel and ramps up the next): the 72 norm launches these kernels remove took batch-1 TPOT from 2.59 to 2.47 ms on an
-H200 (BENCHMARKS.md, sixth lease). A norm's output feeds one projection, read
-whole by each of the projection's programs: each program can as well normalise its input itself (a few KB from L2)
-and sum its rows against it. Two norms, with the reference's order of operations and roundings
-(kernels.norm's eager functions):
+At batch 1 a decode step of the 48B shape is ~390 kernels and each costs its run plus a boundary (the GPU drains
+one kernel and ramps up the next), so removing the norms' launches shortens the step (BENCHMARKS.md, sixth lease).
+A norm's output feeds one projection, read whole by each of the projection's programs: each program can as well
+normalise its input itself (a few KB from L2) and sum its rows against it. Two norms, with the reference's order of
+operations and roundings (kernels.norm's eager functions):
 
 - add_norm_gemv: (x + residual) rounded to x's dtype is the new residual stream s; h = weight * (s * rsqrt(mean(s^2)
   + eps)) rounded like add_rms_norm; y = h W^T. The program of the first row block of each token stores s (and h,

@@ -27,8 +27,8 @@ class KimiDeltaAttention(nn.Module):
         H, K, D = cfg.kda_num_heads // parallel.world_size, cfg.kda_head_dim, cfg.hidden_size
         self.num_heads, self.head_dim, self.eps, self.parallel = H, K, cfg.rms_norm_eps, parallel
         self.split = [3 * H * K, 2 * K, H]  # in_proj's outputs: q, k, v (the conv's channel order), f_a and g_a, b
-        # cuBLAS for one token too: at the 48B shape it took 17.2 us against our GEMV's 17.7 on an H200 (but the
-        # decoder layer runs it with the input norm inside, kernels.norm_gemv, where that serves)
+        # cuBLAS for one token too, as fast as our GEMV at this shape (but the decoder layer runs it with the input
+        # norm inside, kernels.norm_gemv, where that serves)
         self.in_proj = Linear(D, sum(self.split), gemv=False)
         self.conv_weight = nn.Parameter(torch.empty(3 * H * K, cfg.conv_kernel_size))
         self.fg_b_proj = Linear(K, 2 * H * K)  # f_b_proj's rows, then g_b_proj's: both up-projections, one launch
@@ -71,11 +71,10 @@ class KimiDeltaAttention(nn.Module):
 
     def _gate_up_projections(self, fg_a: torch.Tensor, batched: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, 2K] (f_a, g_a) -> (f_b_proj(f_a), g_b_proj(g_a)), each [N, HK]. batched (GPU decode steps, bound by
-        launches): one launch, our GEMV with two groups for one half-precision token (cuBLAS's batched matmul took
-        3.4 us for these 2 MB on an H200), else one batched matmul. Otherwise two products (kernels.cpu_gemv's for a
-        few float32 tokens on the CPU, else F.linear, the reference's); steps with prefill keep them as measured
-        (BENCHMARKS.md: an A/B on the H200 left prefill's slowdown with the decode-step changes unexplained, so
-        prefill runs the code it ran before)."""
+        launches): one launch, our GEMV with two groups for one half-precision token (faster than cuBLAS's batched
+        matmul), else one batched matmul. Otherwise two products (kernels.cpu_gemv's for a few float32 tokens on the
+        CPU, else F.linear, the reference's); steps with prefill keep the code they ran before (an A/B left prefill's
+        slowdown with the decode-step changes unexplained: BENCHMARKS.md)."""
         N, K = fg_a.shape[0], self.head_dim
         w = self.fg_b_proj.weight.view(2, -1, K)
         if batched:

@@ -59,7 +59,7 @@ class RequestState:
 
 
 _COPY_CHUNK_BYTES = 256 << 20  # KDA states gathered at once by a snapshot copy (ACTIVATION_RESERVE_BYTES covers it)
-_ONE_THREAD_MAX_TOKENS = 4  # measured on 2 cores: 1 thread as fast at 4 decode tokens, slower at 16
+_ONE_THREAD_MAX_TOKENS = 4  # steps of up to this many tokens run on one thread (more add overhead, not bandwidth)
 # compile_decode: decode steps of up to this many requests (bound by per-op costs; larger ones by their matrix
 # products, where a graph a batch size would cost compile time for little)
 COMPILED_DECODE_MAX_SEQS = _ONE_THREAD_MAX_TOKENS
@@ -238,8 +238,8 @@ class ModelRunner:
     def _copy_states(self, pairs: list[tuple[int, int]], to_snapshots: bool) -> None:
         """Copy whole KDA states (conv tails and recurrent state of every layer): pairs of (state slot, snapshot
         slot) into the snapshots, or pairs of (snapshot slot, state slot) into the state slots. Two ops a state
-        name, whatever the layer count, and no wait for the device (the indices go over from pinned memory); a save
-        inside a decode burst stalled the queue for ~2 ms on an H200 when it was two ops a layer behind a sync.
+        name, whatever the layer count, and no wait for the device (the indices go over from pinned memory), so a save
+        inside a decode burst does not stall its queue.
         The gathered states are a temporary: at most _COPY_CHUNK_BYTES of them at a time (a whole state of the 48B
         model is ~40 MiB, and 256 requests may cross a block boundary in the same step)."""
         if not pairs:
@@ -487,8 +487,8 @@ def kernel_options(engine: EngineConfig, parallel: ParallelConfig = SINGLE) -> K
 def _input_major_weights(model: torch.nn.Module) -> None:
     """For float32 on the CPU where kernels.cpu_gemv is off (or compile_decode: its graph calls MKL), store the
     projection and expert weights input-major ([in, out] in memory; the logical shape and values unchanged): MKL's
-    matrix-vector products then stream whole rows, measured 5-10% faster on the layers and up to 2x on lm_head when
-    the weights are not in cache. Not for half precision: bfloat16 decoded 4-8% faster output-major (BENCHMARKS.md).
+    matrix-vector products then stream whole rows, faster on every projection. Not for half precision, which decodes
+    faster output-major (BENCHMARKS.md has both A/Bs).
     Skipped: kv_b_proj (MLA decode views it per head), an lm_head tied to the embedding (looked up by row), FP8."""
     params = [m.weight for name, m in model.named_modules() if isinstance(m, Linear) and not name.endswith("kv_b_proj")]
     params += [w for m in model.modules() if isinstance(m, MoE) for w in (m.w13, m.w2)]

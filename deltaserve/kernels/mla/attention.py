@@ -142,7 +142,7 @@ def torch_mla_decode(q_latent, q_rope, cache, block_tables, context_lens, scale:
     softmax masked past each context."""
     B, _, R = q_latent.shape
     # [B, L, R+Dr], L = max_blocks * block_size: no host sync; index_select, not cache[block_tables] (on the CPU
-    # the advanced index costs ~50 us a layer at batch 1, about a third of the layer)
+    # the advanced index is several times slower)
     latents = cache.index_select(0, block_tables.flatten()).view(B, -1, cache.shape[-1])
     max_len = latents.shape[1]
     c_kv, k_rope = latents[..., :R], latents[..., R:]  # [B, L, R], [B, L, Dr]

@@ -2,8 +2,8 @@
 sort by expert put them, times their routing weights, summed in float32 in slot order and rounded once.
 
 Its torch twin (kernels.moe.experts._weighted_sum's torch path) widens the sorted outputs to float32, multiplies,
-permutes them back with an index_copy and sums: five passes over [T*k, D] float32, ~1 ms a layer at 8k tokens of
-the 48B shape on an H200, where this kernel reads the bf16 outputs once."""
+permutes them back with an index_copy and sums: five passes over [T*k, D] float32, where this kernel reads the bf16
+outputs once."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The router on GPUs. Its logits for a few tokens in one GEMV kernel (router_logits: bf16 activations against the
 float32 weights, widened in registers; twin F.linear(x.float(), weight)). The choice in one kernel where every
 group stays (topk_group >= num_groups, as in Kimi-Linear-48B): sigmoid scores, bias-corrected top-k, unbiased
-weights, renormalised and scaled. torch's top-k of 256 scores took 6.6 us a layer at batch 1 on an H200, the whole
-choice here one launch. Twin: kernels.moe.routing.grouped_topk.
+weights, renormalised and scaled, in one launch where torch's top-k alone is several. Twin:
+kernels.moe.routing.grouped_topk.
 
 Ids come out in descending biased score (ties: the lower expert id), weights in the same order."""
 
@@ -62,9 +62,9 @@ def triton_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_
 
 
 ROUTER_GEMV_MAX_TOKENS = 16  # beyond this many tokens cuBLAS's matmul (after a float32 copy of x) is the better fit
-# (experts, columns) of a program's tile, autotuned per shape: at 4 x 256 (64 programs for 256 experts) the kernel
-# took 11.2 us a call on an H200, slower than the float32 copy and cuBLAS GEMV it replaced (2.4 + 4.2 us). A program
-# reads a row of 2304 float32 in K / BLOCK_K loop steps; the wide tiles (one step) are candidates too
+# (experts, columns) of a program's tile, autotuned per shape: a fixed narrow tile (4 x 256, 64 programs for 256
+# experts) was slower than the float32 copy and cuBLAS GEMV it replaced. A program reads a row of 2304 float32 in
+# K / BLOCK_K loop steps; the wide tiles (one step) are candidates too
 _ROUTER_TILES = ((1, 1024), (1, 2048), (1, 4096), (2, 512), (2, 1024), (2, 4096), (4, 512), (8, 256))
 # the shared GEMV kernel (kernels.gemv.gemv_jit) under these tiles, keyed on the token count too
 _router_logits_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, _ROUTER_TILES, (2, 512), warps=(2, 4)),

@@ -13,13 +13,10 @@ import torch
 from deltaserve.kernels.moe import fused_experts
 from deltaserve.kernels.quant.fp8 import dequantize_fp8
 
-# measured on an H200, the 48B shape (256 experts, top-8), one layer: a GEMV per pair 34 / 254 / 984 us at 8 / 128
-# / 512 pairs, grouped 99 / 367 / 730 us (and 834 us at 2048 pairs against 3.9 ms)
-MAX_PAIRS_PER_PAIR_GEMV = 256
-# a prefill chunk of 1k+ tokens hits every expert many times: dequantizing them (E x 3 x D x I values, 3.6 GB of
-# bf16 at the 48B shape, ~1 ms at the card's bandwidth) then tensor-core GEMMs is the shape of the bf16 path, which
-# prefilled 64 x 512 tokens at 16.3k tok/s against the grouped FP8 kernel's 2.6k (H200, bdac758). Where between 256
-# and this the crossover lies is for benchmarks/gpu/kernels_bench.py --parts fp8_experts to measure
+MAX_PAIRS_PER_PAIR_GEMV = 256  # (token, expert) pairs up to which a GEMV per pair beats the grouped kernel
+# a prefill chunk of 1k+ tokens hits every expert many times: dequantizing them (E x 3 x D x I values) then
+# tensor-core GEMMs, the shape of the bf16 path, beats the grouped FP8 kernel there. Where between 256 and this the
+# crossover lies is for benchmarks/gpu/kernels_bench.py --parts fp8_experts to measure
 _MIN_PAIRS_TO_DEQUANTIZE = 8192
 _EXPERTS_PER_CHUNK = 32  # dequantized 32 at a time: 0.45 GB of bf16 at the 48B shape, inside the activation reserve
 
