@@ -7,7 +7,7 @@ tokens/s with `concurrency` requests together (transformers: the same requests o
 batch-1 runs are each the median of `--repeats` runs (single runs of this machine class spread by up to 2x);
 the concurrent run, long enough to average itself, runs once. `--compile-decode` adds a row for deltaserve with
 its decode steps compiled (EngineConfig.compile_decode), `--mkl-products` one with PyTorch's float32 products in
-place of kernels.cpu_gemv (DELTASERVE_CPU_GEMV=0). Prints a table and one JSON line with the machine, the date
+place of kernels.cpu_gemv (cpu_gemv=False). Prints a table and one JSON line with the machine, the date
 and the commit.
 """
 
@@ -67,11 +67,12 @@ def prompts(num: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def bench_deltaserve(folder: Path, batch: list[list[int]], output_len: int, concurrency: int, repeats: int,
-                     compile_decode: bool = False) -> dict:
+                     compile_decode: bool = False, cpu_gemv: bool = True) -> dict:
     from deltaserve import LLM, SamplingParams
 
     llm = LLM(folder, device="cpu", max_model_len=4096, max_num_seqs=max(concurrency, 1),
-              max_num_batched_tokens=max(2048, len(batch[0])), compile_decode=compile_decode)
+              max_num_batched_tokens=max(2048, len(batch[0])), compile_decode=compile_decode,
+              cpu_gemv=cpu_gemv)
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)  # noqa: E731
     # warm-up, a whole batch-1 run: with compile_decode its decode steps' graphs compile here, not in a timed run
     llm.generate([{"prompt_token_ids": batch[0]}], greedy(output_len + 1), use_tqdm=False)
@@ -127,7 +128,7 @@ def main() -> None:
     parser.add_argument("--compile-decode", action="store_true",
                         help="also run deltaserve with compile_decode (decode steps through torch.compile)")
     parser.add_argument("--mkl-products", action="store_true",
-                        help="also run deltaserve with DELTASERVE_CPU_GEMV=0 (PyTorch's float32 products, not ours)")
+                        help="also run deltaserve with cpu_gemv=False (PyTorch's float32 products, not ours)")
     parser.add_argument("--repeats", type=int, default=5, help="runs of the prefill and batch-1 figures (median)")
     args = parser.parse_args()
     if args.repeats < 1:
@@ -138,9 +139,8 @@ def main() -> None:
     batch = prompts(max(args.concurrency, 1), args.prompt_len, PRESETS[args.preset]["vocab_size"])
     results = {"deltaserve": bench_deltaserve(folder, batch, args.output_len, args.concurrency, args.repeats)}
     if args.mkl_products:
-        os.environ["DELTASERVE_CPU_GEMV"] = "0"  # read at load (the weights' layout) and at each product
-        results["ds-mkl"] = bench_deltaserve(folder, batch, args.output_len, args.concurrency, args.repeats)
-        del os.environ["DELTASERVE_CPU_GEMV"]
+        results["ds-mkl"] = bench_deltaserve(folder, batch, args.output_len, args.concurrency, args.repeats,
+                                             cpu_gemv=False)
     if args.compile_decode:
         results["ds-compiled"] = bench_deltaserve(folder, batch, args.output_len, args.concurrency, args.repeats,
                                                   compile_decode=True)

@@ -345,6 +345,9 @@ class EngineConfig:
     # GPU, half precision: a norm inside the GEMV of the projection that reads it (kernels/norm_gemv.py, a launch
     # less a layer; the bf16 roundings may differ in the last bits); False: norm and projection apart, for an A/B
     norm_gemv: bool = True
+    # GPU, Hopper and later: programmatic dependent launch of our decode-step kernels (kernels/pdl.py: a kernel's
+    # launch overlaps the one before it); changes timing only, not values. False: plain launches, for profiles
+    pdl: bool = True
 
     def __post_init__(self):
         def bad(name, value, expectation):

@@ -18,3 +18,5 @@ class KernelOptions:
     cpu_threads: int = 1  # threads a large cpu_gemv product splits over (the run's CPU threads)
     # GPU, bf16/FP8: the norms inside the GEMVs that read them (kernels.norm_gemv); off: norm and projection apart
     norm_gemv: bool = True
+    # GPU, Hopper and later: programmatic dependent launch of our decode-step kernels (kernels.pdl); timing only
+    pdl: bool = True

@@ -8,7 +8,7 @@ what a burst costs beyond its graphs' replays; `--prefill-len L` also profiles t
 
 With programmatic dependent launch (the default on Hopper: kernels/pdl.py) a kernel is scheduled early and waits
 inside itself for the one before, so the profiler's kernel times overlap and include those waits (their sum exceeded
-the graph's replay by 30% in the sixth lease); for each kernel's own time, profile with DELTASERVE_PDL=0 (every Triton
+the graph's replay by 30% in the sixth lease); for each kernel's own time, profile with --no-pdl (every Triton
 kernel recompiles at the engine's start).
 
     python benchmarks/gpu/profile_decode.py --config benchmarks/configs/kimi-linear-48b-a3b.json --batch 1
@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=0,
                         help="also profile the prefill of one prompt this long, after the decode steps")
     parser.add_argument("--gaps", type=int, default=8, help="the largest idle gaps of the GPU to list")
+    parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
+                        help="programmatic dependent launch of the decode kernels (EngineConfig.pdl)")
     parser.add_argument("--timeline-out", default=None,
                         help="write the GPU's work (start and end in us, name) over the last profiled decode engine "
                              "step, with the host's runner calls, to this JSON file")
@@ -58,7 +60,7 @@ def main() -> None:
     longest = max(args.prompt_len + decode_tokens + 16, args.prefill_len + 32)
     config = EngineConfig(dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=max(args.batch, 1),
                           max_model_len=longest, max_num_batched_tokens=8192, quantization=args.quantization,
-                          num_decode_steps=args.burst)
+                          num_decode_steps=args.burst, pdl=args.pdl)
     engine, workers = start_engine(args.config, config)
     try:
         run_batch(engine, args.batch, args.prompt_len, 4, seed=1)  # warm-up: compiles, autotunes

@@ -21,13 +21,14 @@ from deltaserve.entrypoints.routing_stats import RoutingRecorder, RoutingStats, 
 from deltaserve.sampling_params import SamplingParams
 
 
-def _pdl_on(device: str) -> bool:
-    """Whether our decode kernels launch with PDL on device (kernels.pdl imports triton, which a CPU install lacks)."""
+def _pdl_on(device: str, pdl: bool) -> bool:
+    """Whether our decode kernels launch with PDL on device, pdl being the engine's choice (kernels.pdl imports
+    triton, which a CPU install lacks)."""
     if device == "cpu":
         return False
     from deltaserve.kernels.pdl import pdl_args
 
-    return pdl_args(torch.device(device))["PDL"]
+    return pdl_args(torch.device(device), pdl)["PDL"]
 
 
 def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int,
@@ -190,7 +191,7 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
             "quantization": cfg.quantization.method if cfg.quantization else None,
             "load_format": engine_config.load_format, "tensor_parallel_size": world,
             "expert_parallel": engine_config.enable_expert_parallel,
-            "programmatic_dependent_launch": _pdl_on(device),
+            "programmatic_dependent_launch": _pdl_on(device, engine_config.pdl),
             "async_scheduling": engine.async_scheduling,
             "copy_GBps": bandwidth / 1e9, "peak_memory_GiB": peak / 2**30 if peak else None,
             "prompt_len": prompt_len, "output_len": output_len, "capacity": cache_capacity(engine.cache_plan),

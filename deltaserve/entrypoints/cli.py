@@ -65,6 +65,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--norm-gemv", action=argparse.BooleanOptionalAction, default=_env_switch("DELTASERVE_NORM_GEMV"),
                    help="GPU, half precision: norms inside the GEMVs that read them (default: on, or "
                         "DELTASERVE_NORM_GEMV=0 off); off: apart, for an A/B")
+    g.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=_env_switch("DELTASERVE_PDL"),
+                   help="GPU, Hopper: programmatic dependent launch of the decode kernels (default: on, or "
+                        "DELTASERVE_PDL=0 off); off: plain launches, e.g. to profile each kernel's own time")
 
 
 def _env_switch(name: str) -> bool:
@@ -73,7 +76,8 @@ def _env_switch(name: str) -> bool:
 
 
 def _kernel_switches(args) -> dict:
-    return {"compile_decode": args.compile_decode, "cpu_gemv": args.cpu_gemv, "norm_gemv": args.norm_gemv}
+    return {"compile_decode": args.compile_decode, "cpu_gemv": args.cpu_gemv, "norm_gemv": args.norm_gemv,
+            "pdl": args.pdl}
 
 
 def _token_ids(text: str) -> list[int]:

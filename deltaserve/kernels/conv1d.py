@@ -7,8 +7,9 @@ from deltaserve.forward_batch import PackedSeqs
 from deltaserve.kernels.varlen import pack_seqs
 
 
-def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor):
-    """One new token per sequence.
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor,
+                         pdl: bool = True):
+    """One new token per sequence (pdl: the GPU kernel's programmatic dependent launch, kernels.pdl).
 
     x: [B, D]; weight: [D, W]; conv_state: [S, D, W-1] (the last W-1 inputs), updated in place at state_slots [B].
     Returns silu(conv) [B, D].
@@ -16,7 +17,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     if x.is_cuda:
         from deltaserve.kernels.conv1d_triton import conv1d_update
 
-        return conv1d_update(x, weight, conv_state, state_slots)
+        return conv1d_update(x, weight, conv_state, state_slots, pdl)
     # batch 1 on the CPU: the state row as a view, no gather and scatter (same sums); not while torch.compile traces
     # a decode step (runner.model_runner, compile_decode): int() reads the slot on the host, a graph break
     if x.shape[0] == 1 and not torch.compiler.is_compiling():

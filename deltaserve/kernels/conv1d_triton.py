@@ -32,13 +32,14 @@ def _conv_update_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, y_ptr, x_stride, C: 
     tl.store(y_ptr + b * C + ch, acc * tl.sigmoid(acc), mask=mask)
 
 
-def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor):
+def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor,
+                  pdl: bool = True):
     """x [B, C] (rows may be strided), weight [C, W], conv_state [S, C, W-1] in place -> silu(conv) [B, C]."""
     B, C = x.shape
     W = weight.shape[1]
     y = torch.empty(B, C, dtype=x.dtype, device=x.device)
     _conv_update_kernel[(triton.cdiv(C, 256), B)](x, weight, conv_state, state_slots, y, x.stride(0), C=C, W=W,
-                                                   BLOCK_C=256, num_warps=4, **pdl_args(x.device))
+                                                   BLOCK_C=256, num_warps=4, **pdl_args(x.device, pdl))
     return y
 
 

@@ -82,7 +82,8 @@ _fp8_gemv_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, FP8_GEMV_TIL
                                    key=["N", "K", "BN", "BK"])(gemv_jit)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = None, groups: int = 1) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = None, groups: int = 1,
+         pdl: bool = True) -> torch.Tensor:
     """x [T, K], weight [N, K] (contiguous, x's dtype) -> x @ weight^T [T, N] in x's dtype, summed in float32.
     x's rows may be strided (a split's view); its columns must be contiguous. tile: (BLOCK_N, BLOCK_K) instead of
     the autotuned choice (tests check every candidate's values; benchmarks time them).
@@ -98,12 +99,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = N
         kernel, chosen = with_tile(_gemv_kernel, GEMV_NAMES, tile)
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), T)](x, weight, y, x.stride(0), y.stride(0),
                                                                   triton.next_power_of_2(T), N=N, K=K, GROUP_N=group_n,
-                                                                  **NO_SCALES, **pdl_args(x.device), **chosen)
+                                                                  **NO_SCALES, **pdl_args(x.device, pdl), **chosen)
     return y
 
 
 def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-             tile: tuple[int, int] | None = None) -> torch.Tensor:
+             tile: tuple[int, int] | None = None, pdl: bool = True) -> torch.Tensor:
     """x [T, K] (float32, bfloat16 or float16; columns contiguous), q [N, K] float8_e4m3fn, scale_inv [ceil(N/bn),
     ceil(K/bk)] -> x W^T [T, N] in x's dtype, W the dequantized weight, summed in float32 (kernels.quant's
     fp8_linear contract). One token's programs read the weights once: for one token."""
@@ -117,7 +118,7 @@ def fp8_gemv(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: t
         kernel, chosen = with_tile(_fp8_gemv_kernel, GEMV_NAMES, tile)
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), T)](
             x, q, y, x.stride(0), y.stride(0), triton.next_power_of_2(T), N=N, K=K, GROUP_N=N, s_ptr=scale_inv,
-            SCALED=True, S_COLS=scale_inv.shape[1], BN=block[0], BK=block[1], **pdl_args(x.device), **chosen)
+            SCALED=True, S_COLS=scale_inv.shape[1], BN=block[0], BK=block[1], **pdl_args(x.device, pdl), **chosen)
     return y
 
 

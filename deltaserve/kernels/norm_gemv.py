@@ -106,7 +106,7 @@ _router_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, _ROUTER_TILES,
 
 def add_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                   weight: torch.Tensor, store_normed: bool = False, tile: tuple[int, int] | None = None,
-                  scale_inv: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                  scale_inv: torch.Tensor | None = None, block: tuple[int, int] | None = None, pdl: bool = True,
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x, residual [T, D] (half precision, columns contiguous), norm_weight [D] in x's dtype, weight [N, D] (x's dtype,
     float32 for the router, or float8_e4m3fn with scale_inv and block as kernels.quant.fp8_linear takes them) ->
@@ -127,13 +127,13 @@ def add_norm_gemv(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), T)](
             x, residual, norm_weight, weight, y, h, s, x.stride(0), residual.stride(0), y.stride(0), float(eps),
             triton.next_power_of_2(T), N=N, K=D, GATED=False, HEAD=1, STORE_H=store_normed, **scales,
-            **pdl_args(x.device), **chosen)
+            **pdl_args(x.device, pdl), **chosen)
     return y, s, h
 
 
 def gated_norm_gemv(o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, tile: tuple[int, int] | None = None, scale_inv: torch.Tensor | None = None,
-                    block: tuple[int, int] | None = None) -> torch.Tensor:
+                    block: tuple[int, int] | None = None, pdl: bool = True) -> torch.Tensor:
     """o [T, H, Kh] (contiguous), gate [T, H * Kh] (columns contiguous), norm_weight [Kh], weight [N, H * Kh] (all in
     o's dtype, or an FP8 weight with scale_inv and block) -> gated_rms_norm(o, gate, norm_weight, eps) @ weight^T
     [T, N] in o's dtype, summed in float32."""
@@ -150,7 +150,7 @@ def gated_norm_gemv(o: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tens
         kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), T)](
             o, gate, norm_weight.contiguous(), weight, y, None, None, H * head, gate.stride(0), y.stride(0),
             float(eps), triton.next_power_of_2(T), N=N, K=H * head, GATED=True, HEAD=head, STORE_H=False, **scales,
-            **pdl_args(o.device), **chosen)
+            **pdl_args(o.device, pdl), **chosen)
     return y
 
 

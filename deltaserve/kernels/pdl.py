@@ -5,8 +5,8 @@ the GPU drains the previous one. A kernel launched with PDL may be scheduled whi
 stream still runs: it starts with `pdl_enter`, which waits for that kernel to complete (its writes visible) and then
 lets the next kernel be scheduled in turn, so no memory access moves ahead of its dependency and only the launch
 overlaps. A kernel before ours that is not PDL-aware simply completes first, as without PDL; CUDA graphs keep the
-edges. Off on older GPUs, in Triton's CPU interpreter, and with DELTASERVE_PDL=0 set before the first launch
-(README, "GPU")."""
+edges. Off on older GPUs, in Triton's CPU interpreter, and where the engine turns it off (KernelOptions.pdl: the
+CLI's --no-pdl; the launchers take it as their `pdl` argument)."""
 
 from __future__ import annotations
 
@@ -30,15 +30,14 @@ _ON, _OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
 
 
 @functools.lru_cache(maxsize=None)
-def _enabled(index: int) -> bool:
-    """Read once a process and device (the environment is not read again at every launch)."""
-    return (os.environ.get("DELTASERVE_PDL", "1") != "0" and os.environ.get("TRITON_INTERPRET") != "1"
-            and torch.cuda.get_device_capability(index)[0] >= 9)
+def _supported(index: int) -> bool:
+    """Hopper or later, and not Triton's interpreter (TRITON_INTERPRET, Triton's own switch); once a device."""
+    return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def pdl_args(device: torch.device) -> dict:
+def pdl_args(device: torch.device, pdl: bool = True) -> dict:
     """The launch arguments of a kernel that begins with pdl_enter: its PDL constexpr, and Triton's launch_pdl
-    option where PDL is on."""
-    if device.type != "cuda":
+    option where PDL is on (pdl: the engine's choice, KernelOptions.pdl, and the device supports it)."""
+    if device.type != "cuda" or not pdl:
         return _OFF
-    return _ON if _enabled(device.index if device.index is not None else torch.cuda.current_device()) else _OFF
+    return _ON if _supported(device.index if device.index is not None else torch.cuda.current_device()) else _OFF

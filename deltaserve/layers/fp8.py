@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from deltaserve.config import QuantConfig
+from deltaserve.kernel_options import KernelOptions
 from deltaserve.kernels.quant import FP8, fp8_linear, scale_shape
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.moe import MoE
@@ -27,6 +28,8 @@ class Fp8Linear(nn.Module):
     """y = x W^T with W [out_features, in_features] held as float8_e4m3fn `weight` times float32 block scales
     `weight_scale_inv` [ceil(out/bn), ceil(in/bk)] (the hub's names)."""
 
+    kernels = KernelOptions()  # the engine's choice, set on the built model (KimiLinearForCausalLM.set_kernel_options)
+
     def __init__(self, in_features: int, out_features: int, block: tuple[int, int]):
         super().__init__()
         self.block = block
@@ -34,7 +37,7 @@ class Fp8Linear(nn.Module):
         self.weight_scale_inv = nn.Parameter(torch.empty(scale_shape(self.weight.shape, block)), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.block, self.kernels.pdl)
 
 
 def quantize_model(model: nn.Module, quant: QuantConfig) -> None:

@@ -48,7 +48,8 @@ class KimiDeltaAttention(nn.Module):
         qkv, fg_a, b = projected.split(self.split, dim=-1)  # [N, 3HK], [N, 2K], [N, H]
         conv_parts = []
         if nd:
-            conv_parts.append(causal_conv1d_update(qkv[:nd], self.conv_weight, cache["conv"], batch.state_slots[:nd]))
+            conv_parts.append(causal_conv1d_update(qkv[:nd], self.conv_weight, cache["conv"], batch.state_slots[:nd],
+                                                   self.kernels.pdl))
         if N > nd:
             conv_parts.append(causal_conv1d_varlen(
                 qkv[nd:], self.conv_weight, cache["conv"], batch.state_slot_list[nd:], batch.prefill_cu_seqlens(),
@@ -66,7 +67,7 @@ class KimiDeltaAttention(nn.Module):
         weight = linear.gemv_weight(self.o_proj, o)
         if fused is not None and weight is not None and fused.MAX_HEAD % K == 0 \
                 and fused.fits(o, self.o_norm_weight, weight["weight"], fused.NORM_GEMV_MAX_TOKENS, gate):
-            return fused.gated_norm_gemv(o, gate, self.o_norm_weight, self.eps, **weight)
+            return fused.gated_norm_gemv(o, gate, self.o_norm_weight, self.eps, **weight, pdl=self.kernels.pdl)
         return self.o_proj(gated_rms_norm(o, gate.view(N, H, K), self.o_norm_weight, self.eps).view(N, H * K))
 
     def _gate_up_projections(self, fg_a: torch.Tensor, batched: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +82,7 @@ class KimiDeltaAttention(nn.Module):
             from deltaserve.kernels.gemv import gemv, groups_fit, use_gemv  # batched: on a GPU (Triton)
 
             if use_gemv(fg_a, self.fg_b_proj.weight, min_weight=0) and groups_fit(w.shape[1]):
-                out = gemv(fg_a, self.fg_b_proj.weight, groups=2)  # [N, 2HK]
+                out = gemv(fg_a, self.fg_b_proj.weight, groups=2, pdl=self.kernels.pdl)  # [N, 2HK]
                 return out[:, : w.shape[1]], out[:, w.shape[1]:]
             out = torch.bmm(fg_a.view(N, 2, K).transpose(0, 1), w.transpose(1, 2))  # [2, N, HK]
             return out[0], out[1]
@@ -94,7 +95,8 @@ class KimiDeltaAttention(nn.Module):
         nd, scale = batch.num_decodes, self.head_dim ** -0.5
         params = (self.dt_bias, self.A_log)
         if nd == q.shape[0]:
-            return kda_decode(q, k, v, g_raw, b_raw, *params, state, batch.state_slots, scale).to(v.dtype)
+            o = kda_decode(q, k, v, g_raw, b_raw, *params, state, batch.state_slots, scale, self.kernels.pdl)
+            return o.to(v.dtype)
         prefill = kda_prefill(q[nd:], k[nd:], v[nd:], g_raw[nd:], b_raw[nd:], *params, state,
                               batch.state_slot_list[nd:], batch.prefill_cu_seqlens(), scale,
                               batch.prefill)
@@ -103,5 +105,5 @@ class KimiDeltaAttention(nn.Module):
         o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         o[nd:] = prefill  # the decodes' and the prefills' state slots are disjoint: either may run first
         o[:nd] = kda_decode(q[:nd], k[:nd], v[:nd], g_raw[:nd], b_raw[:nd], *params, state, batch.state_slots[:nd],
-                            scale)
+                            scale, self.kernels.pdl)
         return o

@@ -29,7 +29,7 @@ class Linear(nn.Module):
             from deltaserve.kernels.gemv import gemv, use_gemv
 
             if use_gemv(x, self.weight):
-                return gemv(x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
+                return gemv(x.reshape(-1, x.shape[-1]), self.weight, pdl=self.kernels.pdl).view(*x.shape[:-1], -1)
         return F.linear(x, self.weight)
 
 
@@ -71,7 +71,7 @@ def norm_then_project(norm, proj: Linear, x: torch.Tensor, residual: torch.Tenso
     weight = gemv_weight(proj, x)
     if fused is not None and weight is not None \
             and fused.fits(x, norm.weight, weight["weight"], fused.NORM_GEMV_MAX_TOKENS, residual):
-        y, residual, _ = fused.add_norm_gemv(x, residual, norm.weight, norm.eps, **weight)
+        y, residual, _ = fused.add_norm_gemv(x, residual, norm.weight, norm.eps, **weight, pdl=kernels.pdl)
         return y, residual
     h, residual = norm(x, residual)
     return proj(h), residual

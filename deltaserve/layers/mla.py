@@ -8,6 +8,7 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
 from deltaserve.forward_batch import ForwardBatch
+from deltaserve.kernel_options import KernelOptions
 from deltaserve.kernels.cache_ops import write_latents
 from deltaserve.kernels.mla import (
     gather_latents,
@@ -31,6 +32,8 @@ FUSED_PREFILL_KEY_BLOCK = 65_536
 
 
 class MultiheadLatentAttention(nn.Module):
+    kernels = KernelOptions()  # the engine's choice, set on the built model (KimiLinearForCausalLM.set_kernel_options)
+
     def __init__(self, cfg: ModelConfig, parallel: ParallelConfig = SINGLE):
         super().__init__()
         # tensor parallel: this rank's H of the heads (q, kv_b_proj); the latent (kv_a, its norm, the cache)
@@ -75,7 +78,8 @@ class MultiheadLatentAttention(nn.Module):
         nd = q_nope.shape[0]
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         q_latent = (q_nope.transpose(0, 1) @ w[:, : self.nope_dim]).transpose(0, 1)  # per head: [B, Dn] @ [Dn, R]
-        o_latent = mla_decode(q_latent, q_rope, cache, batch.block_tables[:nd], batch.context_lens[:nd], self.scale)
+        o_latent = mla_decode(q_latent, q_rope, cache, batch.block_tables[:nd], batch.context_lens[:nd], self.scale,
+                              self.kernels.pdl)
         return (o_latent.transpose(0, 1) @ w[:, self.nope_dim:].transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
 
     def _prefill(self, q_nope, q_rope, new_latents: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,

@@ -77,7 +77,7 @@ class MoE(nn.Module):
         if fused is not None and self.parallel.world_size == 1 \
                 and fused.fits(x, norm.weight, self.gate_weight, fused.ROUTER_NORM_MAX_TOKENS, residual):
             logits, residual, h = fused.add_norm_gemv(x, residual, norm.weight, norm.eps, self.gate_weight,
-                                                      store_normed=True)
+                                                      store_normed=True, pdl=self.kernels.pdl)
             return self._route_and_run(h, logits, in_graph), residual
         h, residual = norm(x, residual)
         return self(h, in_graph), residual
@@ -87,7 +87,8 @@ class MoE(nn.Module):
         cfg = self.cfg
         weights, ids = select_experts(logits, self.e_score_correction_bias.float(), cfg.num_experts_per_token,
                                       cfg.num_expert_group, cfg.topk_group, cfg.moe_renormalize,
-                                      cfg.routed_scaling_factor, exact=x.dtype == torch.float32)
+                                      cfg.routed_scaling_factor, exact=x.dtype == torch.float32,
+                                      pdl=self.kernels.pdl)
         if self.routing_observer is not None:
             self.routing_observer(ids)
         shared = self._shared_in_decode_kernels(x, ids)
@@ -95,8 +96,8 @@ class MoE(nn.Module):
             from deltaserve.kernels.moe.triton_decode import decode_experts
 
             scales = (self.w13_scale_inv, self.w2_scale_inv, self.block) if self.w13.dtype == FP8 else ()
-            return all_reduce(decode_experts(x, self.w13, self.w2, weights, ids, *scales, shared=shared),
-                              self.parallel)
+            return all_reduce(decode_experts(x, self.w13, self.w2, weights, ids, *scales, shared=shared,
+                                             pdl=self.kernels.pdl), self.parallel)
         out = self._local_experts(x, weights, ids, in_graph) if self.parallel.expert_parallel else self._experts(
             x, weights, ids, in_graph)
         if self.shared_experts is not None:
@@ -108,7 +109,7 @@ class MoE(nn.Module):
         if self._router_gemv(x):
             from deltaserve.kernels.moe.triton_routing import router_logits
 
-            return router_logits(x, self.gate_weight)
+            return router_logits(x, self.gate_weight, pdl=self.kernels.pdl)
         # F.linear where cpu_gemv does not serve
         return cpu_gemv.linear(x.float(), self.gate_weight.float(), linear.cpu_gemv_threads(self.kernels))
 
@@ -157,5 +158,6 @@ class MoE(nn.Module):
         swaps them in, with w13_scale_inv, w2_scale_inv and the block size) go through their own kernels."""
         if self.w13.dtype == FP8:
             return fp8_fused_experts(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv, weights, ids,
-                                     self.block, linear.cpu_gemv_threads(self.kernels), in_graph)
-        return fused_experts(x, self.w13, self.w2, weights, ids, linear.cpu_gemv_threads(self.kernels))
+                                     self.block, linear.cpu_gemv_threads(self.kernels), in_graph, self.kernels.pdl)
+        return fused_experts(x, self.w13, self.w2, weights, ids, linear.cpu_gemv_threads(self.kernels),
+                             self.kernels.pdl)

@@ -481,7 +481,8 @@ def kernel_options(engine: EngineConfig, parallel: ParallelConfig = SINGLE) -> K
             if use_gemv:
                 log.warning("cpu_gemv is off on this rank: another rank could not build it")
             use_gemv = False
-    return KernelOptions(cpu_gemv=use_gemv, cpu_threads=torch.get_num_threads(), norm_gemv=engine.norm_gemv)
+    return KernelOptions(cpu_gemv=use_gemv, cpu_threads=torch.get_num_threads(), norm_gemv=engine.norm_gemv,
+                         pdl=engine.pdl)
 
 
 def _input_major_weights(model: torch.nn.Module) -> None:

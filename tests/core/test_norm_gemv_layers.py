@@ -30,12 +30,13 @@ class TwinKernels:
     def fits(self, x, norm_weight, weight, max_tokens, other) -> bool:
         return x.shape[0] <= max_tokens
 
-    def add_norm_gemv(self, x, residual, norm_weight, eps, weight, store_normed=False, scale_inv=None, block=None):
+    def add_norm_gemv(self, x, residual, norm_weight, eps, weight, store_normed=False, scale_inv=None, block=None,
+                      pdl=True):
         self.calls["router" if store_normed else "in_proj"] += 1
         h, s = add_rms_norm.eager(x, residual, norm_weight, eps)
         return self.linear(h, weight, scale_inv, block), s, h if store_normed else None
 
-    def gated_norm_gemv(self, o, gate, norm_weight, eps, weight, scale_inv=None, block=None):
+    def gated_norm_gemv(self, o, gate, norm_weight, eps, weight, scale_inv=None, block=None, pdl=True):
         self.calls["o_proj"] += 1
         h = gated_rms_norm.eager(o, gate.view(o.shape), norm_weight, eps).view(o.shape[0], -1)
         return self.linear(h, weight, scale_inv, block)

@@ -46,7 +46,8 @@ def _kda_decode_kernel(
     tl.store(o_ptr + (row * H + i_h) * V + offs_v, o.to(o_ptr.dtype.element_ty), mask=mv)
 
 
-def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots, scale: float) -> torch.Tensor:
+def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots, scale: float,
+               pdl: bool = True) -> torch.Tensor:
     """q, k, v: [B, H*K] views (after conv + SiLU, any float dtype; rows may be strided);
     g_raw: [B, H*K] (f_b_proj output, before dt_bias); b_raw: [B, H] (b_proj output, before sigmoid);
     dt_bias [H*K] f32; a_log [H] f32; state [S, H, K, V] f32 (in place); state_slots [B] int64.
@@ -62,6 +63,6 @@ def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots, scale:
     _kda_decode_kernel[(triton.cdiv(V, BV), H, B)](
         q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots, o,
         q.stride(0), g_raw.stride(0), b_raw.stride(0), scale, H=H, K=K, V=V, BK=triton.next_power_of_2(K), BV=BV,
-        num_warps=4, **pdl_args(q.device),
+        num_warps=4, **pdl_args(q.device, pdl),
     )
     return o

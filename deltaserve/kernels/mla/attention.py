@@ -121,6 +121,7 @@ def mla_decode(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """One query per sequence against its cached latents, in the latent space.
 
@@ -128,12 +129,13 @@ def mla_decode(
     cache [P, bs, R+Dr], block_tables [B, max_blocks] int64, context_lens [B] int64 (tokens cached, this one
     included). Returns the attention-weighted latent [B, H, R]; the caller applies the value half of kv_b_proj.
     On a GPU in half precision, the paged Triton kernel (reads only each sequence's context); float32 keeps
-    torch_mla_decode (the exact regime), which gathers the table's whole width and masks past each context.
+    torch_mla_decode (the exact regime), which gathers the table's whole width and masks past each context. pdl:
+    the GPU kernels' programmatic dependent launch (kernels.pdl).
     """
     if q_latent.is_cuda and cache.dtype != torch.float32:
         from deltaserve.kernels.mla.triton_decode import triton_mla_decode
 
-        return triton_mla_decode(q_latent, q_rope, cache, block_tables, context_lens, scale)
+        return triton_mla_decode(q_latent, q_rope, cache, block_tables, context_lens, scale, pdl=pdl)
     return torch_mla_decode(q_latent, q_rope, cache, block_tables, context_lens, scale)
 
 

@@ -18,17 +18,18 @@ FEW_ASSIGNMENTS_GPU = 32  # up to this many pairs, one GEMV per pair beats sorti
 
 def fused_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    cpu_threads: int | None = None,
+    cpu_threads: int | None = None, pdl: bool = True,
 ) -> torch.Tensor:
     """x [T, D]; w13 [E, 2I, D] (gate rows, then up rows); w2 [E, D, I]; weights [T, k] float32; ids [T, k].
     cpu_threads: on the CPU, kernels.cpu_gemv's threads where it serves a product; None: PyTorch's products only.
+    pdl: the GPU decode kernel's programmatic dependent launch (kernels.pdl).
 
     Returns sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, D] in x's dtype.
     """
     if x.is_cuda and ids.numel() <= FEW_ASSIGNMENTS_GPU:
         from deltaserve.kernels.moe.triton_decode import decode_experts
 
-        return decode_experts(x, w13, w2, weights, ids)
+        return decode_experts(x, w13, w2, weights, ids, pdl=pdl)
     if x.is_cuda and x.dtype == torch.bfloat16:
         return grouped_experts(x, w13, w2, weights, ids)
     if not x.is_cuda and torch.compiler.is_compiling():  # a traced CPU decode step (runner: compile_decode)

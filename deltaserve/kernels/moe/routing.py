@@ -38,11 +38,11 @@ def grouped_topk(
 
 def select_experts(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_groups: int,
                    topk_group: int, renormalize: bool, scaling_factor: float,
-                   exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   exact: bool, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """grouped_topk; on a GPU, where no group is masked and the run is not the exact (float32) regime, its one-kernel
-    twin (kernels.moe.triton_routing: the same choice, sigmoid to within rounding)."""
+    twin (kernels.moe.triton_routing: the same choice, sigmoid to within rounding; pdl: its launch, kernels.pdl)."""
     if router_logits.is_cuda and not exact and topk_group >= num_groups:
         from deltaserve.kernels.moe.triton_routing import triton_topk
 
-        return triton_topk(router_logits, correction_bias, top_k, renormalize, scaling_factor)
+        return triton_topk(router_logits, correction_bias, top_k, renormalize, scaling_factor, pdl)
     return grouped_topk(router_logits, correction_bias, top_k, num_groups, topk_group, renormalize, scaling_factor)

@@ -135,7 +135,7 @@ def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
                    w13_scale_inv: torch.Tensor | None = None, w2_scale_inv: torch.Tensor | None = None,
                    block: tuple[int, int] | None = None,
                    shared: tuple[torch.Tensor, ...] | None = None,
-                   tiles: tuple[tuple[int, int], tuple[int, int]] | None = None) -> torch.Tensor:
+                   tiles: tuple[tuple[int, int], tuple[int, int]] | None = None, pdl: bool = True) -> torch.Tensor:
     """Same contract as fused_experts: x [T, D], w13 [E, 2I, D], w2 [E, D, I], weights [T, k] f32, ids [T, k] ->
     [T, D] in x's dtype. With block scales (FP8 weights: float8_e4m3fn w13 and w2, scales [E, nb, kb], `block`
     (bn, bk)), the weights are multiplied by their scales as they are read: kernels.quant.experts'
@@ -161,9 +161,10 @@ def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     act = torch.empty(pairs, I, dtype=torch.float32, device=x.device)
     gate_up[lambda meta: (triton.cdiv(I, meta["BLOCK_I"]), pairs)](
         x.contiguous(), w13.contiguous(), s13, shared13, shared_s13, ids, act, bucket, K_SLOTS=k, SLOTS=slots, D=D, I=I,
-        SCALED=scaled, S_ROWS=s13.shape[1], S_COLS=s13.shape[2], BN=bn, BK=bk, **pdl_args(x.device), **gate_up_tile)
+        SCALED=scaled, S_ROWS=s13.shape[1], S_COLS=s13.shape[2], BN=bn, BK=bk, **pdl_args(x.device, pdl),
+        **gate_up_tile)
     y = torch.empty(T, slots, D, dtype=torch.float32, device=x.device)
     down[lambda meta: (triton.cdiv(D, meta["BLOCK_N"]), pairs)](
         act, w2.contiguous(), s2, shared2, shared_s2, ids, weights, y, bucket, K_SLOTS=k, SLOTS=slots, D=D, I=I,
-        SCALED=scaled, S_ROWS=s2.shape[1], S_COLS=s2.shape[2], BN=bn, BK=bk, **pdl_args(x.device), **down_tile)
+        SCALED=scaled, S_ROWS=s2.shape[1], S_COLS=s2.shape[2], BN=bn, BK=bk, **pdl_args(x.device, pdl), **down_tile)
     return _sum_slots(y, x.dtype)

@@ -47,7 +47,7 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, E: tl.constexpr, K
 
 
 def triton_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, renormalize: bool,
-                scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+                scaling_factor: float, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] float32, correction_bias [E] float32 -> weights [T, top_k] float32, ids [T, top_k]
     int64; grouped_topk's result when no group is masked."""
     T, E = router_logits.shape
@@ -57,7 +57,7 @@ def triton_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_
         _route_kernel[(T,)](router_logits.float().contiguous(), correction_bias.float().contiguous(), weights, ids,
                             E=E, K=top_k, RENORMALIZE=renormalize, SCALE=float(scaling_factor),
                             BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k), num_warps=1,
-                            **pdl_args(router_logits.device))
+                            **pdl_args(router_logits.device, pdl))
     return weights, ids
 
 
@@ -71,7 +71,8 @@ _router_logits_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, _ROUTER
                                         key=["K", "N", "T_BUCKET"])(gemv_jit)
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = None) -> torch.Tensor:
+def router_logits(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = None,
+                  pdl: bool = True) -> torch.Tensor:
     """x [T, D] (any float dtype), weight [E, D] float32 -> x @ weight^T [T, E] float32, x read in its own dtype
     and widened in registers: a decode step's router in one launch (it was a float32 copy of x, then cuBLAS's
     GEMV). Twin: F.linear(x.float(), weight). tile: (experts, columns) of a program instead of the autotuned
@@ -84,5 +85,5 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] |
         kernel, chosen = with_tile(_router_logits_kernel, GEMV_NAMES, tile)
         kernel[lambda meta: (triton.cdiv(E, meta["BLOCK_N"]), T)](
             x, weight.float().contiguous(), out, x.stride(0), out.stride(0), triton.next_power_of_2(T), N=E, K=D,
-            GROUP_N=E, **NO_SCALES, **pdl_args(x.device), **chosen)
+            GROUP_N=E, **NO_SCALES, **pdl_args(x.device, pdl), **chosen)
     return out

@@ -23,17 +23,18 @@ _EXPERTS_PER_CHUNK = 32  # dequantized 32 at a time: 0.45 GB of bf16 at the 48B 
 
 def fp8_fused_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
                       w2_scale_inv: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                      block: tuple[int, int], cpu_threads: int | None = None, in_graph: bool = False) -> torch.Tensor:
+                      block: tuple[int, int], cpu_threads: int | None = None, in_graph: bool = False,
+                      pdl: bool = True) -> torch.Tensor:
     """x [T, D]; w13 [E, 2I, D] and w2 [E, D, I] float8_e4m3fn with their block scales [E, ceil(rows/bn),
     ceil(cols/bk)]; weights [T, k] float32; ids [T, k]. Same result as fused_experts on the dequantized weights,
-    [T, D] in x's dtype (cpu_threads: fused_experts'). in_graph (a CUDA graph's warm-up or capture): the FP8 kernels
-    whatever the step's size (a graph's pool would keep dequantized weights for good, and a warm-up must compile what
-    the capture will run)."""
+    [T, D] in x's dtype (cpu_threads, pdl: fused_experts'). in_graph (a CUDA graph's warm-up or capture): the
+    FP8 kernels whatever the step's size (a graph's pool would keep dequantized weights for good, and a warm-up
+    must compile what the capture will run)."""
     if x.is_cuda:
         if ids.numel() <= MAX_PAIRS_PER_PAIR_GEMV:
             from deltaserve.kernels.moe.triton_decode import decode_experts
 
-            return decode_experts(x, w13, w2, weights, ids, w13_scale_inv, w2_scale_inv, block)
+            return decode_experts(x, w13, w2, weights, ids, w13_scale_inv, w2_scale_inv, block, pdl=pdl)
         if ids.numel() >= _MIN_PAIRS_TO_DEQUANTIZE and x.dtype == torch.bfloat16 and not in_graph:
             return dequantized_grouped_experts(x, w13, w13_scale_inv, w2, w2_scale_inv, weights, ids, block)
         from deltaserve.kernels.quant.triton_grouped import fp8_grouped_experts

@@ -42,11 +42,13 @@ def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, i
     return (q.float() * scale).to(dtype)
 
 
-def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+               pdl: bool = True) -> torch.Tensor:
     """y = x W^T with W the dequantized q: x [..., K] -> [..., N] in x's dtype. On a GPU, one row runs the GEMV
     kernel (kernels.gemv.fp8_gemv) and up to _DECODE_ROWS rows the weight-only matmul, both reading the FP8 weights
     directly (weight-only: FP8 loads, scale, x's dtype in, float32 accumulation); more rows
-    (prefill, compute-bound) dequantize once and run the dtype's GEMM, whose cost dwarfs the dequantization."""
+    (prefill, compute-bound) dequantize once and run the dtype's GEMM, whose cost dwarfs the dequantization. pdl: the
+    GEMV's programmatic dependent launch (kernels.pdl)."""
     if x.is_cuda:
         from deltaserve.kernels.gemv import GEMV_MAX_TOKENS, fp8_gemv
         from deltaserve.kernels.quant.triton_linear import fp8_dequantize_triton, fp8_matmul
@@ -54,7 +56,7 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale_inv: torch.Tensor, block:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] <= GEMV_MAX_TOKENS:  # one launch, one read of the weights (fp8_matmul splits K over two)
             rows = rows if rows.stride(1) == 1 else rows.contiguous()
-            return fp8_gemv(rows, q, scale_inv.float(), block).view(*x.shape[:-1], q.shape[0])
+            return fp8_gemv(rows, q, scale_inv.float(), block, pdl=pdl).view(*x.shape[:-1], q.shape[0])
         if rows.shape[0] <= _DECODE_ROWS:
             return fp8_matmul(rows, q, scale_inv, block).view(*x.shape[:-1], q.shape[0])
         return F.linear(x, fp8_dequantize_triton(q, scale_inv, block, x.dtype))
