@@ -95,3 +95,9 @@ def test_the_check_sees_upward_imports_of_every_kind():
     assert not any(_allowed("deltaserve.layers.kda", imported) for imported, _ in found)
     assert _allowed("deltaserve.layers.kda", "deltaserve.kernels.norm")
     assert not _allowed("deltaserve.config", "deltaserve.kernels.norm")
+
+
+def test_our_environment_variables_are_read_only_by_the_command_line():
+    """DELTASERVE_* may set a command-line option's default, never steer code below the CLI (DESIGN section 4)."""
+    readers = {_module_name(p) for p in PACKAGE.rglob("*.py") if "DELTASERVE_" in p.read_text()}
+    assert readers <= {"deltaserve.entrypoints.cli", "deltaserve.entrypoints.openai.command"}, sorted(readers)
