@@ -187,6 +187,11 @@ class Engine:
         """The model the runner runs (this rank's shard), for tools that call it directly (parity)."""
         return self.runner.model
 
+    def eager(self):
+        """A context in which every step runs the model's eager forward (ModelRunner.eager: no CUDA graph, no
+        compiled decode), so Python hooks inside the model see each step's real rows."""
+        return self.runner.eager()
+
     @property
     def num_running(self) -> int:
         return self.scheduler.num_running

@@ -109,9 +109,9 @@ def measure_routing(engine: Engine, batch: int, prompt_len: int, output_len: int
     tips a near-tie of the sampled token, which changes no routing statistic.
     """
     _add_requests(engine, batch, prompt_len, output_len, seed)
-    with engine.runner.eager():
+    with engine.eager():
         _prefill_phase(engine, batch)
-        with RoutingRecorder(engine.runner.model) as recorder:  # from here on every step is decode only
+        with RoutingRecorder(engine.model) as recorder:  # from here on every step is decode only
             while engine.has_unfinished_requests():
                 engine.step()
     return recorder.stats()
