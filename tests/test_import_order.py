@@ -15,8 +15,9 @@ LEAVES = {"config", "sampling_params", "request", "forward_batch", "scheduler_ou
           "kernel_options"}
 # parts that import only leaves, and that any part above the leaves may use
 GROUND = {"cache", "tokenizer", "distributed"}
-# the one-way order, lowest first: each part imports only parts before it (and itself)
-ORDER = ["kernels", "layers", "models", "loader", "runner", "core", "entrypoints", "parity", "__init__"]
+# the one-way order, lowest first: each part imports only parts before it (and itself); structured (the grammars
+# of structured outputs) uses kernels and serves core and the entrypoints
+ORDER = ["kernels", "layers", "models", "loader", "runner", "structured", "core", "entrypoints", "parity", "__init__"]
 # the CLI alone dispatches to parity (DESIGN section 3); (importing module, imported part)
 ALLOWED_UPWARD = {("deltaserve.entrypoints.cli", "parity")}
 
