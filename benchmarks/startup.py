@@ -4,8 +4,9 @@
     PYTHONPATH=/path/to/other/checkout python benchmarks/startup.py --runs 7      # the same for another tree
 
 The commands run as the console script does (`python -m deltaserve.entrypoints.cli`), so the tree measured is the
-one `import deltaserve` finds; `import torch` alone is the floor under any command that runs a model. `generate` is the README's first command (the demo model on the CPU, 32 tokens): its
-process exits right after the last token is printed, so shell to exit is shell to last token plus the exit.
+one `import deltaserve` finds; `import torch` alone is the floor under any command that runs a model. `generate`
+is the README's first command (the demo model on the CPU, 32 tokens): its process exits right after the last
+token is printed, so shell to exit is shell to last token plus the exit.
 Runs alternate between the commands, so that a busy machine slows them alike.
 """
 
@@ -37,8 +38,8 @@ def time_once(argv: list[str]) -> float:
 
 def tree_and_commit() -> tuple[str, str]:
     """The folder that `import deltaserve` finds in a child process, and its commit."""
-    folder = subprocess.run([sys.executable, "-c", "import deltaserve, os; print(os.path.dirname(deltaserve.__file__))"],
-                            check=True, capture_output=True, text=True).stdout.strip()
+    code = "import deltaserve, os; print(os.path.dirname(deltaserve.__file__))"
+    folder = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout.strip()
     commit = subprocess.run(["git", "-C", folder, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     return str(Path(folder).parent), commit or "unknown"

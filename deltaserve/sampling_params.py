@@ -49,7 +49,7 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str]:
         """(kind, text): what a compiled grammar is cached by."""
         if self.json is not None:
-            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)  # key order is the output's
             return "json", text
         if self.json_object:
             return "json_object", ""

@@ -263,7 +263,9 @@ class Engine:
         return outputs
 
     def shutdown(self) -> None:
-        """Tell the other ranks of a tensor-parallel group to stop (a no-op on one process)."""
+        """Tell the other ranks of a tensor-parallel group to stop (a no-op on one process); stop the grammar pool."""
+        if self.structured is not None:
+            self.structured.shutdown()
         if self.parallel.world_size > 1:
             broadcast_object(None, self.parallel)
 

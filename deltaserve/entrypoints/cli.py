@@ -15,11 +15,10 @@ import time
 
 from deltaserve.config import QUANTIZATION_METHODS, EngineConfig
 from deltaserve.entrypoints.chat import add_chat_options, cmd_chat
-from deltaserve.entrypoints.sampling_options import add_sampling_options, sampling_defaults
 from deltaserve.entrypoints.openai.command import add_serve_options, cmd_serve
+from deltaserve.entrypoints.sampling_options import add_sampling_options, sampling_defaults
 from deltaserve.parity.commands import add_parity_parser, cmd_parity
 from deltaserve.sampling_params import SamplingParams
-
 
 DEFAULT_PROMPT = "Once upon a time"
 GENERATE_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}  # greedy, where the model folder sets nothing

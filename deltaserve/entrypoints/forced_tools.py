@@ -31,9 +31,12 @@ def forced_tools(tool_choice, tools: list[dict], parallel_tool_calls: bool = Tru
     the other choices. A named function must be among tools (ValueError names it otherwise)."""
     by_name = {tool["function"]["name"]: tool["function"].get("parameters") or _ANY_OBJECT for tool in tools}
     if tool_choice == "required":
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": params},
-                  "required": ["name", "parameters"]} for name, params in by_name.items()]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        calls, defs = [], {}
+        for i, (name, params) in enumerate(by_name.items()):
+            params = _relocated(params, i, defs)
+            calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": params},
+                          "required": ["name", "parameters"]})
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({"$defs": defs} if defs else {})}
         return ForcedTools(schema if parallel_tool_calls else {**schema, "maxItems": 1})
     if not isinstance(tool_choice, Mapping):
         return None
@@ -45,6 +48,32 @@ def forced_tools(tool_choice, tools: list[dict], parallel_tool_calls: bool = Tru
     if name not in by_name:
         raise ValueError(f"tool_choice names function {name!r}, which is not among tools ({', '.join(by_name)})")
     return ForcedTools(by_name[name], name)
+
+
+def _relocated(params, i: int, defs: dict):
+    """Tool i's parameter schema as it must read inside the "required" array: its $defs/definitions lifted into
+    the root's $defs under "tool{i}.NAME" (added to defs), and every local $ref rewritten to where its target now
+    is (a pydantic model's nested types are $refs to "#/$defs/...", which would otherwise point at the new root)."""
+    if not isinstance(params, Mapping):
+        return params
+    home = f"#/items/anyOf/{i}/properties/parameters"
+
+    def ref(target: str) -> str:
+        for section in ("/$defs/", "/definitions/"):
+            if target.startswith("#" + section):
+                return f"#/$defs/tool{i}." + target[len(section) + 1:]
+        return home + target[1:] if target.startswith("#") else target
+
+    def walk(node):
+        if isinstance(node, Mapping):
+            return {k: (ref(v) if k == "$ref" and isinstance(v, str) else walk(v)) for k, v in node.items()}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    params = walk(params)
+    for section in ("$defs", "definitions"):
+        if isinstance(params.get(section), Mapping):
+            defs.update({f"tool{i}.{name}": sub for name, sub in params.pop(section).items()})
+    return params
 
 
 class ForcedToolCallParser:

@@ -25,9 +25,10 @@ class RoutingStats:
 
 
 class RoutingRecorder:
-    """Counts each MoE layer's chosen experts while entered: one [E] count a layer per forward (kept on the device,
-    so recording adds no host sync). Enter it only around steps whose every row is a real token of a decode step
-    (ModelRunner.eager: no CUDA graph, whose replay would skip the observer and count its padding rows)."""
+    """Counts each MoE layer's chosen experts while entered: one [E] count a layer per forward, kept on the device
+    (torch.bincount syncs on a GPU to size its output: the counting runs only in bench's untimed rerun). Enter it only
+    around steps whose every row is a real token of a decode step (ModelRunner.eager: no CUDA graph, whose replay would
+    skip the observer and count its padding rows)."""
 
     def __init__(self, model: torch.nn.Module):
         self.moes = [m for m in model.modules() if isinstance(m, MoE)]

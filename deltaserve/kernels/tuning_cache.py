@@ -58,11 +58,15 @@ def load_decisions(path: Path, tuners: dict[str, object]) -> int:
     restored = 0
     for name, tuner in tuners.items():
         entry = stored.get(name)
-        if not entry or entry.get("candidates") != _candidates_hash(tuner):
+        if entry is not None and not _well_formed(entry):  # damaged: that kernel tunes again
+            log.warning("ignoring the stored autotuning decisions of %s in %s (not as written)", name, path)
+            continue
+        if entry is None or entry["candidates"] != _candidates_hash(tuner):
             continue
         for key, index in entry["chosen"]:
-            tuner.cache.setdefault(_as_tuple(key), tuner.configs[index])
-            restored += 1
+            if 0 <= index < len(tuner.configs):
+                tuner.cache.setdefault(_as_tuple(key), tuner.configs[index])
+                restored += 1
     return restored
 
 
@@ -73,7 +77,7 @@ def save_decisions(path: Path, tuners: dict[str, object]) -> int:
         chosen = [[list(key), _index(tuner, config)] for key, config in tuner.cache.items() if _storable(key)]
         chosen = [pair for pair in chosen if pair[1] is not None]
         entry = stored.get(name)
-        if entry and entry.get("candidates") == _candidates_hash(tuner):  # keep what other processes tuned
+        if _well_formed(entry) and entry["candidates"] == _candidates_hash(tuner):  # keep what others tuned
             known = {json.dumps(key) for key, _ in chosen}
             chosen += [pair for pair in entry["chosen"] if json.dumps(pair[0]) not in known]
         if chosen:
@@ -82,7 +86,15 @@ def save_decisions(path: Path, tuners: dict[str, object]) -> int:
     with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".partial", delete=False) as f:
         json.dump(stored, f, indent=0, sort_keys=True)
     os.replace(f.name, path)
-    return sum(len(entry["chosen"]) for entry in stored.values())
+    return sum(len(entry["chosen"]) for entry in stored.values() if _well_formed(entry))
+
+
+def _well_formed(entry) -> bool:
+    """An entry as save_decisions writes it: {"candidates": hash, "chosen": [[key list, index], ...]}."""
+    return (isinstance(entry, dict) and isinstance(entry.get("candidates"), str)
+            and isinstance(entry.get("chosen"), list)
+            and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], list) and isinstance(p[1], int)
+                    for p in entry["chosen"]))
 
 
 def _read(path: Path) -> dict:

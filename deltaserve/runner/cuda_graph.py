@@ -80,7 +80,7 @@ class DecodeGraphs:
             start = time.perf_counter()
             for _ in range(2):  # warm up: Triton autotuning and lazy init stay out of the graph
                 self._forward(size, batch)
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(self.inputs.device)
             warmed = time.perf_counter()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):

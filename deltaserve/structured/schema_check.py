@@ -25,6 +25,7 @@ _FORMATS = {"date", "time", "date-time", "duration", "email", "ipv4", "ipv6", "h
 _SUBSCHEMA = {"items", "additionalProperties"}
 _SUBSCHEMA_LISTS = {"anyOf", "oneOf", "prefixItems"}
 _SUBSCHEMA_MAPS = {"properties", "$defs", "definitions"}
+MAX_DEPTH = 32  # schemas nested deeper are refused: compiling cost grows steeply with depth, and recursion is bounded
 
 
 def parse_schema(schema: dict | str, param: str) -> dict:
@@ -41,9 +42,12 @@ def parse_schema(schema: dict | str, param: str) -> dict:
 
 
 def check_schema(schema, param: str, pointer: str = "") -> None:
-    """Refuse keywords the constraint would not enforce; recurse into every subschema."""
+    """Refuse keywords the constraint would not enforce, and nesting past MAX_DEPTH; recurse into every subschema."""
     if isinstance(schema, bool):
         return
+    if pointer.count("/") > 2 * MAX_DEPTH:  # a level adds at most two segments (keyword, then name or index)
+        raise GrammarError(f"{param}: the schema nests deeper than {MAX_DEPTH} levels at '{pointer[:200]}...'; "
+                           "flatten it (or use $defs)", param)
     if not isinstance(schema, dict):
         raise GrammarError(f"{param}: the schema at '{pointer or '/'}' must be an object or a boolean, got "
                            f"{json.dumps(schema)[:60]}", param)
@@ -52,7 +56,7 @@ def check_schema(schema, param: str, pointer: str = "") -> None:
         if keyword not in _ALLOWED:
             raise GrammarError(f"{param}: keyword '{keyword}' at '{where}' is not supported by constrained decoding "
                                f"(it would be ignored, not enforced); supported: {', '.join(sorted(_ALLOWED))}", param)
-        if keyword == "format" and value not in _FORMATS:
+        if keyword == "format" and (not isinstance(value, str) or value not in _FORMATS):
             raise GrammarError(f"{param}: format {value!r} at '{where}' is not supported; use one of "
                                f"{', '.join(sorted(_FORMATS))} or a pattern", param)
         _check_children(keyword, value, param, where)

@@ -68,6 +68,18 @@ def test_a_damaged_file_is_ignored_and_replaced(tmp_path):
     assert list(json.loads(path.read_text())) == ["k"] and [p.name for p in tmp_path.iterdir()] == ["gpu.json"]
 
 
+@pytest.mark.parametrize("content", [{"k": [1]}, {"k": {"candidates": 3}}, {"k": {"candidates": "x", "chosen": [[1]]}},
+                                     ["a list"]])
+def test_a_file_of_another_shape_is_ignored_and_replaced(tmp_path, content):
+    """Valid JSON that is not what save_decisions writes: no decision restored, no crash at start or exit."""
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(content))
+    fresh = FakeTuner()
+    assert load_decisions(path, {"k": fresh}) == 0 and fresh.cache == {}
+    fresh.cache = {(1,): fresh.configs[0]}
+    assert save_decisions(path, {"k": fresh}) == 1
+
+
 def test_unstorable_keys_are_skipped(tmp_path):
     tuned = FakeTuner()
     tuned.cache = {(1, object()): tuned.configs[0], (2,): tuned.configs[1]}

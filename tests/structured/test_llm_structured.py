@@ -112,6 +112,26 @@ def test_a_forced_tool_call_returns_valid_arguments(llm, tool_choice):
         assert out.tool_calls[0].name == "get_weather"
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "book"}}])
+def test_forced_tools_whose_parameters_use_refs(llm, tool_choice):
+    """Parameters as pydantic writes them (nested types under $defs, reached by $ref), two tools defining the same
+    name differently: "required" embeds each schema in an array, so their $defs must follow them there."""
+    def tool(name, city):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "$defs": {"City": city}, "type": "object", "properties": {"to": {"$ref": "#/$defs/City"}},
+            "required": ["to"]}}}
+
+    tools = [tool("book", {"type": "object", "properties": {"name": {"enum": ["Paris", "Rome"]}},
+                           "required": ["name"]}),
+             tool("route", {"type": "string", "maxLength": 8})]
+    out = llm.chat([{"role": "user", "content": "Book Paris"}], SamplingParams(max_tokens=60, temperature=0),
+                   tools=tools, tool_choice=tool_choice, parallel_tool_calls=False).outputs[0]
+    assert out.finish_reason == "tool_calls" and len(out.tool_calls) == 1
+    call = out.tool_calls[0]
+    jsonschema.validate(json.loads(call.arguments), {t["function"]["name"]: t for t in tools}[call.name]["function"][
+        "parameters"])
+
+
 def test_a_slow_grammar_does_not_stall_the_others(llm, monkeypatch):
     engine = llm.engine
     manager = engine.structured_outputs()

@@ -15,6 +15,8 @@ from deltaserve.structured.schema_check import parse_schema
      r"keyword 'contains' at '/properties/a/items/contains'"),
     ({"anyOf": [{"type": "string", "foo": 1}]}, r"keyword 'foo' at '/anyOf/0/foo'"),
     ({"type": "string", "format": "ipv5"}, r"format 'ipv5' at '/format' is not supported"),
+    ({"type": "string", "format": ["date"]}, r"format \['date'\] at '/format' is not supported"),
+    ({"type": "string", "format": {"a": 1}}, r"format \{'a': 1\} at '/format' is not supported"),
     ({"properties": []}, r"'/properties' must be an object of name -> schema"),
     ({"anyOf": []}, r"'/anyOf' must be a non-empty list of schemas"),
     ("[1, 2]", r"must be a JSON object \(a JSON schema\), got list"),
@@ -24,6 +26,34 @@ def test_refused(schema, message):
     with pytest.raises(GrammarError, match=message) as err:
         parse_schema(schema, "json")
     assert err.value.param == "json"
+
+
+def test_nesting_is_bounded_where_it_enters():
+    """A schema nested far past MAX_DEPTH (a few KB of request body) is one clear error, not a RecursionError
+    (a 500) or a compile that holds the grammar pool for seconds; MAX_DEPTH levels pass."""
+    from deltaserve.structured.schema_check import MAX_DEPTH
+
+    def nested(levels, kind):
+        schema = {"type": "integer"}
+        for _ in range(levels):
+            schema = {"type": "array", "items": schema} if kind == "items" else {
+                "type": "object", "properties": {"a": schema}}
+        return schema
+
+    for kind in ("items", "properties"):
+        parse_schema(nested(MAX_DEPTH, kind), "json")
+        with pytest.raises(GrammarError, match=f"nests deeper than {MAX_DEPTH} levels"):
+            parse_schema(nested(5000, kind), "json")
+
+
+def test_schemas_differing_in_property_order_are_different_constraints():
+    """xgrammar writes properties in the schema's order, so two orders must not share one compiled grammar."""
+    from deltaserve.sampling_params import StructuredOutputsParams
+
+    a = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    b = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}
+    assert StructuredOutputsParams(json=a).key != StructuredOutputsParams(json=b).key
+    assert StructuredOutputsParams(json=a).key == StructuredOutputsParams(json=dict(a)).key
 
 
 def test_a_pydantic_schema_passes():

@@ -14,7 +14,6 @@ from deltaserve.entrypoints.openai.protocol import SamplingFields
 from deltaserve.sampling_params import StructuredOutputsParams
 from deltaserve.structured import GrammarError, StructuredOutputsUnavailable
 
-
 # where in the request a constraint's error is (its field, then the kind of constraint: json, regex, ...)
 _WHERE = {"structured_outputs": "{param}.{kind}", "response_format": "response_format.json_schema.schema",
           "tools": "tools"}

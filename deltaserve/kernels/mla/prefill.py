@@ -40,6 +40,8 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     for name in BACKENDS:
         try:
             result = _RUN[name](q, k, v, scale, causal)
+        except torch.OutOfMemoryError:  # not a missing kernel: never a reason to drop a backend for good
+            raise
         except RuntimeError:  # this build or device has no kernel for these shapes: the next backend
             continue
         _chosen[key] = name
