@@ -30,11 +30,11 @@ Decode bursts. When every running request decodes (one token left to compute) wi
 strings or a grammar (SamplingParams.host_between_tokens), and nothing waits, the step may be a burst of up to
 num_decode_steps decode steps: each request gets the pages for all of them now, the runner feeds each step's token
 to the next on the device and returns them all after one sync, and update_from_output appends them as if they came
-one step at a time (a stop token or the length limit finishes the request there; the tokens computed after it are dropped with its cache). A burst never
-runs past a request's max_tokens or max_model_len; a burst whose pages cannot all be had is one step. With prefix
-caching, a request's rolling snapshot is saved inside the burst, after the step where single steps would have
-saved it last (CacheManager.plan_burst_snapshot_save), and the burst's full blocks enter the page index once its
-tokens are appended.
+one step at a time (a stop token or the length limit finishes the request there; the tokens computed after it are
+dropped with its cache). A burst never runs past a request's max_tokens or max_model_len; a burst whose pages cannot
+all be had is one step. With prefix caching, a request's rolling snapshot is saved inside the burst, after the step
+where single steps would have saved it last (CacheManager.plan_burst_snapshot_save), and the burst's full blocks
+enter the page index once its tokens are appended.
 
 Chained bursts (asynchronous scheduling). While a burst, or a step in which every request samples (decodes and the
 last chunks of prompts), runs on the device, schedule_chained plans the burst after it before its tokens are known,
