@@ -65,20 +65,30 @@ class GrammarBackend:
         self._batch = xgr.BatchGrammarMatcher(max(1, min(8, (os.cpu_count() or 2) // 2)))
 
     def compile(self, spec: StructuredOutputsParams):
-        """spec's CompiledGrammar; GrammarError (naming the field) when xgrammar refuses it."""
+        """spec's CompiledGrammar; GrammarError (naming the field) when xgrammar refuses it, or when no token can
+        begin an output it admits (e.g. a schema that is only a $ref to itself): such a request could only sample
+        from a row of -inf logits."""
         kind = param_name(spec)
         try:
-            if kind in ("json", "json_object"):
-                schema = json.dumps(parse_schema(spec.json, "json")) if kind == "json" else _JSON_OBJECT
-                return self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
-            if kind == "regex":
-                return self._compiler.compile_regex(spec.regex)
-            if kind == "choice":
-                alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
-                return self._compiler.compile_grammar(f"root ::= {alternatives}")
-            return self._compiler.compile_grammar(spec.grammar)
+            compiled = self._compile(spec, kind)
         except RuntimeError as e:  # xgrammar's C++ errors, with a timestamp and a source path
             raise GrammarError(f"{kind}: {one_line(e)}", kind) from None
+        bitmask = self.allocate_bitmask(1)
+        self.fill([self.matcher(compiled)], bitmask)
+        if not bitmask.any():
+            raise GrammarError(f"{kind}: the constraint admits no output (no token can begin one)", kind)
+        return compiled
+
+    def _compile(self, spec: StructuredOutputsParams, kind: str):
+        if kind in ("json", "json_object"):
+            schema = json.dumps(parse_schema(spec.json, "json")) if kind == "json" else _JSON_OBJECT
+            return self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+        if kind == "regex":
+            return self._compiler.compile_regex(spec.regex)
+        if kind == "choice":
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
+            return self._compiler.compile_grammar(f"root ::= {alternatives}")
+        return self._compiler.compile_grammar(spec.grammar)
 
     def matcher(self, compiled):
         return self.xgr.GrammarMatcher(compiled)

@@ -59,6 +59,8 @@ def test_whitespace_is_bounded(backend, tokenizer):
     (StructuredOutputsParams(regex="a(b"), r"^regex: Regex parsing error at position 4: The parenthesis is not closed"),
     (StructuredOutputsParams(grammar="root ::= foo"), r'^grammar: EBNF parser error .*Rule "foo" is not defined'),
     (StructuredOutputsParams(json={"type": 3}), r"^json: Type should be a string"),
+    (StructuredOutputsParams(json={"$ref": "#"}), r"^json: the constraint admits no output"),
+    (StructuredOutputsParams(grammar="root ::= root"), r"^grammar: the constraint admits no output"),
 ])
 def test_xgrammar_errors_are_one_clear_line(backend, spec, message):
     with pytest.raises(GrammarError, match=message) as err:
