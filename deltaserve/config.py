@@ -15,6 +15,18 @@ class ConfigError(ValueError):
     """A config.json or engine option that deltaserve cannot run; the message names the field and the fix."""
 
 
+def read_json_object(path: Path, fix: str) -> dict:
+    """The JSON object in the file at path; ConfigError (a ValueError) naming the file, with `fix` as the remedy,
+    when it is not valid JSON or holds something else."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); {fix}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 def _require(cond: bool, field_name: str, value, expectation: str) -> None:
     if not cond:
         raise ConfigError(f"config field '{field_name}' = {value!r}: {expectation}")
@@ -151,13 +163,7 @@ class ModelConfig:
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json at {path}: pass a model folder that holds config.json")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path} is not valid JSON ({e}); re-download or fix the file") from e
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
-        cfg = cls.from_dict(raw)
+        cfg = cls.from_dict(read_json_object(path, "re-download or fix the file"))
         if quantization is not None and cfg.quantization is None:
             cfg = replace(cfg, quantization=QuantConfig(method=quantization))
         return cfg

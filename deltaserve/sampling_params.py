@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deltaserve.config import read_json_object
+
 MAX_LOGPROBS = 20
 # the fields of a model folder's generation_config.json that set sampling defaults (those vLLM reads too)
 GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -146,12 +148,7 @@ def generation_defaults(folder: str | os.PathLike) -> dict:
     path = Path(folder) / "generation_config.json"
     if not path.is_file():
         return {}
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); fix or delete it") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    raw = read_json_object(path, "fix or delete it")
     defaults = {name: raw[name] for name in GENERATION_CONFIG_FIELDS if raw.get(name) is not None}
     try:
         SamplingParams(**defaults)
