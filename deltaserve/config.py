@@ -331,14 +331,13 @@ class EngineConfig:
     # None: weights in dtype (or as the checkpoint stores them); "fp8": linear layers and experts quantized at
     # load to float8_e4m3fn with 128 x 128 block scales (README, "FP8 weights")
     quantization: str | None = None
-    # decode steps a scheduler step may run back to back when every running request decodes without penalties,
-    # logprobs or stop strings (README, "Decode bursts"): the host schedules, syncs and detokenizes once per burst,
-    # not once per token; 1 turns it off
+    # decode steps a scheduler step may run back to back (1 + its lookahead tokens) when every running request
+    # decodes without penalties, logprobs, stop strings or a grammar (README, "Decode bursts"): the host schedules,
+    # syncs and detokenizes once per burst, not once per token; 1 turns it off
     num_decode_steps: int = 8
-    # queue the decode burst that follows a step (a burst, or one where every request samples) before reading that
-    # step's tokens (core/scheduler.py, Chained bursts), so the host's work between them overlaps the device's;
-    # None: on for a GPU, off on the CPU
-    # (where the host is the device, and a request that stops would cost a burst of tokens computed for nothing)
+    # keep one step in flight: schedule and queue the next step before reading this step's tokens (core/scheduler.py,
+    # A step in flight), so the host's work between them overlaps the device's; None: on for a GPU, off on the CPU
+    # (where the host is the device, and a request that stops would cost a step computed for nothing)
     async_scheduling: bool | None = None
     # CPU: decode-only steps of up to runner.model_runner.COMPILED_DECODE_MAX_SEQS requests run the model's forward
     # through torch.compile (one graph a batch size, compiled at its first step: seconds). Faster a token at batch 1

@@ -31,7 +31,11 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    num_computed_tokens: int = 0  # tokens whose MLA latents and KDA state are in the cache
+    # tokens whose MLA latents and KDA state are in the cache or being computed by a step already scheduled
+    num_computed_tokens: int = 0
+    # tokens that scheduled steps will sample for it and update_from_output has not appended yet: the scheduler plans
+    # a step while the one before it still runs, so a decode's input may be a token only the device knows
+    num_pending_outputs: int = 0
     block_ids: list[int] = field(default_factory=list)  # MLA pages, in order: the block table
     state_slot: int | None = None  # KDA conv + recurrent state slot while running
     num_preemptions: int = 0
@@ -47,6 +51,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Its tokens once the steps in flight have sampled theirs: what the next step computes up to."""
+        return self.num_tokens + self.num_pending_outputs
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -138,8 +138,14 @@ class SamplingParams:
     @property
     def host_between_tokens(self) -> bool:
         """Whether the host must see each token before the next is sampled (logprobs, stop strings, penalties, a
-        grammar): such a request keeps its batch out of decode bursts."""
-        return self.logprobs is not None or bool(self.stop) or self.penalized or self.structured_outputs is not None
+        grammar): such a request keeps its batch out of lookahead decode steps."""
+        return self.logprobs is not None or bool(self.stop) or self.samples_from_outputs
+
+    @property
+    def samples_from_outputs(self) -> bool:
+        """Whether sampling a token reads the outputs before it on the host (penalties count them, a grammar's mask
+        follows them): such a request is not scheduled while a step that samples for it is in flight."""
+        return self.penalized or self.structured_outputs is not None
 
 
 def generation_defaults(folder: str | os.PathLike) -> dict:

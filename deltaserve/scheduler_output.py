@@ -39,17 +39,18 @@ class SchedulerOutput:
     cached_reqs: list[CachedRequestData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # req_id -> tokens to compute this step
     finished_req_ids: set[str] = field(default_factory=set)  # finished, aborted or preempted since the last step
-    # (state slot, snapshot slot): copy the KDA state into the snapshot slot after this step's forward pass
-    snapshot_saves: list[tuple[int, int]] = field(default_factory=list)
-    # in a decode burst, per save: the burst step after which the runner copies (else after the step)
-    snapshot_save_steps: list[int] = field(default_factory=list)
-    # > 1: a decode burst: every scheduled request decodes this many tokens, each step's sampled token the next
-    # one's input, with one sync at the end; the runner returns that many sampled tokens per request
-    num_decode_steps: int = 1
-    # a decode burst scheduled while the step before it runs (Scheduler.schedule_chained): its first step's inputs
-    # are the tokens that step samples, on the device; the runner returns num_decode_steps tokens per request
-    chained: bool = False
+    # req_id -> decode steps the runner runs after its scheduled token, each step's sampled token the next one's
+    # input, without a host sync between them; their pages are allocated (a request listed here decodes: one
+    # scheduled token, the last of its tokens). The runner returns 1 + this many sampled tokens for it.
+    num_lookahead_tokens: dict[str, int] = field(default_factory=dict)
+    # (state slot, snapshot slot, position): once the request in that state slot has computed `position` tokens
+    # (after this step, or after one of its lookahead steps), copy its KDA state into the snapshot slot
+    snapshot_saves: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
+
+    def start_positions(self) -> dict[str, int]:
+        """req_id -> tokens it had computed before this step (where its scheduled tokens start)."""
+        return {data.req_id: data.num_computed_tokens for data in (*self.new_reqs, *self.cached_reqs)}

@@ -1,4 +1,4 @@
-"""Asynchronous scheduling (chained decode bursts) against synchronous bursts, in one process on one engine: the
+"""Asynchronous scheduling (one step in flight) against synchronous steps, in one process on one engine: the
 same greedy tokens, and the time per output token of each, alternated over several rounds (a lease's cards differ
 by more than the effect, so both sides run in the same call).
 

@@ -12,18 +12,18 @@ copies of the KDA state are kept in a SnapshotCache at two positions of each req
 - the last full block boundary its computed tokens have reached: a rolling snapshot the request holds privately
   (one slot, overwritten at each new boundary while it decodes), published when it finishes, is preempted or
   aborted, so that a prompt extending prompt + output finds it.
-A chunk that would pass one of those positions is cut to end there (cut_at_snapshot) and the runner copies the
-state into the snapshot slot after that step's forward pass (plan_snapshot_save). Pages and snapshots enter the
-indexes only after the step that computed them (cache_computed): two requests admitted in the same step never
-share a page still being written; the second computes its own copy and the index keeps the first.
+A chunk that would pass one of those positions is cut to end there (cut_at_snapshot); plan_snapshot_save names
+the slot and the position after which the runner copies the state (a step's end, or inside its lookahead steps).
+Pages and snapshots enter the indexes only once the step that computed them is applied (cache_computed): two
+requests admitted in the same step never share a page still being written; the second computes its own copy and
+the index keeps the first.
 A request's cached prefix (find_cached_prefix) is the longest run of whole blocks with both its pages and the
 snapshot at its end, leaving at least one token to compute so that the step produces logits to sample from.
 
-A chained decode burst (Scheduler.schedule_chained) is planned while the step before it still runs, so its saves
-(plan_chained_snapshot_save) wait in `_chained` until that step's outputs are applied (end_step), then count as
-the next step's saves. Such a save overwrites the request's rolling slot in place; if the request leaves before it
-is applied (a stop token in the step before, an abort), the slot's old contents are gone, so it is dropped, not
-published.
+The scheduler plans a step while the one before it may still run, so a request can have two saves not yet made
+(`_writes`, in step order); a rolling save overwrites the request's rolling slot in place. A request that leaves
+(a stop token, an abort, a preemption) before its saves are applied loses them, and with them the rolling snapshot
+whose slot one of them was overwriting.
 """
 
 from __future__ import annotations
@@ -85,8 +85,7 @@ class CacheManager:
         caching = num_snapshot_slots > 0
         self.prefix_cache = PrefixCache(self.block_pool) if caching else None
         self.snapshots = SnapshotCache(num_snapshot_slots) if caching else None
-        self._writes: dict[str, _SnapshotWrite] = {}  # snapshot saves the runner makes in this step, by request
-        self._chained: dict[str, _SnapshotWrite] = {}  # saves of a chained burst, applied the step after this one
+        self._writes: dict[str, list[_SnapshotWrite]] = {}  # snapshot saves scheduled and not yet applied, by request
         self._rolling: dict[str, _SnapshotWrite] = {}  # running requests' private snapshots at their last boundary
         self._pinned: list[int] = []  # snapshot slots restored from in this step
         self._lookups = _Lookups()
@@ -191,85 +190,55 @@ class CacheManager:
                 return position - start
         return num_tokens
 
-    def plan_snapshot_save(self, req: Request, num_new_tokens: int) -> tuple[int, int] | None:
-        """When req's scheduled chunk ends at one of its snapshot positions: a snapshot slot for it, and the copy
-        (state slot, snapshot slot) that the runner makes after this step's forward pass; else None."""
-        end = req.num_computed_tokens + num_new_tokens
-        if end not in self._snapshot_positions(req) or not self._wants_snapshot(req, end):
-            return None
-        shared = end == self._prompt_end(req)
-        rolling = None if shared else self._rolling.get(req.req_id)
-        slot = rolling.slot if rolling else self.snapshots.allocate()
-        self._writes[req.req_id] = _SnapshotWrite(slot, end, shared)
-        return req.state_slot, slot
-
-    def plan_burst_snapshot_save(self, req: Request, num_steps: int) -> tuple[int, int, int] | None:
-        """For req decoding num_steps tokens in one burst: where single steps would have saved its rolling snapshot
-        (after a step whose token fills a block), the last such place in the burst, as (state slot, snapshot slot,
-        burst step after which the runner copies the state); None without one. It takes the place of a save that
-        plan_snapshot_save planned for the burst's first step (same slot)."""
+    def plan_snapshot_save(self, req: Request, end: int) -> tuple[int, int, int] | None:
+        """When req, computing from req.num_computed_tokens up to `end` in this step (its lookahead steps
+        included), reaches one of its snapshot positions: (state slot, snapshot slot, position) for the runner to
+        copy the state after that position; else None. The positions are its prompt's last full block end (which a
+        chunk is cut to end at) and the last full block boundary of its tokens, those of its steps in flight and
+        lookahead included (the last boundary the step reaches)."""
         if self.prefix_cache is None:
             return None
-        start = req.num_computed_tokens
-        end = (start + num_steps) // self.block_size * self.block_size  # the last block boundary reached
-        planned, rolling = self._writes.get(req.req_id), self._rolling.get(req.req_id)
-        if end <= start or (planned is None and not self._wants_snapshot(req, end)):
+        start, position = req.num_computed_tokens, end // self.block_size * self.block_size
+        shared = position == self._prompt_end(req)
+        if position <= start or not (shared or position >= self._last_boundary(req)):
             return None
-        slot = planned.slot if planned else rolling.slot if rolling else self.snapshots.allocate()
-        self._writes[req.req_id] = _SnapshotWrite(slot, end, False)
-        return req.state_slot, slot, end - start - 1
+        if not self._wants_snapshot(req, position):
+            return None
+        slot = None if shared else self._rolling_slot(req.req_id)
+        if slot is None:
+            slot = self.snapshots.allocate()
+        self._writes.setdefault(req.req_id, []).append(_SnapshotWrite(slot, position, shared))
+        return req.state_slot, slot, position
 
-    def plan_chained_snapshot_save(self, req: Request, num_inflight: int,
-                                   num_steps: int) -> tuple[int, int, int] | None:
-        """plan_burst_snapshot_save for a chained burst: req decodes num_steps tokens after the num_inflight that the
-        step in flight computes (not yet applied: req.num_computed_tokens is still before them). The slot is the
-        rolling one (overwritten in place) or that of the step in flight's rolling save, else a new one; never the
-        shared prompt-end snapshot's."""
-        if self.prefix_cache is None:
-            return None
-        start = req.num_computed_tokens + num_inflight
-        end = (start + num_steps) // self.block_size * self.block_size
-        write = self._writes.get(req.req_id)
-        held = write if write is not None and not write.shared else self._rolling.get(req.req_id)
-        if end <= start or (held is None and self.snapshots.num_available == 0):
-            return None
-        slot = held.slot if held else self.snapshots.allocate()
-        self._chained[req.req_id] = _SnapshotWrite(slot, end, False)
-        return req.state_slot, slot, end - start - 1
-
-    def cache_computed(self, req: Request) -> None:
-        """After a step: enter req's newly full pages in the page index and publish the snapshot it saved."""
+    def cache_computed(self, req: Request, num_computed: int) -> None:
+        """Once a step is applied: enter req's newly full pages up to num_computed tokens (those the step computed,
+        less any after a stop token) in the page index, and publish the snapshots saved up to there."""
         if self.prefix_cache is None:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        num_full = num_computed // self.block_size
         if num_full > req.num_indexed_blocks:
             block_hashes = self._block_hashes(req)
             for i in range(req.num_indexed_blocks, num_full):
                 self.prefix_cache.insert(block_hashes[i], req.block_ids[i])
             req.num_indexed_blocks = num_full
-        write = self._writes.get(req.req_id)
-        if write is None:
-            return
-        if write.position > req.num_computed_tokens:  # a burst's save past a stop token: from dropped inputs
-            self._drop_write(req.req_id)
-            return
-        del self._writes[req.req_id]
-        if write.shared:
-            self.snapshots.commit(write.slot, self._block_hashes(req)[write.position // self.block_size - 1])
-        else:
-            self._rolling[req.req_id] = write
+        writes = self._writes.get(req.req_id, [])
+        while writes and writes[0].position <= num_computed:
+            write = writes.pop(0)
+            if write.shared:
+                self.snapshots.commit(write.slot, self._block_hashes(req)[write.position // self.block_size - 1])
+            else:
+                self._rolling[req.req_id] = write
+        if not writes:
+            self._writes.pop(req.req_id, None)
 
     def end_step(self) -> None:
-        """After a step's outputs are applied: unpin the snapshots restored from, drop saves of departed requests;
-        a chained burst's saves become the next step's."""
+        """After a step's outputs are applied: unpin the snapshots restored from (the runner has queued their
+        copies)."""
         if self.snapshots is None:
             return
         for slot in self._pinned:
             self.snapshots.unpin(slot)
         self._pinned.clear()
-        for req_id in list(self._writes):
-            self._drop_write(req_id)
-        self._writes, self._chained = self._chained, {}
 
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
         """Hit counters and pool use of the prefix cache; None when it is off."""
@@ -306,37 +275,35 @@ class CacheManager:
     def _prompt_end(self, req: Request) -> int:
         return req.num_prompt_tokens // self.block_size * self.block_size
 
+    def _last_boundary(self, req: Request) -> int:
+        return req.num_tokens_with_pending // self.block_size * self.block_size
+
     def _snapshot_positions(self, req: Request) -> tuple[int, ...]:
         """Where req keeps KDA snapshots: its prompt's last full block end, and its tokens' last full block end."""
         if self.prefix_cache is None:
             return ()
-        prompt_end, last = self._prompt_end(req), req.num_tokens // self.block_size * self.block_size
-        return tuple(p for p in sorted({prompt_end, last}) if p > 0)
+        return tuple(p for p in sorted({self._prompt_end(req), self._last_boundary(req)}) if p > 0)
+
+    def _rolling_slot(self, req_id: str) -> int | None:
+        """The slot req_id's rolling snapshot lives in: that of its last rolling save planned, else of the one kept."""
+        planned = [w for w in self._writes.get(req_id, []) if not w.shared]
+        held = planned[-1] if planned else self._rolling.get(req_id)
+        return held.slot if held else None
 
     def _wants_snapshot(self, req: Request, position: int) -> bool:
         """Whether a save at position is needed (none there yet, for the shared one) and has a slot to go to."""
         if position == self._prompt_end(req):
             published = self.snapshots.get(self._block_hashes(req)[position // self.block_size - 1])
             return published is None and self.snapshots.num_available > 0
-        return req.req_id in self._rolling or self.snapshots.num_available > 0
+        return self._rolling_slot(req.req_id) is not None or self.snapshots.num_available > 0
 
     def _publish_rolling(self, req: Request) -> None:
-        self._drop_write(req.req_id)  # a save the runner has not made yet: its slot holds nothing usable
-        chained = self._chained.pop(req.req_id, None)
+        """req leaves: its saves not made yet are dropped (their slots hold nothing usable), and its rolling snapshot
+        is published unless one of them was overwriting it."""
+        writes = self._writes.pop(req.req_id, [])
         rolling = self._rolling.pop(req.req_id, None)
-        if chained is not None:  # a burst in flight overwrites that slot past what req keeps
-            self.snapshots.discard(chained.slot)
-            if rolling is not None and rolling.slot == chained.slot:
-                rolling = None
-        if rolling is not None:
+        slots = {write.slot for write in writes}
+        for slot in slots:
+            self.snapshots.discard(slot)
+        if rolling is not None and rolling.slot not in slots:
             self.snapshots.commit(rolling.slot, self._block_hashes(req)[rolling.position // self.block_size - 1])
-
-    def _drop_write(self, req_id: str) -> None:
-        write = self._writes.pop(req_id, None)
-        if write is None:
-            return
-        rolling, chained = self._rolling.get(req_id), self._chained.get(req_id)
-        if rolling is not None and rolling.slot == write.slot:
-            del self._rolling[req_id]  # it was being overwritten
-        if chained is None or chained.slot != write.slot:  # else the chained save holds it still
-            self.snapshots.discard(write.slot)

@@ -4,10 +4,9 @@ add_request() queues; step() runs one scheduler step for every unfinished reques
 RequestOutput for each request that progressed. Stop strings are found by each request's incremental
 detokenizer and finish the request through the scheduler.
 
-With asynchronous scheduling (EngineConfig.async_scheduling), a step whose requests all sample (a decode burst, or
-decodes and the last chunks of prompts) first queues the decode burst that follows it (Scheduler.schedule_chained)
-and only then waits for its own tokens, so the device computes the burst while the host applies, detokenizes and
-returns this step's. The next step() then starts from that burst in flight instead of scheduling.
+With asynchronous scheduling (EngineConfig.async_scheduling), one step stays in flight: step() schedules and queues
+the next step before waiting for the current one's tokens (core/scheduler.py, A step in flight), so the device
+computes it while the host applies, detokenizes and returns the current step's.
 
 Structured outputs (deltaserve.structured): a constrained request waits outside the scheduler until its grammar has
 compiled on the manager's thread pool, so a slow schema never stalls the others' steps; the runner masks its logits
@@ -35,8 +34,9 @@ from deltaserve.core.scheduler import Scheduler
 from deltaserve.distributed import SINGLE, ParallelConfig, broadcast_object
 from deltaserve.loader.model_loader import DTYPES
 from deltaserve.request import Request, RequestStatus
-from deltaserve.runner.model_runner import ModelRunner, PendingOutput
+from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.runner.startup import ProgressBar, phase
+from deltaserve.runner.step_sampler import PendingOutput
 from deltaserve.runner_output import Logprobs
 from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.scheduler_output import SchedulerOutput
@@ -92,7 +92,7 @@ class Engine:
         if async_scheduling is None:  # on where it hides something: the device runs apart from the host
             async_scheduling = engine_config.device != "cpu"
         self.async_scheduling = async_scheduling and parallel.world_size == 1
-        self._inflight: tuple[SchedulerOutput, PendingOutput] | None = None  # a chained burst, queued
+        self._inflight: tuple[SchedulerOutput, PendingOutput] | None = None  # the next step, queued
         self.structured: StructuredOutputManager | None = None  # made at the first constrained request
         self._compiling: dict[str, tuple[Request, Future]] = {}  # constrained requests whose grammar compiles
 
@@ -223,32 +223,34 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         if self._inflight is not None:
-            sched, pending = self._inflight
-            self._inflight = None
-            if not any(r in self.scheduler.requests for r in sched.num_scheduled_tokens):
-                self._apply(sched, pending)  # every request of the burst in flight has left: nothing to output
-                return self._step()
+            (sched, pending), self._inflight = self._inflight, None
         else:
             sched = self.scheduler.schedule()
-            if not sched.num_scheduled_tokens:
-                if self.scheduler.has_unfinished_requests():  # the next call would schedule nothing again: a loop
-                    raise RuntimeError(
-                        f"the scheduler scheduled nothing while {self.scheduler.num_running} running and "
-                        f"{self.scheduler.num_waiting} waiting requests remain; this is a scheduler bug (a request "
-                        "that can never get pages or a slot), not something to retry: abort the requests")
-                return []
-            broadcast_object(sched, self.parallel)  # the other ranks run the same step on their shards
-            pending = self.runner.submit(sched)
-        if self.async_scheduling and (chained := self.scheduler.schedule_chained(sched)) is not None:
-            self._inflight = chained, self.runner.submit(chained, inflight=pending)
+            if not sched.num_scheduled_tokens and self.scheduler.has_unfinished_requests():
+                # nothing is in flight, so the next call would schedule nothing again: a loop
+                raise RuntimeError(
+                    f"the scheduler scheduled nothing while {self.scheduler.num_running} running and "
+                    f"{self.scheduler.num_waiting} waiting requests remain; this is a scheduler bug (a request "
+                    "that can never get pages or a slot), not something to retry: abort the requests")
+            pending = self._submit(sched)
+        if self.async_scheduling and self.scheduler.has_unfinished_requests():
+            ahead = self.scheduler.schedule()  # may be empty: a request waits for this step's tokens
+            ahead_pending = self._submit(ahead)  # the runner drops the requests it lets go even so
+            if ahead.num_scheduled_tokens:
+                self._inflight = ahead, ahead_pending
         return self._apply(sched, pending)
+
+    def _submit(self, sched: SchedulerOutput) -> PendingOutput:
+        broadcast_object(sched, self.parallel)  # the other ranks run the same step on their shards
+        return self.runner.submit(sched)
 
     def _apply(self, sched: SchedulerOutput, pending: PendingOutput) -> list[RequestOutput]:
         """Wait for a step's tokens, update the scheduler and build the outputs of the requests that progressed."""
         runner_out = pending.result()
         updates = self.scheduler.update_from_output(sched, runner_out)
+        starts = sched.start_positions()
         for req_id, entries in runner_out.prompt_logprobs.items():
-            self._add_prompt_logprobs(req_id, entries, sched.num_scheduled_tokens[req_id])
+            self._add_prompt_logprobs(req_id, entries, starts[req_id])
         now = time.monotonic()
         outputs = []
         for req, new_ids in updates:
@@ -317,13 +319,13 @@ class Engine:
             tracked.logprobs.append(self._as_dict(entry))
             tracked.cumulative_logprob += entry.logprobs[0]
 
-    def _add_prompt_logprobs(self, req_id: str, entries: list[Logprobs], num_scheduled_tokens: int) -> None:
-        """entries score the prompt tokens from the one after this step's first position on; a recompute after a
-        preemption starts again at position 0, so its first entries repeat ones already kept."""
+    def _add_prompt_logprobs(self, req_id: str, entries: list[Logprobs], start: int) -> None:
+        """entries score the prompt tokens from the one after this step's first position (start) on; a recompute
+        after a preemption starts again at position 0, so its first entries repeat ones already kept."""
         tracked = self._tracked.get(req_id)
         if tracked is None or tracked.prompt_logprobs is None:
             return
-        first_scored = tracked.request.num_computed_tokens - num_scheduled_tokens + 1
+        first_scored = start + 1
         num_repeated = len(tracked.prompt_logprobs) - first_scored
         tracked.prompt_logprobs.extend(self._as_dict(e) for e in entries[num_repeated:])
 

@@ -26,25 +26,26 @@ preempted request's full pages stay cached, so its recompute usually starts from
 Length limits (as vLLM): a prompt of max_model_len tokens or more is rejected; generation is capped by
 finishing with 'length' when the request reaches max_model_len tokens (or max_tokens outputs).
 
-Decode bursts. When every running request decodes (one token left to compute) without penalties, logprobs, stop
-strings or a grammar (SamplingParams.host_between_tokens), and nothing waits, the step may be a burst of up to
-num_decode_steps decode steps: each request gets the pages for all of them now, the runner feeds each step's token
-to the next on the device and returns them all after one sync, and update_from_output appends them as if they came
-one step at a time (a stop token or the length limit finishes the request there; the tokens computed after it are
-dropped with its cache). A burst never runs past a request's max_tokens or max_model_len; a burst whose pages cannot
-all be had is one step. With prefix caching, a request's rolling snapshot is saved inside the burst, after the step
-where single steps would have saved it last (CacheManager.plan_burst_snapshot_save), and the burst's full blocks
-enter the page index once its tokens are appended.
+A step in flight (asynchronous scheduling, vLLM v1's). schedule() may run while the step before it still computes:
+num_computed_tokens counts the tokens of every step scheduled, and num_pending_outputs the tokens those steps will
+sample, not yet appended. A request whose chunk reaches the end of its tokens and pending ones samples; its next
+decode's input is then the token the step in flight samples, which the runner takes from the device. A request whose
+steps in flight bring it to max_tokens or max_model_len is not scheduled again (it will finish by length). While a
+running request whose sampling reads its earlier outputs (penalties, a grammar:
+SamplingParams.samples_from_outputs) has pending outputs, schedule() schedules nothing: the next step waits for
+them. update_from_output applies the steps in order; a request that a stop token ends has its next step, already
+queued, computed for nothing and skipped here, as aborted requests are; its pages and slot, freed meanwhile, are
+written again only by steps queued after that one. A request preempted while its step ran gets that step's tokens
+when it is applied, and is admitted again only after (no pending outputs).
 
-Chained bursts (asynchronous scheduling). While a burst, or a step in which every request samples (decodes and the
-last chunks of prompts), runs on the device, schedule_chained plans the burst after it before its tokens are known,
-as if none of them stopped its request: the same requests, pages for the tokens after both, each step's input the
-step before's token on the device. The host then reads and applies the first step's tokens while the device
-computes the burst. A request that a stop token ends in the first step is still computed by the burst; its
-update skips it, as it skips aborted requests, and its pages and slot, freed meanwhile, are written again only by
-work queued after that burst. The chain breaks (the next step is scheduled
-as usual, after the sync) whenever a request waits or the burst conditions would not hold after the first step; a
-request that ends by length in the step in flight is left out of the chain.
+Lookahead (decode bursts). When every running request decodes without logprobs, stop strings, penalties or a grammar
+(SamplingParams.host_between_tokens), nothing waits, and the pages of num_decode_steps tokens each are free, each
+request gets num_decode_steps - 1 lookahead tokens: the runner decodes that many more steps on the device, each
+step's token the next one's input, and returns them all; their pages are allocated now and update_from_output
+appends them as if they came one step at a time (a stop token or the length limit finishes the request there; the
+tokens computed after it are dropped with its cache). Lookahead never runs past a request's max_tokens or
+max_model_len. With prefix caching, the rolling snapshot is saved at the last block boundary the step reaches, where
+single steps would have saved it last.
 """
 
 from __future__ import annotations
@@ -114,54 +115,60 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; see the module docstring for the policy."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        budget, preempted = self._schedule_running(out, budget)
+        if any(r.num_pending_outputs and r.sampling_params.samples_from_outputs for r in self.running):
+            return out  # its sampling needs the outputs in flight: the next step waits for them
+        budget, preempted = self._schedule_running(out, self.max_num_batched_tokens, self._lookahead())
         if not preempted:
             self._schedule_waiting(out, budget)
-            out.num_decode_steps = self._decode_burst(out)
         out.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = set()
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: RunnerOutput) -> list[tuple[Request, list[int]]]:
-        """Advance computed tokens, append sampled ones, finish requests that stop.
+        """Apply a step (steps are applied in the order they were scheduled): append its sampled tokens, enter what
+        it computed in the prefix cache, finish requests that stop.
 
         Returns (request, new output token ids) for each request the runner sampled for; a request that
-        finished this step has a finished status. Requests aborted since schedule() are skipped.
+        finished this step has a finished status. Requests finished or aborted since schedule() are skipped.
         """
         updates = []
+        starts = scheduler_output.start_positions()
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None:
                 continue
-            if scheduler_output.num_decode_steps > 1 or scheduler_output.chained:
-                sampled = runner_output.sampled_token_ids[req_id]
-                updates.append((req, self._append_burst(req, num_tokens * scheduler_output.num_decode_steps, sampled)))
-                continue
-            req.num_computed_tokens += num_tokens
-            self.cache.cache_computed(req)  # before a finish can release its pages
-            sampled = runner_output.sampled_token_ids.get(req_id) or []
-            if not sampled:
-                self._check_still_prefilling(req)
-                continue
-            updates.append((req, self._append_tokens(req, sampled)))
+            lookahead = scheduler_output.num_lookahead_tokens.get(req_id, 0)
+            end = starts[req_id] + num_tokens + lookahead  # tokens computed once this step is done
+            sampled = self._check_sampled(req, starts[req_id] + num_tokens, lookahead,
+                                          runner_output.sampled_token_ids.get(req_id) or [])
+            new_token_ids, status = self._append(req, sampled)
+            if req.status == RequestStatus.RUNNING:  # else preempted since: its pages are gone
+                # the tokens computed after a stop token (lookahead steps) count as never computed
+                self.cache.cache_computed(req, min(end, req.num_tokens - 1) if sampled else end)
+            if status is not None:
+                self._finish(req, status)
+            if sampled:
+                updates.append((req, new_token_ids))
         self.cache.end_step()
         return updates
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> tuple[int, bool]:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, lookahead: int) -> tuple[int, bool]:
         """Serve running requests in order; returns the budget left and whether anyone was preempted."""
         preempted = False
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
+            if req.num_pending_outputs and self._room(req) <= 0:
+                index += 1  # its steps in flight bring it to its length limit: it finishes when they are applied
+                continue
             num_tokens = self._num_new_tokens(req, req.num_computed_tokens, budget)
-            new_block_ids, preempted_any = self._allocate_or_preempt(req, num_tokens)
+            new_block_ids, preempted_any = self._allocate_or_preempt(req, num_tokens + lookahead)
             preempted = preempted or preempted_any
             if new_block_ids is None:
                 break  # req was the tail and preempted itself: no running request is left after it
             out.cached_reqs.append(CachedRequestData(req.req_id, new_block_ids, req.num_computed_tokens))
-            self._schedule_tokens(out, req, num_tokens)
+            self._schedule_tokens(out, req, num_tokens, lookahead)
             budget -= num_tokens
             index += 1
         return budget, preempted
@@ -184,6 +191,8 @@ class Scheduler:
         """Admit waiting requests first come, first served while budget, slots and pages allow."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending_outputs:
+                break  # preempted while its last step ran: it starts again from all its tokens once that is applied
             hit = self.cache.find_cached_prefix(req)
             start = len(hit.block_ids) * self.cache.block_size if hit else 0
             num_tokens = self._num_new_tokens(req, start, budget)
@@ -199,86 +208,47 @@ class Scheduler:
                 list(req.block_ids), req.state_slot, req.num_computed_tokens,
                 hit.snapshot_slot if hit else None,
             ))
-            self._schedule_tokens(out, req, num_tokens)
+            self._schedule_tokens(out, req, num_tokens, 0)
             budget -= num_tokens
 
-    def _decode_burst(self, out: SchedulerOutput) -> int:
-        """Decode steps for this scheduler step (module docstring, Decode bursts); their pages allocated here."""
+    def _lookahead(self) -> int:
+        """Lookahead tokens for every running request this step (module docstring, Lookahead); 0 for none."""
         steps = self.num_decode_steps
-        if steps == 1 or self.waiting or out.new_reqs:
-            return 1
-        for req in self.running:
-            params = req.sampling_params
-            if (out.num_scheduled_tokens.get(req.req_id) != 1 or req.num_computed_tokens + 1 != req.num_tokens
-                    or params.host_between_tokens):
-                return 1
-            steps = min(steps, params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens)
-        if steps <= 1:
-            return 1
-        new_pages = {data.req_id: data.new_block_ids for data in out.cached_reqs}
-        for req in self.running:
-            block_ids = self.cache.allocate_slots(req, steps)
-            if block_ids is None:
-                return 1  # pages taken for the others stay theirs (sent to the runner below), used by later steps
-            new_pages[req.req_id].extend(block_ids)
-        # snapshot saves: the first step's (planned by _schedule_tokens) give way to the burst's own
-        out.snapshot_saves.clear()
-        for req in self.running:
-            save = self.cache.plan_burst_snapshot_save(req, steps)
-            if save is not None:
-                out.snapshot_saves.append(save[:2])
-                out.snapshot_save_steps.append(save[2])
-        return steps
+        if steps == 1 or self.waiting or not self.running:
+            return 0
+        decoding = [r for r in self.running if not (r.num_pending_outputs and self._room(r) <= 0)]
+        for req in decoding:
+            if req.num_computed_tokens + 1 != req.num_tokens_with_pending or req.sampling_params.host_between_tokens:
+                return 0
+            steps = min(steps, self._room(req))
+        # all the pages or none: a request given its lookahead's pages while another could not have them would hold
+        # pages it never uses this step
+        if steps <= 1 or sum(self.cache.blocks_needed(r, steps) for r in decoding) > self.cache.num_free_blocks:
+            return 0
+        return steps - 1
 
-    def schedule_chained(self, inflight: SchedulerOutput) -> SchedulerOutput | None:
-        """The decode burst that follows `inflight`, a step whose sampled tokens are not applied yet (a burst, or a
-        step in which every request samples: decodes and prompts' last chunks), for its requests that go on past it
-        (module docstring, Chained bursts); None when it cannot be chained."""
-        if self.waiting or not self.running or any(r.req_id not in inflight.num_scheduled_tokens for r in self.running):
-            return None
-        produced = inflight.num_decode_steps  # tokens each request samples in the step in flight
-        computed = {}  # tokens each request computes in the step in flight
-        steps, chain = self.num_decode_steps, []
-        for req in self.running:
-            params, num_tokens = req.sampling_params, inflight.num_scheduled_tokens[req.req_id]
-            if req.num_computed_tokens + num_tokens != req.num_tokens or params.host_between_tokens:
-                return None  # a prompt chunk short of its end samples nothing; the others never burst
-            room = min(params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - produced
-            if room < 1:
-                continue  # it ends by length in the step in flight: the others go on without it
-            computed[req.req_id] = num_tokens + produced - 1
-            steps = min(steps, room)
-            chain.append(req)
-        # all the pages or none: pages taken for some requests of a chain that is then dropped would never reach the
-        # runner (every request holds its state slot already, so pages are all allocate_slots can lack)
-        if not chain or sum(self.cache.blocks_needed(r, computed[r.req_id] + steps) for r in chain) > \
-                self.cache.num_free_blocks:
-            return None
-        out = SchedulerOutput(chained=True, num_decode_steps=steps)
-        for req in chain:
-            block_ids = self.cache.allocate_slots(req, computed[req.req_id] + steps)
-            assert block_ids is not None, "counted free above"
-            out.cached_reqs.append(CachedRequestData(req.req_id, block_ids,
-                                                     req.num_computed_tokens + computed[req.req_id]))
-            out.num_scheduled_tokens[req.req_id] = 1
-        for req in chain:
-            save = self.cache.plan_chained_snapshot_save(req, computed[req.req_id], steps)
-            if save is not None:
-                out.snapshot_saves.append(save[:2])
-                out.snapshot_save_steps.append(save[2])
-        out.finished_req_ids = self._finished_req_ids
-        self._finished_req_ids = set()
-        return out
+    def _room(self, req: Request) -> int:
+        """Tokens req may still sample beyond those of its steps in flight (max_tokens, max_model_len)."""
+        return min(req.sampling_params.max_tokens - len(req.output_token_ids),
+                   self.max_model_len - req.num_tokens) - req.num_pending_outputs
 
     def _num_new_tokens(self, req: Request, start: int, budget: int) -> int:
         """Tokens to compute from `start`: all left, within the budget, cut to end at a snapshot position."""
-        return self.cache.cut_at_snapshot(req, start, min(req.num_tokens - start, budget))
+        return self.cache.cut_at_snapshot(req, start, min(req.num_tokens_with_pending - start, budget))
 
-    def _schedule_tokens(self, out: SchedulerOutput, req: Request, num_tokens: int) -> None:
+    def _schedule_tokens(self, out: SchedulerOutput, req: Request, num_tokens: int, lookahead: int) -> None:
+        """Put req's next num_tokens (plus lookahead decode steps) in `out`, with the snapshot save they reach; they
+        count as computed from now on, and a chunk that ends req's tokens as many pending outputs as it samples."""
         out.num_scheduled_tokens[req.req_id] = num_tokens
-        save = self.cache.plan_snapshot_save(req, num_tokens)
+        if lookahead:
+            out.num_lookahead_tokens[req.req_id] = lookahead
+        end = req.num_computed_tokens + num_tokens + lookahead
+        save = self.cache.plan_snapshot_save(req, end)
         if save is not None:
             out.snapshot_saves.append(save)
+        if req.num_computed_tokens + num_tokens == req.num_tokens_with_pending:
+            req.num_pending_outputs += 1 + lookahead
+        req.num_computed_tokens = end
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -300,37 +270,31 @@ class Scheduler:
         req.status = status
         del self.requests[req.req_id]
 
-    def _append_burst(self, req: Request, num_computed: int, sampled: list[int]) -> list[int]:
-        """A decode burst's tokens for req: appended up to the first that ends it, then its new full blocks indexed
-        (the tokens are known only now), then the finish. The tokens the burst computed past a stop count as never
-        computed."""
-        new_token_ids, status = [], None
-        for token_id in sampled:
-            req.output_token_ids.append(token_id)
-            new_token_ids.append(token_id)
-            status = self._stop_status(req, token_id)
-            if status is not None:
-                break
-        req.num_computed_tokens = min(req.num_computed_tokens + num_computed, req.num_tokens - 1)
-        self.cache.cache_computed(req)
-        if status is not None:
-            self._finish(req, status)
-        return new_token_ids
+    def _check_sampled(self, req: Request, chunk_end: int, lookahead: int, sampled: list[int]) -> list[int]:
+        """sampled, checked against what the step owed req: 1 + lookahead tokens where its chunk reached the end of
+        its tokens (all earlier steps are applied, so req.num_tokens is where this step's chunk began sampling), none
+        before."""
+        owed = 1 + lookahead if chunk_end == req.num_tokens else 0
+        if len(sampled) != owed:
+            raise RuntimeError(
+                f"runner returned {len(sampled)} sampled tokens for request {req.req_id!r}, owed {owed}: the runner "
+                "samples 1 + lookahead tokens for each request whose scheduled chunk reaches the end of its tokens, "
+                "and none for a prompt chunk short of it")
+        req.num_pending_outputs -= owed
+        return sampled
 
-    def _append_tokens(self, req: Request, sampled: list[int]) -> list[int]:
-        """Append sampled tokens until one ends the request; returns those appended."""
+    def _append(self, req: Request, sampled: list[int]) -> tuple[list[int], RequestStatus | None]:
+        """Append sampled tokens up to the first that ends req; returns those appended and why it ends (or None)."""
         new_token_ids = []
         for token_id in sampled:
             if len(req.output_token_ids) >= req.sampling_params.max_tokens:
-                self._finish(req, RequestStatus.FINISHED_LENGTH)  # max_tokens 0: the prompt only
-                break
+                return new_token_ids, RequestStatus.FINISHED_LENGTH  # max_tokens 0: the prompt only
             req.output_token_ids.append(token_id)
             new_token_ids.append(token_id)
             status = self._stop_status(req, token_id)
             if status is not None:
-                self._finish(req, status)
-                break
-        return new_token_ids
+                return new_token_ids, status
+        return new_token_ids, None
 
     def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
         """Why req ends after token_id, or None. A stop token wins over a length limit hit at the same token."""
@@ -343,13 +307,6 @@ class Scheduler:
         if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
-
-    def _check_still_prefilling(self, req: Request) -> None:
-        if req.num_computed_tokens >= req.num_tokens:
-            raise RuntimeError(
-                f"runner returned no sampled token for request {req.req_id!r} although all its "
-                f"{req.num_tokens} tokens are computed; the runner must sample one token per request whose "
-                "last scheduled chunk reaches the end of its tokens")
 
     def check_admissible(self, req: Request) -> None:
         """ValueError if req can never run: a duplicate id, an empty prompt, too long, larger than the cache."""

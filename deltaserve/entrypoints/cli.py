@@ -51,10 +51,11 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
     g.add_argument("--num-decode-steps", type=int, default=EngineConfig.num_decode_steps,
                    help="decode steps run back to back, one sync a burst, while no request asks for penalties, "
-                        "logprobs or stop strings (1: one step at a time; streams then get one token a step)")
+                        "logprobs, stop strings or a grammar (1: one step at a time; streams then get one token a "
+                        "step)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="queue the next decode burst before reading this step's tokens, so the host's work between "
-                        "steps overlaps the device's (default: on for a GPU, off on the CPU)")
+                   help="keep one step in flight: queue the next step before reading this step's tokens, so the "
+                        "host's work between steps overlaps the device's (default: on for a GPU, off on the CPU)")
     g.add_argument("--compile-decode", action="store_true",
                    help="CPU: run decode steps of up to 4 requests through torch.compile (seconds to compile per "
                         "batch size; ~1.4x faster a token on small models; not bit-exact: logits within ~1e-5)")

@@ -103,7 +103,7 @@ def build_sampling_metadata(
     seen_token_ids = [prompt + output for prompt, output in zip(prompt_token_ids, output_token_ids)]
 
     def column(name: str, dtype: torch.dtype) -> torch.Tensor:
-        return to_device([getattr(p, name) for p in params], dtype, device)  # no wait: a chained burst queues it
+        return to_device([getattr(p, name) for p in params], dtype, device)  # no wait: the step before may be in flight
 
     return SamplingMetadata(
         temperature=column("temperature", torch.float32),
@@ -223,7 +223,7 @@ def row_generators(
     params: list[SamplingParams], num_output_tokens: list[int], device: torch.device | str
 ) -> dict[int, torch.Generator]:
     """row -> a generator seeded with row_seed(seed, number of outputs so far), for seeded rows that sample (a
-    decode burst makes a new set for each of its steps)."""
+    step with lookahead makes a new set for each of its steps)."""
     return {
         row: torch.Generator(device=device).manual_seed(row_seed(p.seed, n))
         for row, (p, n) in enumerate(zip(params, num_output_tokens))

@@ -12,7 +12,7 @@ TOKEN_TILE = 32  # tokens a tile of PackedSeqs.token_tiles (kernels.conv1d_trito
 def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """values as a tensor on device. To a GPU through pinned memory, without blocking the host: torch.tensor(...,
     device=cuda) copies from pageable memory and waits for the device's queue to drain first, which would also hold
-    a chained burst's host work behind the burst before it."""
+    the host's work for a step behind the step in flight before it."""
     if torch.device(device).type == "cpu":
         return torch.tensor(values, dtype=dtype)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

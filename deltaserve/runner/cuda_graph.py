@@ -44,8 +44,8 @@ class DecodeGraphs:
         n = self.sizes[-1]
         # a step's inputs reach the graph as one copy of this block (a padding row's values in every column past
         # the batch), staged in pinned host memory; plus one copy of the batch's block tables. num_stages staging
-        # blocks: the steps of a decode burst are queued without a sync, so each needs its own; and two sets of
-        # them (sides): a chained burst is queued before the step before it has synced
+        # blocks: the lookahead steps of a step are queued without a sync, so each needs its own; and two sets of
+        # them (sides): a step is queued before the step before it has synced (asynchronous scheduling)
         self.inputs = torch.zeros(len(self.FIELDS), n, dtype=torch.int64, device=device)
         self.input_ids, self.positions, self.slot_mapping, self.state_slots, self.context_lens = self.inputs.unbind(0)
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int64, device=device)
@@ -98,9 +98,9 @@ class DecodeGraphs:
             ) -> torch.Tensor:
         """Replay for a decode-only batch; returns logits [B, V] float32 (a view of a static buffer).
 
-        input_ids: [B] on the device, instead of host.input_ids (the tokens of a decode burst's previous step).
-        stage: which staging block to fill; a burst's step number, whose block tables are step 0's (not copied
-        again). side: which set of staging blocks (0 or 1); consecutive steps and bursts alternate. A staging block
+        input_ids: [B] on the device, instead of host.input_ids (the tokens of the step before, when they are not on
+        the host yet). stage: which staging block to fill; a lookahead step's number, whose block tables are step
+        0's (not copied again). side: which set of staging blocks (0 or 1); consecutive steps alternate. A staging block
         is rewritten only by a later step on its side, after the caller has waited for that call's tokens (a sync),
         so its asynchronous copy has completed."""
         B, width = host.num_seqs, host.table_width

@@ -46,8 +46,8 @@ class HostBatch:
         return [table + [0] * (width - len(table)) for table in self.block_tables]
 
     def advanced(self, steps: int, block_size: int) -> HostBatch:
-        """This batch of decodes `steps` tokens later (a decode burst): positions, cache slots and contexts moved on,
-        the same pages (allocated for the whole burst) and state slots; the input ids are the device's to fill
+        """This batch of decodes `steps` tokens later (a lookahead step): positions, cache slots and contexts moved on,
+        the same pages (allocated for every lookahead step) and state slots; the input ids are the device's to fill
         (zeros here)."""
         positions = [p + steps for p in self.positions]
         return HostBatch(

@@ -3,7 +3,13 @@
 Per step: drop the requests the scheduler let go, take in new ones (their KDA state slot zeroed, or restored from
 a prefix-cache snapshot), build a ForwardBatch (decodes first, then prefill chunks), run the model once over all
 new tokens, compute logits only where a token is sampled (or prompt logprobs were asked for), sample, remember the
-sampled tokens, and copy the KDA states the scheduler asked to keep into their snapshot slots.
+sampled tokens, and copy the KDA states the scheduler asked to keep into their snapshot slots. A step with lookahead
+tokens (all decodes) then runs that many more decode steps, each step's sampled tokens the next one's inputs on the
+device. submit() queues all of it and returns at once; the host waits in PendingOutput.result(), once a step.
+
+The step before may still be in flight when a step is submitted (asynchronous scheduling): a decode whose input
+token that step samples finds it missing from its request's tokens, and takes it from the device (the last tokens
+the runner sampled), so the host never waits between the two.
 """
 
 from __future__ import annotations
@@ -12,7 +18,6 @@ import gc
 import itertools
 import logging
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,7 +28,6 @@ from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce, check_div
 from deltaserve.forward_batch import ForwardBatch
 from deltaserve.kernel_options import KernelOptions
 from deltaserve.kernels import cpu_gemv
-from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, row_generators, sample
 from deltaserve.kernels.tuning_cache import persist_tuning, restore_tuning
 from deltaserve.kernels.varlen import to_device
 from deltaserve.layers.linear import Linear
@@ -31,31 +35,14 @@ from deltaserve.layers.moe import MoE
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
 from deltaserve.runner.cuda_graph import DecodeGraphs, graph_width
 from deltaserve.runner.host_batch import HostBatch, cache_slot
-from deltaserve.runner.logprobs import prompt_logprobs, sampled_logprobs
+from deltaserve.runner.logprobs import prompt_logprobs
 from deltaserve.runner.startup import phase
+from deltaserve.runner.step_sampler import PendingOutput, RequestState, StepSampler
 from deltaserve.runner_output import RunnerOutput
-from deltaserve.sampling_params import SamplingParams
 from deltaserve.scheduler_output import SchedulerOutput
 
 log = logging.getLogger("deltaserve")
 ACTIVATION_RESERVE_BYTES = 4 << 30  # left free on a GPU for a step's activations and the CUDA graphs
-
-
-@dataclass
-class RequestState:
-    """The runner's copy of a request: its tokens (prompt, then outputs) and where its cache lives."""
-
-    req_id: str
-    token_ids: list[int]
-    num_prompt_tokens: int
-    sampling_params: SamplingParams
-    block_ids: list[int]
-    state_slot: int
-    num_computed_tokens: int
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
 
 
 _COPY_CHUNK_BYTES = 256 << 20  # KDA states gathered at once by a snapshot copy (ACTIVATION_RESERVE_BYTES covers it)
@@ -83,9 +70,10 @@ class ModelRunner:
         # kernels tuned by an earlier run on this GPU (and Triton) skip their tuning
         tuning = restore_tuning(self.device) if self.device.type == "cuda" else None
         self.requests: dict[str, RequestState] = {}
-        # logits_processor(req_ids, logits [B, V]) -> logits: called where single steps sample (structured outputs'
-        # token bitmask); decode bursts never carry a request it would change (SamplingParams.host_between_tokens)
+        # logits_processor(req_ids, logits [B, V]) -> logits: called where a step samples (structured outputs'
+        # token bitmask); lookahead steps never carry a request it would change (SamplingParams.host_between_tokens)
         self.logits_processor = None
+        self._last_sampled: tuple[list[str], torch.Tensor] | None = None  # the last step's last tokens, on the device
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else None
         self.compiled_decode = None
@@ -98,8 +86,8 @@ class ModelRunner:
             self.compiled_decode = torch.compile(model.forward, fullgraph=True, dynamic=False, options={
                 "cpp_wrapper": True, "guard_filter_fn": _model_shape_guards})
         self.graphs = None
-        # the staging side of the next graph step's inputs (DecodeGraphs.run): steps alternate, since a chained burst
-        # stages its inputs while the step before it (a burst, or a step where every request samples) is unsynced
+        # the staging side of the next graph step's inputs (DecodeGraphs.run): steps alternate, since a step stages its
+        # inputs while the step before it may be in flight
         self._staging_side = 0
         if cuda_graphs and self.device.type == "cuda" and dtype != torch.float32:  # float32: the exact, eager path
             # graph_max_context: the longest context decoded through a graph (the engine passes the model length;
@@ -162,38 +150,89 @@ class ModelRunner:
         return self.submit(sched).result()
 
     @torch.inference_mode()
-    def submit(self, sched: SchedulerOutput, inflight: PendingOutput | None = None) -> PendingOutput:
+    def submit(self, sched: SchedulerOutput) -> PendingOutput:
         """Queue one scheduler step; its PendingOutput's result() waits for its sampled tokens (a step with prompt
-        logprobs has waited for those already). inflight: for a chained burst (sched.chained), the step still running
-        whose last tokens are this one's first inputs."""
+        logprobs has waited for those already). The step before it may still be in flight (module docstring)."""
         self._update_requests(sched)
+        last, self._last_sampled = self._last_sampled, None  # only the step right after may read them
         order = sorted(sched.num_scheduled_tokens, key=lambda r: sched.num_scheduled_tokens[r] != 1)
         if not order:
             return PendingOutput(RunnerOutput([], {}))
-        if sched.chained and (inflight is None or inflight.last_tokens is None):
-            raise ValueError("a chained decode burst needs the step in flight whose sampled tokens it continues")
-        host = self._host_batch(order, sched.num_scheduled_tokens, placeholder_ids=sched.chained)
+        num_steps = 1 + self._lookahead(sched, order)
+        host, missing = self._host_batch(order, sched.num_scheduled_tokens)
         if self.cpu_threads is not None:
             # a step of a few tokens is bound by memory bandwidth, which one core already saturates here, and
             # per-op overhead, which more threads only raise (and a busy machine multiplies): one thread for those
             few = len(host.input_ids) <= _ONE_THREAD_MAX_TOKENS
             torch.set_num_threads(1 if few else self.cpu_threads)
-        if sched.num_decode_steps > 1 or sched.chained:
-            first = inflight.tokens_of(order) if sched.chained else None
-            out = self._decode_burst(order, host, sched.num_decode_steps, sched.snapshot_saves,
-                                     sched.snapshot_save_steps, first)
-        elif self.graphs is not None and self.graphs.can_run(host):
-            logits = self.graphs.run(host, side=self._next_side())
-            out = self._sample(order, host.query_lens, lambda rows: _rows(logits, rows))
-        else:
-            input_ids, batch = host.to_device(self.device)
-            hidden = self._forward(input_ids, batch)
-            out = self._sample(order, host.query_lens, lambda rows: self.model.compute_logits(_rows(hidden, rows)))
-        if sched.num_decode_steps == 1 and not sched.chained:
-            self._copy_states(sched.snapshot_saves, to_snapshots=True)  # the states after this step's tokens
+        # after each step, the saves whose request has then computed their position
+        ends = {self.requests[r].state_slot: self.requests[r].num_computed_tokens + sched.num_scheduled_tokens[r]
+                for r in order}
+        if any(not 0 <= at - ends.get(slot, -num_steps) < num_steps for slot, _, at in sched.snapshot_saves):
+            raise ValueError(f"snapshot saves {sched.snapshot_saves} name a state slot or position no step of this "
+                             f"one reaches (ends {ends}, {num_steps} steps)")
+        out = RunnerOutput(req_ids=list(order), sampled_token_ids={r: [] for r in order})
+        side = self._next_side()
+        input_ids, tokens, sampler = self._missing_inputs(host, missing, last), [], None
+        for step in range(num_steps):
+            step_host = host if step == 0 else host.advanced(step, self.plan.block_size)
+            logits_at = self._run(step_host, input_ids, step, side)
+            if step == 0:
+                sampler = self._sampler(order, host.query_lens, logits_at, out)
+            if sampler is not None:  # else prompt chunks short of their ends only (and no lookahead)
+                input_ids = sampler.sample(logits_at, step)
+                tokens.append(input_ids)
+            self._copy_states([(slot, snap) for slot, snap, at in sched.snapshot_saves if at == ends[slot] + step],
+                              to_snapshots=True)
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)  # the process's setting, as the caller left it
-        return out
+        if sampler is None:
+            return PendingOutput(out)
+        self._last_sampled = [s.req_id for s in sampler.states], tokens[-1]
+        stacked = tokens[0][:, None] if len(tokens) == 1 else torch.stack(tokens, dim=1)  # [S, steps]
+        return sampler.pending(stacked, out, self._to_host)
+
+    @staticmethod
+    def _lookahead(sched: SchedulerOutput, order: list[str]) -> int:
+        """The step's lookahead decode steps: the same count for every request, all decodes (the scheduler's rule)."""
+        counts = {sched.num_lookahead_tokens.get(r, 0) for r in order}
+        lookahead = counts.pop()
+        if counts or (lookahead and any(sched.num_scheduled_tokens[r] != 1 for r in order)):
+            raise ValueError(f"lookahead tokens {sched.num_lookahead_tokens} for scheduled tokens "
+                             f"{sched.num_scheduled_tokens}: lookahead needs every request of the step to decode one "
+                             "token with the same lookahead")
+        return lookahead
+
+    def _run(self, host: HostBatch, input_ids: torch.Tensor | None, stage: int, side: int):
+        """One forward pass over host's tokens (input_ids on the device when given, else host.input_ids); returns
+        logits_at(rows) -> logits [len(rows), V] float32 at those token rows."""
+        if self.graphs is not None and self.graphs.can_run(host):
+            logits = self.graphs.run(host, input_ids=input_ids, stage=stage, side=side)
+            return lambda rows: _rows(logits, rows)
+        host_ids, batch = host.to_device(self.device)
+        hidden = self._forward(host_ids if input_ids is None else input_ids, batch)
+        return lambda rows: self.model.compute_logits(_rows(hidden, rows))
+
+    def _missing_inputs(self, host: HostBatch, missing: list[tuple[int, str]],
+                        last_sampled: tuple[list[str], torch.Tensor] | None) -> torch.Tensor | None:
+        """The step's input ids on the device where some are the step in flight's samples (missing: (row, req_id)),
+        taken from the last tokens that step sampled (last_sampled: its requests and [S] tokens); None when the host
+        has them all."""
+        if not missing:
+            return None
+        if last_sampled is None:
+            raise ValueError(f"requests {[r for _, r in missing]} decode a token the step before did not sample")
+        order, last = last_sampled
+        index = {req_id: i for i, req_id in enumerate(order)}
+        if any(req_id not in index for _, req_id in missing):
+            raise ValueError(f"requests {[r for _, r in missing if r not in index]} decode a token that the step "
+                             f"before (of {order}) did not sample")
+        rows, sources = [row for row, _ in missing], [index[req_id] for _, req_id in missing]
+        if rows == list(range(len(host.input_ids))) and sources == list(range(len(order))):
+            return last  # every input is the step before's token, in its order: a pipelined decode step
+        input_ids = to_device(host.input_ids, torch.int64, self.device)
+        input_ids[to_device(rows, torch.int64, self.device)] = last[to_device(sources, torch.int64, self.device)]
+        return input_ids
 
     def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The model's forward, through the compiled graph for a CPU decode step of a few requests (compile_decode)."""
@@ -239,7 +278,7 @@ class ModelRunner:
         """Copy whole KDA states (conv tails and recurrent state of every layer): pairs of (state slot, snapshot
         slot) into the snapshots, or pairs of (snapshot slot, state slot) into the state slots. Two ops a state
         name, whatever the layer count, and no wait for the device (the indices go over from pinned memory), so a save
-        inside a decode burst does not stall its queue.
+        inside lookahead steps does not stall their queue.
         The gathered states are a temporary: at most _COPY_CHUNK_BYTES of them at a time (a whole state of the 48B
         model is ~40 MiB, and 256 requests may cross a block boundary in the same step)."""
         if not pairs:
@@ -258,66 +297,29 @@ class ModelRunner:
         for stack in self.caches.stacks.values():
             stack[:, slot].zero_()
 
-    def _host_batch(self, order: list[str], num_tokens: dict[str, int], placeholder_ids: bool = False) -> HostBatch:
-        """placeholder_ids: input ids 0, for a chained burst (its inputs are still being computed on the device)."""
-        ids, positions, slots, query_lens, starts = [], [], [], [], []
+    def _host_batch(self, order: list[str], num_tokens: dict[str, int]) -> tuple[HostBatch, list[tuple[int, str]]]:
+        """The step's inputs, and (row, req_id) of each input id the host does not have yet (0 in the batch): the
+        last token of a request whose step in flight samples it."""
+        ids, positions, slots, query_lens, starts, missing = [], [], [], [], [], []
         bs = self.plan.block_size
         for req_id in order:
             state, n = self.requests[req_id], num_tokens[req_id]
             start = state.num_computed_tokens
-            ids.extend([0] * n if placeholder_ids else state.token_ids[start: start + n])
+            known = state.token_ids[start: start + n]
+            if len(known) < n:
+                if len(known) != n - 1:
+                    raise ValueError(f"request {req_id!r} computes tokens {start}..{start + n - 1} but the runner "
+                                     f"has {len(state.token_ids)}: only its last token may be the step in flight's")
+                missing.append((len(ids) + n - 1, req_id))
+                known = known + [0]
+            ids.extend(known)
             positions.extend(range(start, start + n))
             slots.extend(cache_slot(state.block_ids, p, bs) for p in range(start, start + n))
             query_lens.append(n)
             starts.append(start)
         states = [self.requests[r] for r in order]
         return HostBatch(ids, positions, slots, query_lens, starts, [s.state_slot for s in states],
-                         [s.block_ids for s in states])
-
-    def _decode_burst(self, order: list[str], host: HostBatch, num_steps: int, saves: list[tuple[int, int]],
-                      save_steps: list[int], first_ids: torch.Tensor | None = None) -> PendingOutput:
-        """num_steps decode steps of every request in `order` (all decodes, greedy or sampling without penalties or
-        logprobs; the scheduler allocated their pages): each step's tokens are the next one's input, kept on the
-        device, so the host waits once, in result(). Each step runs exactly what a step of its own would (its CUDA
-        graph, or the eager model). saves: KDA states copied to snapshot slots after the burst step in save_steps.
-        first_ids: [B] on the device, the first step's input ids (a chained burst's), else the requests' last
-        tokens. The requests' computed tokens advance now; their sampled tokens join them in result()."""
-        states = [self.requests[req_id] for req_id in order]
-        params = [s.sampling_params for s in states]
-        meta = None if plain_greedy(params) else build_sampling_metadata(  # no penalties nor logprobs (scheduler)
-            params, [s.token_ids[: s.num_prompt_tokens] for s in states], [s.output_token_ids for s in states],
-            self.cfg.vocab_size, self.device, self.generator)
-        # outputs each request has before this burst, those of a burst still in flight included
-        num_outputs = [s.num_computed_tokens + 1 - s.num_prompt_tokens for s in states]
-        side = self._next_side()
-        tokens = []  # per step, [B] int64 on the device
-        for step in range(num_steps):
-            batch_host = host if step == 0 else host.advanced(step, self.plan.block_size)
-            previous = tokens[-1] if tokens else first_ids
-            if self.graphs is not None and self.graphs.can_run(batch_host):
-                logits = self.graphs.run(batch_host, input_ids=previous, stage=step, side=side)
-            else:
-                input_ids, batch = batch_host.to_device(self.device)
-                hidden = self._forward(input_ids if previous is None else previous, batch)
-                logits = self.model.compute_logits(hidden)
-            if meta is None:
-                tokens.append(logits.argmax(dim=-1))
-            else:  # seeded rows draw from generators seeded for this step's output count, as single steps would
-                generators = row_generators(params, [n + step for n in num_outputs], self.device)
-                tokens.append(sample(logits, replace(meta, generators=generators)).token_ids)
-            self._copy_states([pair for pair, at in zip(saves, save_steps) if at == step], to_snapshots=True)
-        for state in states:
-            state.num_computed_tokens += num_steps
-        sampled, copied = self._to_host(torch.stack(tokens, dim=1))  # [B, num_steps]
-
-        def finish() -> RunnerOutput:
-            out = RunnerOutput(req_ids=list(order), sampled_token_ids={})
-            for req_id, state, row in zip(order, states, sampled.tolist()):
-                state.token_ids.extend(row)
-                out.sampled_token_ids[req_id] = row
-            return out
-
-        return PendingOutput(finish=finish, copied=copied, order=order, last_tokens=tokens[-1])
+                         [s.block_ids for s in states]), missing
 
     def _next_side(self) -> int:
         side, self._staging_side = self._staging_side, 1 - self._staging_side
@@ -325,7 +327,7 @@ class ModelRunner:
 
     def _to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """x copied to host memory, queued now: (the copy, an event that completes with it; None on the CPU). A
-        chained burst queued after this one does not delay it, as x.tolist() later would (it queues behind)."""
+        step queued after this one does not delay it, as x.tolist() later would (it queues behind)."""
         if self.device.type == "cpu":
             return x, None
         host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
@@ -334,11 +336,9 @@ class ModelRunner:
         copied.record(torch.cuda.current_stream(x.device))  # that stream: the current device may be another card
         return host, copied
 
-    def _sample(self, order: list[str], query_lens: list[int], logits_at) -> PendingOutput:
-        """logits_at(rows) -> logits [len(rows), V] float32 at those token rows of this step. The sampled tokens
-        reach the host in result(); when every request samples, they also stay on the device as last_tokens (the
-        inputs of a chained burst)."""
-        out = RunnerOutput(req_ids=list(order), sampled_token_ids={r: [] for r in order})
+    def _sampler(self, order: list[str], query_lens: list[int], logits_at, out: RunnerOutput) -> StepSampler | None:
+        """Advance the requests' computed tokens by the step's, score prompt logprobs, and return the sampler of the
+        requests whose chunk reaches the end of their tokens (None when none does)."""
         sampling = []  # (state, row of its last token)
         for req_id, end, n in zip(order, itertools.accumulate(query_lens), query_lens):
             state = self.requests[req_id]
@@ -348,34 +348,9 @@ class ModelRunner:
             if state.num_computed_tokens >= len(state.token_ids):
                 sampling.append((state, end - 1))
         if not sampling:
-            return PendingOutput(out)
-        states = [s for s, _ in sampling]
-        params = [s.sampling_params for s in states]
-        logits = logits_at([row for _, row in sampling])
-        if self.logits_processor is not None:
-            logits = self.logits_processor([s.req_id for s in states], logits)
-        if plain_greedy(params):
-            token_ids, result = logits.argmax(dim=-1), None
-        else:
-            result = sample(logits, build_sampling_metadata(
-                params, [s.token_ids[: s.num_prompt_tokens] for s in states], [s.output_token_ids for s in states],
-                self.cfg.vocab_size, self.device, self.generator))
-            token_ids = result.token_ids
-        sampled, copied = self._to_host(token_ids)
-
-        def finish() -> RunnerOutput:
-            tokens = sampled.tolist()
-            for state, token in zip(states, tokens):
-                state.token_ids.append(token)
-                out.sampled_token_ids[state.req_id] = [token]
-            if result is not None and result.logprobs is not None:
-                entries = sampled_logprobs(result.logprobs, tokens, [p.logprobs for p in params])
-                out.logprobs.update((s.req_id, [e]) for s, e in zip(states, entries) if e is not None)
-            return out
-
-        every = len(states) == len(order)
-        return PendingOutput(finish=finish, copied=copied, order=order if every else None,
-                             last_tokens=token_ids if every else None)
+            return None
+        return StepSampler([s for s, _ in sampling], [row for _, row in sampling], self.cfg.vocab_size, self.generator,
+                           self.logits_processor)
 
     def _prompt_logprobs(self, state: RequestState, first_row: int, n: int, logits_at, out: RunnerOutput) -> None:
         """Logprobs of the prompt tokens this chunk predicts (position p predicts token p + 1)."""
@@ -386,32 +361,6 @@ class ModelRunner:
         logits = logits_at(list(range(first_row, first_row + last - start)))
         targets = state.token_ids[start + 1: last + 1]
         out.prompt_logprobs[state.req_id] = prompt_logprobs(logits, targets, state.sampling_params.prompt_logprobs)
-
-
-class PendingOutput:
-    """A step's RunnerOutput, ready or still being computed on the device: result() waits once for `copied` (the
-    event after its sampled tokens' copy to the host; None on the CPU), then builds it with finish(). The last tokens
-    it sampled for its requests (a burst's last step's, or a step's where every request samples) stay on the device
-    (last_tokens, rows in `order`; None otherwise) as a chained burst's first inputs."""
-
-    def __init__(self, output: RunnerOutput | None = None, finish=None, copied: torch.cuda.Event | None = None,
-                 order: list[str] | None = None, last_tokens: torch.Tensor | None = None):
-        self._output, self._finish, self._copied = output, finish, copied
-        self.order, self.last_tokens = order, last_tokens
-
-    def result(self) -> RunnerOutput:
-        if self._output is None:
-            if self._copied is not None:
-                self._copied.synchronize()  # the step's one sync: for its copy, not for work queued after it
-            self._output, self._finish = self._finish(), None
-        return self._output
-
-    def tokens_of(self, req_ids: list[str]) -> torch.Tensor:
-        """last_tokens of req_ids, in that order (a chained burst may have fewer requests: some were aborted)."""
-        if req_ids == self.order:
-            return self.last_tokens
-        row = {r: i for i, r in enumerate(self.order)}
-        return self.last_tokens[to_device([row[r] for r in req_ids], torch.int64, self.last_tokens.device)]
 
 
 # of the guards dynamo puts on the model's modules, those that tell one model's shape from another's (layer counts,

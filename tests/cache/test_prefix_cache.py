@@ -149,9 +149,10 @@ def request(req_id, token_ids, **params):
 def computed(manager, req, num_tokens):
     """As a step does: allocate, schedule a save where one is due, advance, index."""
     assert manager.allocate_slots(req, num_tokens) is not None
-    save = manager.plan_snapshot_save(req, num_tokens)
-    req.num_computed_tokens += num_tokens
-    manager.cache_computed(req)
+    end = req.num_computed_tokens + num_tokens
+    save = manager.plan_snapshot_save(req, end)
+    req.num_computed_tokens = end
+    manager.cache_computed(req, end)
     manager.end_step()
     return save
 

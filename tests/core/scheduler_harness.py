@@ -38,16 +38,21 @@ def next_output_token(req: Request) -> int:
 
 
 def step(sched: Scheduler, sample=next_output_token):
-    """schedule() then a fake runner: one sampled token for each request whose scheduled chunk ends its tokens (in a
-    decode burst, one a step: sample(req) + i for step i)."""
+    """schedule() then a fake runner: for each request whose scheduled chunk ends its tokens, its sampled tokens
+    sample(req) + i for i in 0..lookahead."""
     out = sched.schedule()
-    sampled = {}
+    return out, sched.update_from_output(out, fake_runner_output(sched, out, sample))
+
+
+def fake_runner_output(sched: Scheduler, out, sample=next_output_token) -> RunnerOutput:
+    """What a runner returns for `out` when the steps before it have been applied (a synchronous step)."""
+    starts, sampled = out.start_positions(), {}
     for req_id, num_tokens in out.num_scheduled_tokens.items():
         req = sched.requests[req_id]
-        done = req.num_computed_tokens + num_tokens == req.num_tokens
-        sampled[req_id] = [sample(req) + i for i in range(out.num_decode_steps)] if done else []
-    updates = sched.update_from_output(out, RunnerOutput(list(out.num_scheduled_tokens), sampled))
-    return out, updates
+        done = starts[req_id] + num_tokens == req.num_tokens
+        steps = 1 + out.num_lookahead_tokens.get(req_id, 0)
+        sampled[req_id] = [sample(req) + i for i in range(steps)] if done else []
+    return RunnerOutput(list(out.num_scheduled_tokens), sampled)
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 1000) -> list:

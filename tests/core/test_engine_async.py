@@ -1,28 +1,20 @@
-"""Asynchronous scheduling (chained decode bursts) gives the tokens of one decode step at a time: in float32 on the
-CPU, greedy and seeded sampled requests, stop tokens inside a burst and an abort while a chained burst is in flight,
-against single steps; and the chained bursts did run. A chat's follow-up turn: test_engine_bursts.py."""
+"""Asynchronous scheduling (one step in flight while the next is scheduled and queued) gives the tokens of synchronous
+steps: in float32 on the CPU, greedy and seeded sampled requests, with and without lookahead decode steps and prefix
+caching, stop tokens and stop strings, an abort while a step is in flight, admissions and preemptions while one
+is, prompt logprobs over chunked prefill, and penalties (whose requests wait for their tokens); and steps were in
+fact scheduled ahead. A chat's follow-up turn: test_engine_bursts.py."""
 
 from __future__ import annotations
 
 import pytest
-from helpers.engine import as_inputs, assert_same_outputs, random_prompts
+from helpers.engine import as_inputs, assert_same_outputs, random_prompts, record_steps
 
 from deltaserve import SamplingParams
 
 
-def count_chains(llm) -> list[int]:
-    """Wrap the scheduler to record the steps of each chained burst it plans."""
-    scheduler = llm.engine.scheduler
-    seen, chain = [], scheduler.schedule_chained
-
-    def recording(inflight):
-        out = chain(inflight)
-        if out is not None:
-            seen.append(out.num_decode_steps)
-        return out
-
-    scheduler.schedule_chained = recording
-    return seen
+def ahead_steps(seen: list[tuple[int, bool]]) -> list[int]:
+    """The decode steps (1 + lookahead) of each step scheduled while the one before it was in flight."""
+    return [steps for steps, ahead in seen if ahead]
 
 
 def test_async_scheduling_is_off_on_the_cpu_unless_asked(make_llm):
@@ -31,7 +23,7 @@ def test_async_scheduling_is_off_on_the_cpu_unless_asked(make_llm):
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_chained_bursts_give_the_tokens_of_single_steps(make_llm, prefix_caching):
+def test_steps_in_flight_give_the_tokens_of_synchronous_steps(make_llm, prefix_caching):
     prompts = random_prompts((1, 5, 17, 40, 63, 100), seed=3)
     params = [SamplingParams(max_tokens=20 + 3 * i, temperature=0, ignore_eos=True) for i in range(3)]
     params += [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
@@ -39,72 +31,133 @@ def test_chained_bursts_give_the_tokens_of_single_steps(make_llm, prefix_caching
                SamplingParams(max_tokens=30, temperature=0.5, seed=13, ignore_eos=True)]
     single = make_llm(num_decode_steps=1, enable_prefix_caching=prefix_caching, max_num_seqs=8)
     expected = single.generate(as_inputs(prompts), params, use_tqdm=False)
-    for steps in (3, 8):
+    for steps in (1, 3, 8):
         llm = make_llm(num_decode_steps=steps, enable_prefix_caching=prefix_caching, max_num_seqs=8,
                        async_scheduling=True)
-        chains = count_chains(llm)
+        seen = record_steps(llm)
         got = llm.generate(as_inputs(prompts), params, use_tqdm=False)
-        assert chains and max(chains) == steps
-        assert_same_outputs(got, expected, f"chained bursts of {steps} vs single steps")
+        assert ahead_steps(seen) and max(ahead_steps(seen)) == steps
+        assert_same_outputs(got, expected, f"{steps} decode steps a step, one in flight, vs single steps")
 
 
-def test_a_stop_token_before_a_chained_burst_ends_the_request_there(make_llm):
+def test_a_stop_token_while_the_next_step_is_in_flight_ends_the_request_there(make_llm):
     prompts = random_prompts((30, 9), seed=5)
     free = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     single = make_llm(num_decode_steps=1).generate(as_inputs(prompts), free, use_tqdm=False)
     tokens = single[0].outputs[0].token_ids
-    stop = tokens[12]  # in the second burst of 8, while the third is chained
+    stop = tokens[12]  # with 8 decode steps a step: in the second, while the third is in flight
     first = tokens.index(stop)
     params = [SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[stop]), free]
-    llm = make_llm(num_decode_steps=8, async_scheduling=True)
-    chains = count_chains(llm)
-    out = llm.generate(as_inputs(prompts), params, use_tqdm=False)
-    assert chains
-    assert out[0].outputs[0].token_ids == tokens[:first + 1]
-    assert out[0].outputs[0].finish_reason == "stop" and out[0].outputs[0].stop_reason == stop
-    assert out[1].outputs[0].token_ids == single[1].outputs[0].token_ids  # the other went on, exact
+    for steps in (1, 8):
+        llm = make_llm(num_decode_steps=steps, async_scheduling=True)
+        seen = record_steps(llm)
+        out = llm.generate(as_inputs(prompts), params, use_tqdm=False)
+        assert ahead_steps(seen)
+        assert out[0].outputs[0].token_ids == tokens[:first + 1]
+        assert out[0].outputs[0].finish_reason == "stop" and out[0].outputs[0].stop_reason == stop
+        assert out[1].outputs[0].token_ids == single[1].outputs[0].token_ids  # the other went on, exact
 
 
-def test_an_abort_while_a_chained_burst_is_in_flight_leaves_the_others_exact(make_llm):
+def test_a_stop_string_with_a_step_in_flight_ends_the_text_where_synchronous_steps_do(make_llm):
+    """A stop string is found by the detokenizer after its step is applied, while the next step (scheduled with
+    logprobs and stop strings allowed: they need no token on the host to sample) computes one more token: dropped."""
+    (prompt,) = random_prompts((25,), seed=14)
+    llm = make_llm(num_decode_steps=4)
+    free = llm.generate(as_inputs([prompt]), SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = free.text[len(free.text) // 2:][:3]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop], logprobs=2)
+    expected = llm.generate(as_inputs([prompt]), params, use_tqdm=False)[0].outputs[0]
+    pipelined = make_llm(num_decode_steps=4, async_scheduling=True)
+    seen = record_steps(pipelined)
+    got = pipelined.generate(as_inputs([prompt]), params, use_tqdm=False)[0].outputs[0]
+    assert ahead_steps(seen) and max(ahead_steps(seen)) == 1  # logprobs and stop strings: no lookahead
+    assert expected.finish_reason == "stop" and expected.stop_reason == stop
+    assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+        expected.text, expected.token_ids, expected.finish_reason, expected.stop_reason)
+    assert [sorted(d) for d in got.logprobs] == [sorted(d) for d in expected.logprobs]
+
+
+def test_an_abort_while_a_step_is_in_flight_leaves_the_others_exact(make_llm):
     prompts = random_prompts((12, 33, 20), seed=9)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     expected = make_llm(num_decode_steps=1).generate(as_inputs(prompts), params, use_tqdm=False)
-    llm = make_llm(num_decode_steps=4, async_scheduling=True)
-    engine = llm.engine
-    ids = [engine.add_request(p, params) for p in prompts]
-    final, aborted = {}, False
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        if engine._inflight is not None and not aborted:
-            engine.abort(ids[1])
-            aborted = True
-    assert aborted and ids[1] not in final
-    for i in (0, 2):
-        assert final[ids[i]].outputs[0].token_ids == expected[i].outputs[0].token_ids
-    # the engine is idle and takes new work: the same prompt again gives the same tokens
-    again = llm.generate(as_inputs(prompts[:1]), params, use_tqdm=False)[0]
-    assert again.outputs[0].token_ids == expected[0].outputs[0].token_ids
+    for steps in (1, 4):
+        llm = make_llm(num_decode_steps=steps, async_scheduling=True)
+        engine = llm.engine
+        ids = [engine.add_request(p, params) for p in prompts]
+        final, aborted = {}, False
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+            if engine._inflight is not None and not aborted:
+                engine.abort(ids[1])
+                aborted = True
+        assert aborted and ids[1] not in final
+        for i in (0, 2):
+            assert final[ids[i]].outputs[0].token_ids == expected[i].outputs[0].token_ids
+        # the engine is idle and takes new work: the same prompt again gives the same tokens
+        again = llm.generate(as_inputs(prompts[:1]), params, use_tqdm=False)[0]
+        assert again.outputs[0].token_ids == expected[0].outputs[0].token_ids
 
 
-def test_a_burst_chained_after_the_prompts_last_chunk_keeps_prompt_logprobs_and_chunked_prefill_exact(make_llm):
-    """The burst after a step where every request samples (here prompts' last chunks, split by a small token budget,
-    with prompt logprobs asked) is chained too, and changes nothing."""
-    prompts = random_prompts((70, 23, 41), seed=12)
+def test_prompt_logprobs_chunked_prefill_and_admissions_with_a_step_in_flight_stay_exact(make_llm):
+    """Prompts split by a small token budget, more requests than sequences (later ones admitted while a step runs),
+    prompt logprobs: the steps after prompt chunks and the admissions are scheduled ahead, and change nothing."""
+    prompts = random_prompts((70, 23, 41, 9, 55), seed=12)
     params = [SamplingParams(max_tokens=21, temperature=0, ignore_eos=True, prompt_logprobs=2),
               SamplingParams(max_tokens=17, temperature=0.9, seed=4, ignore_eos=True),
-              SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)]
-    expected = make_llm(num_decode_steps=1, max_num_batched_tokens=32).generate(
-        as_inputs(prompts), params, use_tqdm=False)
-    llm = make_llm(num_decode_steps=8, max_num_batched_tokens=32, async_scheduling=True)
-    scheduler = llm.engine.scheduler
-    after, chain = [], scheduler.schedule_chained
-    scheduler.schedule_chained = lambda s: after.append((s.num_decode_steps > 1 or s.chained,
-                                                          (out := chain(s)) is not None)) or out
+              SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=1),
+              SamplingParams(max_tokens=15, temperature=0.7, seed=5, ignore_eos=True)]
+    options = dict(max_num_batched_tokens=32, max_num_seqs=3)
+    expected = make_llm(num_decode_steps=1, **options).generate(as_inputs(prompts), params, use_tqdm=False)
+    llm = make_llm(num_decode_steps=8, async_scheduling=True, **options)
+    scheduler, admitted_ahead = llm.engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def recording():
+        ahead = any(r.num_pending_outputs for r in scheduler.running)
+        out = schedule()
+        admitted_ahead.append(ahead and bool(out.new_reqs))
+        return out
+
+    scheduler.schedule = recording
     got = llm.generate(as_inputs(prompts), params, use_tqdm=False)
-    assert (False, True) in after  # a burst chained after a step that was not a burst
-    assert_same_outputs(got, expected, "chained after the prompt vs single steps")
+    assert any(admitted_ahead)
+    assert_same_outputs(got, expected, "steps in flight over chunked prefill vs single steps")
+
+
+def test_preemptions_with_a_step_in_flight_keep_every_token(make_llm):
+    """A cache of a few pages: requests are preempted while their last step runs; they get its tokens when it is
+    applied, and are recomputed from all of them."""
+    prompts = random_prompts((20, 31, 26, 14), seed=15)
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=3, ignore_eos=True)] * 2
+    options = dict(num_cache_blocks=12, max_num_seqs=4, enable_prefix_caching=False)
+    sync = make_llm(num_decode_steps=1, **options)
+    expected = sync.generate(as_inputs(prompts), params, use_tqdm=False)
+    assert sync.engine.scheduler.num_preemptions > 0
+    for steps in (1, 4):
+        llm = make_llm(num_decode_steps=steps, async_scheduling=True, **options)
+        got = llm.generate(as_inputs(prompts), params, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+        assert_same_outputs(got, expected, f"preempted with {steps} decode steps a step in flight")
+
+
+def test_penalized_requests_wait_for_their_tokens_and_stay_exact(make_llm):
+    """Penalties count the outputs on the host: while such a request has a step in flight nothing is scheduled
+    ahead, and the tokens are those of synchronous steps."""
+    prompts = random_prompts((18, 33), seed=16)
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(max_tokens=20, temperature=0.6, seed=8, ignore_eos=True, frequency_penalty=0.5)]
+    expected = make_llm(num_decode_steps=8).generate(as_inputs(prompts), params, use_tqdm=False)
+    llm = make_llm(num_decode_steps=8, async_scheduling=True)
+    seen = record_steps(llm)
+    got = llm.generate(as_inputs(prompts), params, use_tqdm=False)
+    assert not ahead_steps(seen)
+    assert_same_outputs(got, expected, "penalties, asynchronous vs synchronous")
 
 
 class StagingRecorder:
@@ -127,16 +180,15 @@ class StagingRecorder:
 
 
 def test_graph_staging_blocks_are_refilled_only_after_the_step_that_used_them_was_waited_for(make_llm, monkeypatch):
-    """Found in review: a one-token-a-request step that is not a burst (one-token prompts) staged on side 0, and the
-    burst chained after it, queued before the step's sync, staged on side 0 too: its copies could read the burst's
-    positions. Steps and bursts alternate sides now."""
-    from deltaserve.runner import model_runner
+    """Found in review: a one-token-a-request step staged on side 0, and the step queued after it before its sync
+    staged on side 0 too: its copies could read the later step's positions. Steps alternate sides."""
+    from deltaserve.runner import model_runner, step_sampler
 
-    submit, result = model_runner.ModelRunner.submit, model_runner.PendingOutput.result
+    submit, result = model_runner.ModelRunner.submit, step_sampler.PendingOutput.result
 
-    def recording_submit(self, sched, inflight=None):
+    def recording_submit(self, sched):
         self.graphs.current += 1
-        pending = submit(self, sched, inflight)
+        pending = submit(self, sched)
         pending.step = self.graphs.current
         pending.recorder = self.graphs
         return pending
@@ -148,12 +200,12 @@ def test_graph_staging_blocks_are_refilled_only_after_the_step_that_used_them_wa
         return result(self)
 
     monkeypatch.setattr(model_runner.ModelRunner, "submit", recording_submit)
-    monkeypatch.setattr(model_runner.PendingOutput, "result", recording_result)
+    monkeypatch.setattr(step_sampler.PendingOutput, "result", recording_result)
     for steps in (1, 8):
         llm = make_llm(num_decode_steps=steps, async_scheduling=True, enable_prefix_caching=False)
         recorder = llm.engine.runner.graphs = StagingRecorder(llm.engine.runner)
-        chains = count_chains(llm)
+        seen = record_steps(llm)
         llm.generate(as_inputs([[5 + i] for i in range(4)]), SamplingParams(max_tokens=20, temperature=0,
                                                                           ignore_eos=True), use_tqdm=False)
-        assert chains
+        assert ahead_steps(seen)
         assert not recorder.violations, recorder.violations[:3]

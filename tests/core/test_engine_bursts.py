@@ -1,29 +1,15 @@
-"""Decode bursts give the tokens of one decode step at a time: in float32 on the CPU, greedy and seeded sampled
-requests (together, with stop tokens inside a burst, with and without prefix caching) produce the same outputs with
-num_decode_steps 1, 3 and 8, and the bursts did run."""
+"""Lookahead decode steps (bursts) give the tokens of one decode step at a time: in float32 on the CPU, greedy and
+seeded sampled requests (together, with stop tokens inside lookahead, with and without prefix caching) produce the
+same outputs with num_decode_steps 1, 3 and 8, and the lookahead did run."""
 
 from __future__ import annotations
 
 import pytest
-from helpers.engine import as_inputs, assert_same_outputs, random_prompts, token_ids
+from helpers.engine import as_inputs, assert_same_outputs, random_prompts, record_steps, token_ids
 
 from deltaserve import SamplingParams
 
 LENGTHS = (1, 5, 16, 17, 40, 63, 100)
-
-
-def burst_steps(llm) -> list[int]:
-    """Wrap the scheduler to record each step's num_decode_steps."""
-    scheduler = llm.engine.scheduler
-    seen, schedule = [], scheduler.schedule
-
-    def recording():
-        out = schedule()
-        seen.append(out.num_decode_steps)
-        return out
-
-    scheduler.schedule = recording
-    return seen
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
@@ -33,9 +19,9 @@ def test_bursts_give_the_tokens_of_single_steps(make_llm, prefix_caching):
     outputs = {}
     for steps in (1, 3, 8):
         llm = make_llm(num_decode_steps=steps, enable_prefix_caching=prefix_caching, max_num_seqs=8)
-        seen = burst_steps(llm)
+        seen = record_steps(llm)
         outputs[steps] = llm.generate(as_inputs(prompts), params, use_tqdm=False)
-        assert max(seen) == steps
+        assert max(steps for steps, _ in seen) == steps
         assert [len(t) for t in token_ids(outputs[steps])] == [p.max_tokens for p in params]
     assert_same_outputs(outputs[3], outputs[1], "bursts of 3 vs single steps")
     assert_same_outputs(outputs[8], outputs[1], "bursts of 8 vs single steps")
@@ -65,8 +51,8 @@ def test_streaming_a_burst_yields_its_tokens_together(make_llm):
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_follow_up_finds_the_rolling_snapshot_a_burst_saved(make_llm, async_scheduling):
     """A chat's next turn extends prompt + output: with bursts it restores from the same block boundary (the rolling
-    KDA snapshot saved inside a burst; with asynchronous scheduling, inside chained bursts, which rewrite the rolling
-    slot in place) and gives the same tokens as with single steps."""
+    KDA snapshot saved inside lookahead steps; with asynchronous scheduling, inside steps in flight, which rewrite the
+    rolling slot in place) and gives the same tokens as with single steps."""
     (prompt,) = random_prompts((37,), seed=7)
     results = {}
     for steps in (1, 8):
@@ -90,7 +76,7 @@ def test_seeded_sampling_in_bursts_gives_the_tokens_of_single_steps(make_llm):
     outputs = {}
     for steps in (1, 8):
         llm = make_llm(num_decode_steps=steps)
-        seen = burst_steps(llm)
+        seen = record_steps(llm)
         outputs[steps] = llm.generate(as_inputs(prompts), params, use_tqdm=False)
-        assert max(seen) == steps
+        assert max(steps for steps, _ in seen) == steps
     assert_same_outputs(outputs[8], outputs[1], "seeded sampling: bursts of 8 vs single steps")

@@ -130,7 +130,8 @@ def test_a_hit_skips_the_prefill_of_the_cached_prefix(make_llm):
     assert second.num_cached_tokens == 64 == (70 + 9 - 1) // BS * BS
     new = steps[0].new_reqs[0]
     assert new.num_computed_tokens == 64 and new.restore_snapshot_slot is not None
-    scheduled = sum(s.num_scheduled_tokens[second.request_id] * s.num_decode_steps for s in steps)
+    rid = second.request_id
+    scheduled = sum(s.num_scheduled_tokens[rid] + s.num_lookahead_tokens.get(rid, 0) for s in steps)
     assert scheduled == len(follow_up) - 64 + 5 - 1, "only the uncached tokens and the decodes were computed"
 
 

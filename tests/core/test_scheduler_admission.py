@@ -108,4 +108,4 @@ def test_abort_between_schedule_and_update_is_skipped(make_scheduler):
     out = sched.schedule()
     sched.abort_request("a")
     updates = sched.update_from_output(out, RunnerOutput(["a"], {"a": [5]}))
-    assert updates == [] and req.output_token_ids == [] and req.num_computed_tokens == 0
+    assert updates == [] and req.output_token_ids == [] and req.block_ids == [] and req.state_slot is None

@@ -68,10 +68,12 @@ def test_max_tokens_zero_computes_the_prompt_and_outputs_nothing(make_scheduler)
 
 
 def test_tokens_after_a_stop_in_one_runner_output_are_dropped(make_scheduler):
-    sched = make_scheduler()
-    req = make_request("a", max_tokens=5)
+    sched = make_scheduler(num_decode_steps=3)
+    req = make_request("a", max_tokens=5, temperature=0)
     sched.add_request(req)
+    sched.update_from_output(sched.schedule(), RunnerOutput(["a"], {"a": [6]}))
     out = sched.schedule()
+    assert out.num_lookahead_tokens == {"a": 2}
     updates = sched.update_from_output(out, RunnerOutput(["a"], {"a": [7, EOS, 8]}))
     assert updates == [(req, [7, EOS])] and req.status == RequestStatus.FINISHED_STOPPED
     assert sched.schedule().finished_req_ids == {"a"}
@@ -92,5 +94,5 @@ def test_missing_token_after_the_last_chunk_is_a_runner_error(make_scheduler):
     sched = make_scheduler()
     sched.add_request(make_request("a", prompt_len=4))
     out = sched.schedule()
-    with pytest.raises(RuntimeError, match="no sampled token for request 'a'"):
+    with pytest.raises(RuntimeError, match="returned 0 sampled tokens for request 'a', owed 1"):
         sched.update_from_output(out, RunnerOutput(["a"], {"a": []}))

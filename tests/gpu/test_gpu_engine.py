@@ -1,11 +1,12 @@
-"""The engine on a GPU: float32 equals the CPU's greedy tokens; CUDA graphs equal eager bf16; chained bursts equal
-unchained ones. Skipped without CUDA."""
+"""The engine on a GPU: float32 equals the CPU's greedy tokens; CUDA graphs equal eager bf16; steps in flight equal
+synchronous ones. Skipped without CUDA."""
 
 import dataclasses
 import json
 
 import pytest
 import torch
+from helpers.engine import record_steps
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.entrypoints.make_tiny import make_tiny
@@ -108,10 +109,11 @@ def assert_same_up_to_near_ties(got, expected, TIE=0.1):
     assert got.token_ids[i] == top[1][0] and top[0][1].logprob - top[1][1].logprob < TIE, (i, top)
 
 
-def test_chained_bursts_replay_the_graphs_of_unchained_ones_exactly(tiny):
-    """bf16 with CUDA graphs: asynchronous scheduling (on by default on a GPU: each decode burst queued before the
-    one before it has synced, its graph inputs staged on the other side) gives the very tokens of synchronous
-    bursts, greedy and seeded sampling: the same graphs replay the same inputs in the same order."""
+def test_steps_in_flight_replay_the_graphs_of_synchronous_steps_exactly(tiny):
+    """bf16 with CUDA graphs: asynchronous scheduling (on by default on a GPU: each step queued before the one before
+    it has synced, its graph inputs staged on the other side, its input tokens taken from the device) gives the very
+    tokens of synchronous steps, greedy and seeded sampling: the same graphs replay the same inputs in the same
+    order."""
     prompts = [{"prompt_token_ids": p} for p in PROMPTS + [list(range(20, 60))]]
     params = [SamplingParams(max_tokens=30 + 7 * i, temperature=0, ignore_eos=True) for i in range(3)]
     params += [SamplingParams(max_tokens=41, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True),
@@ -120,16 +122,14 @@ def test_chained_bursts_replay_the_graphs_of_unchained_ones_exactly(tiny):
     for chained in (False, True):
         llm = LLM(tiny, device="cuda", dtype="bfloat16", max_model_len=512, async_scheduling=chained)
         assert llm.engine.runner.graphs is not None and llm.engine.async_scheduling == chained
-        plans = []
-        chain = llm.engine.scheduler.schedule_chained
-        llm.engine.scheduler.schedule_chained = lambda s: plans.append(chain(s)) or plans[-1]
+        plans = record_steps(llm)
         tokens[chained] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        # one-token prompts: their first step replays a graph, and the burst chained after it stages its inputs
+        # one-token prompts: their first step replays a graph, and the step queued after it stages its inputs
         # while that step is unsynced (on the other staging side)
         short = [{"prompt_token_ids": [5 + i]} for i in range(4)]
         greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
         tokens[chained] += [o.outputs[0].token_ids for o in llm.generate(short, greedy, use_tqdm=False)]
-        assert any(plans) == chained
+        assert any(ahead for _, ahead in plans) == chained
         del llm
     assert tokens[True] == tokens[False]
     assert LLM(tiny, device="cuda", dtype="bfloat16", max_model_len=512).engine.async_scheduling  # the default

@@ -127,3 +127,21 @@ def assert_same_outputs(got, expected, label: str) -> None:
         assert g.token_ids == e.token_ids, where
         assert g.finish_reason == e.finish_reason == "length", where
         assert_same_logprobs(g.logprobs, e.logprobs, where)
+
+
+def record_steps(llm: LLM) -> list[tuple[int, bool]]:
+    """Wrap the engine's scheduler to record, for each step it schedules with tokens, its decode steps (1 + its
+    lookahead) and whether it was scheduled while a step before it was in flight (a running request had outputs
+    pending)."""
+    scheduler = llm.engine.scheduler
+    seen, schedule = [], scheduler.schedule
+
+    def recording():
+        ahead = any(r.num_pending_outputs for r in scheduler.running)
+        out = schedule()
+        if out.num_scheduled_tokens:
+            seen.append((1 + max(out.num_lookahead_tokens.values(), default=0), ahead))
+        return out
+
+    scheduler.schedule = recording
+    return seen

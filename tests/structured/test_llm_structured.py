@@ -65,8 +65,8 @@ def test_free_requests_get_the_same_tokens_beside_constrained_ones(llm):
 def test_a_batch_with_a_constrained_request_takes_single_steps(llm, monkeypatch):
     steps = []
     submit = llm.engine.runner.submit
-    monkeypatch.setattr(llm.engine.runner, "submit", lambda sched, **kw: steps.append(
-        (sched.num_decode_steps, set(sched.num_scheduled_tokens))) or submit(sched, **kw))
+    monkeypatch.setattr(llm.engine.runner, "submit", lambda sched: steps.append(
+        (1 + max(sched.num_lookahead_tokens.values(), default=0), set(sched.num_scheduled_tokens))) or submit(sched))
     llm.generate(["Hi", "Yo"], [SamplingParams(max_tokens=16, temperature=0), constrained(regex="[ab]{30}")],
                  use_tqdm=False)
     assert all(n == 1 for n, _ in steps)

@@ -1,0 +1,102 @@
+"""The runner's side of a step's sampling: RequestState (its copy of a request), StepSampler (the tokens of a step
+and of its lookahead steps, for the requests that sample) and PendingOutput (a step's output, waited for once)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, row_generators, sample
+from deltaserve.runner.logprobs import sampled_logprobs
+from deltaserve.runner_output import RunnerOutput
+from deltaserve.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestState:
+    """The runner's copy of a request: its tokens (prompt, then outputs) and where its cache lives."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    state_slot: int
+    num_computed_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+class StepSampler:
+    """Samples one step's tokens for the requests whose chunk reaches their end (`states`), step after step of a
+    lookahead: penalties and logprobs read the outputs the host has, which the scheduler guarantees are all of them
+    for a request that asks (SamplingParams.samples_from_outputs); seeded rows draw from generators seeded by their
+    token's output number, counted from positions, so a step whose previous tokens are still in flight draws what
+    single synchronous steps would."""
+
+    def __init__(self, states: list[RequestState], rows: list[int], vocab_size: int, generator: torch.Generator,
+                 logits_processor=None):
+        """states: the requests that sample, their computed tokens advanced by the step's chunk; rows: the step's
+        token row of each one's last token; generator: on the device, for the rows that sample without a seed."""
+        self.states, self.rows, self.device = states, rows, generator.device
+        self.logits_processor = logits_processor
+        self.params = params = [s.sampling_params for s in states]
+        self.meta = None if plain_greedy(params) else build_sampling_metadata(
+            params, [s.token_ids[: s.num_prompt_tokens] for s in states], [s.output_token_ids for s in states],
+            vocab_size, self.device, generator)
+        self.result = None  # the first step's SamplerOutput, for its logprobs
+
+    def sample(self, logits_at, step: int) -> torch.Tensor:
+        """The tokens of lookahead step `step` (0: the step itself), [S] int64 on the device. Step 0 reads the
+        sampling rows; every later step's rows are all of them (a lookahead step is all decodes)."""
+        logits = logits_at(self.rows if step == 0 else list(range(len(self.states))))
+        if step == 0 and self.logits_processor is not None:
+            logits = self.logits_processor([s.req_id for s in self.states], logits)
+        if self.meta is None:
+            return logits.argmax(dim=-1)
+        # outputs each request has before this step's token: its position past the prompt
+        num_outputs = [s.num_computed_tokens + step - s.num_prompt_tokens for s in self.states]
+        generators = row_generators(self.params, num_outputs, self.device)
+        result = sample(logits, replace(self.meta, generators=generators))
+        if step == 0:
+            self.result = result
+        return result.token_ids
+
+    def pending(self, tokens: torch.Tensor, out: RunnerOutput, to_host) -> PendingOutput:
+        """The step's output once tokens [S, steps] reach the host; the requests' computed tokens advance now by the
+        lookahead steps, their tokens join them in result()."""
+        num_steps = tokens.shape[1]
+        for state in self.states:
+            state.num_computed_tokens += num_steps - 1
+        sampled, copied = to_host(tokens)
+        result = self.result
+
+        def finish() -> RunnerOutput:
+            rows = sampled.tolist()
+            for state, row in zip(self.states, rows):
+                state.token_ids.extend(row)
+                out.sampled_token_ids[state.req_id] = row
+            if result is not None and result.logprobs is not None:
+                entries = sampled_logprobs(result.logprobs, [row[0] for row in rows], [p.logprobs for p in self.params])
+                out.logprobs.update((s.req_id, [e]) for s, e in zip(self.states, entries) if e is not None)
+            return out
+
+        return PendingOutput(finish=finish, copied=copied)
+
+
+class PendingOutput:
+    """A step's RunnerOutput, ready or still being computed on the device: result() waits once for `copied` (the
+    event after its sampled tokens' copy to the host; None on the CPU), then builds it with finish()."""
+
+    def __init__(self, output: RunnerOutput | None = None, finish=None, copied: torch.cuda.Event | None = None):
+        self._output, self._finish, self._copied = output, finish, copied
+
+    def result(self) -> RunnerOutput:
+        if self._output is None:
+            if self._copied is not None:
+                self._copied.synchronize()  # the step's one sync: for its copy, not for work queued after it
+            self._output, self._finish = self._finish(), None
+        return self._output
