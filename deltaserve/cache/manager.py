@@ -7,8 +7,10 @@ slot is taken on the first allocation and kept until free().
 
 With prefix caching (num_snapshot_slots > 0) pages are shared by reference count through a PrefixCache, and
 copies of the KDA state are kept in a SnapshotCache at two positions of each request:
-- the end of its prompt's last full block, published as soon as it is saved, so that the next turn of a chat
-  (whose prompt extends this one) and any request repeating this prompt find it;
+- the last block boundary before its prompt's last token (the end of its prompt's last full block, or the block
+  before it when the prompt fills whole blocks), published as soon as it is saved, so that the next turn of a chat
+  (whose prompt extends this one) and any request repeating this prompt find it (a hit leaves at least one token to
+  compute, so a snapshot at the very end of a whole-block prompt could serve no repeat of it);
 - the last full block boundary its computed tokens have reached: a rolling snapshot the request holds privately
   (one slot, overwritten at each new boundary while it decodes), published when it finishes, is preempted or
   aborted, so that a prompt extending prompt + output finds it.
@@ -273,7 +275,8 @@ class CacheManager:
         return req.block_hashes
 
     def _prompt_end(self, req: Request) -> int:
-        return req.num_prompt_tokens // self.block_size * self.block_size
+        """The shared snapshot's position: the last block boundary before the prompt's last token."""
+        return (req.num_prompt_tokens - 1) // self.block_size * self.block_size
 
     def _last_boundary(self, req: Request) -> int:
         return req.num_tokens_with_pending // self.block_size * self.block_size

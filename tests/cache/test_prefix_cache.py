@@ -176,7 +176,7 @@ def test_a_cached_prefix_needs_its_pages_and_a_snapshot_at_exactly_its_end():
 def test_a_hit_shares_the_pages_and_pins_the_snapshot_until_the_step_ends():
     manager = CacheManager(num_blocks=8, num_slots=4, block_size=BS, num_snapshot_slots=1)
     tokens = list(range(1, 9))
-    first = request("a", tokens)
+    first = request("a", tokens + [9])  # its prompt-end snapshot: at 8
     computed(manager, first, 8)
     second = request("b", tokens + [50, 51])
     hit = manager.find_cached_prefix(second)

@@ -105,10 +105,12 @@ def test_ten_turn_chats_sharing_a_system_prompt_give_the_tokens_of_no_caching(ma
 
 def test_prompts_sharing_none_one_block_many_blocks_or_all_but_one_token(make_llm):
     base, other = random_prompts((150, 60), seed=3)
-    warm = [base[:20], base[:100], base[:64]]  # states saved at 16, 96 and 64 (a prompt of whole blocks)
+    # states saved at 16, 96, and 48 and 64 for a prompt of whole blocks (the shared one before its last token, the
+    # rolling one at its end, published when it finished)
+    warm = [base[:20], base[:100], base[:64]]
     queries = [other[:40], base[:16] + other[:30], base[:96] + other[:10], base[:99], base[:100], base[:63],
                base[:64]]
-    hits = [0, 16, 96, 96, 96, 16, 16]  # at least one token is computed: base[:64] cannot use the state at 64
+    hits = [0, 16, 96, 96, 96, 48, 48]  # at least one token is computed: base[:64] cannot use the state at 64
     params = [SamplingParams(max_tokens=6, ignore_eos=True, **SAMPLING_KINDS[i % 3]) for i in range(len(queries))]
     results = {}
     for caching in (False, True):

@@ -126,12 +126,13 @@ def test_every_request_stops_at_its_own_limit(ahead):
 @pytest.mark.parametrize("ahead", [False, True])
 def test_the_rolling_snapshot_is_saved_at_the_last_boundary_a_step_reaches(ahead):
     sched = new_scheduler(num_decode_steps=8, block_size=4, num_snapshot_slots=4)
-    req = greedy("a", prompt_len=4, max_tokens=22, ignore_eos=True)
+    req = greedy("a", prompt_len=5, max_tokens=22, ignore_eos=True)
     outs = run(sched, [req], {"a": stream(22)}, ahead)
-    assert [steps_of(o) for o in outs] == [1, 8, 8, 5]
-    # computed 4 -> 12 -> 20 -> 25: saves at 4 (the prompt's end), 12, 20 and 24
+    # the prompt cut at the prompt-end snapshot; its last token decodes like the others: 8, 8 and the last 6 steps
+    assert [steps_of(o) for o in outs] == [1, 8, 8, 6]
+    # computed 4 -> 12 -> 20 -> 26: saves at 4 (the prompt-end one), 12, 20 and 24
     assert [[save[2] for save in o.snapshot_saves] for o in outs] == [[4], [12], [20], [24]]
-    slots = [o.snapshot_saves[0][1] for o in outs]
+    slots = [o.snapshot_saves[0][1] for o in outs if o.snapshot_saves]
     assert slots[0] not in slots[1:], "the prompt-end snapshot is never rewritten"
     assert len(set(slots[1:])) == 1, "one rolling slot, rewritten"
     assert req.output_token_ids == stream(22)
@@ -141,10 +142,10 @@ def test_the_rolling_snapshot_is_saved_at_the_last_boundary_a_step_reaches(ahead
 @pytest.mark.parametrize("ahead", [False, True])
 def test_a_save_past_a_stop_token_is_dropped_with_the_rolling_snapshot_it_overwrites(ahead):
     sched = new_scheduler(num_decode_steps=8, block_size=4, num_snapshot_slots=4)
-    req = greedy("a", prompt_len=4, max_tokens=30)
+    req = greedy("a", prompt_len=5, max_tokens=30)
     outs = run(sched, [req], {"a": stream(10) + [EOS] + stream(19, 2000)}, ahead)
     assert req.output_token_ids == stream(10) + [EOS] and req.finish_reason == "stop"
-    assert [save[2] for save in outs[2].snapshot_saves] == [20]  # after the stop (token 14), from dropped inputs
+    assert [save[2] for save in outs[2].snapshot_saves] == [20]  # after the stop (token 15), from dropped inputs
     # the prompt-end one only: the rolling one at 12 was being overwritten by the save at 20
     assert sched.cache.snapshots.num_committed == 1
 

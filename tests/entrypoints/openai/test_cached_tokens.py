@@ -46,14 +46,9 @@ def test_streamed_completion_usage_reports_cached_tokens(http):
 
 
 def test_chat_reports_cached_tokens_whole_and_streamed(client, http):
-    # a long user message no other test sends, of a length that is not whole pages: a prompt of whole pages keeps
-    # its KDA snapshot at its end, which a repeat (that must compute its last token) cannot use (CacheManager)
-    for _ in range(20):
-        words = " ".join(f"w{random.randrange(10**9)}" for _ in range(12))
-        messages = [{"role": "user", "content": f"Remember these words: {words}"}]
-        first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0)
-        if first.usage.prompt_tokens % BLOCK_SIZE:
-            break
+    words = " ".join(f"w{random.randrange(10**9)}" for _ in range(12))  # a long user message no other test sends
+    messages = [{"role": "user", "content": f"Remember these words: {words}"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0)
     again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0)
     prompt_len = first.usage.prompt_tokens
     assert prompt_len > BLOCK_SIZE
@@ -63,8 +58,15 @@ def test_chat_reports_cached_tokens_whole_and_streamed(client, http):
     assert streamed["prompt_tokens_details"] == {"cached_tokens": expected_hit(prompt_len)}
 
 
+def test_a_repeated_prompt_of_whole_pages_reuses_all_but_its_last_page(client):
+    prompt = fresh_prompt(2 * BLOCK_SIZE)
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens == expected_hit(2 * BLOCK_SIZE) == BLOCK_SIZE
+
+
 def test_a_prompt_shorter_than_a_page_reports_zero(client):
     prompt = fresh_prompt(BLOCK_SIZE)
     client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
     again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
-    assert again.usage.prompt_tokens_details.cached_tokens == 0  # 16 tokens: the whole page would hold the last
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # a hit leaves the last token: no boundary before it
