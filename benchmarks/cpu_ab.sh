@@ -16,7 +16,7 @@ run() {  # run SIDE PRESET: one batch-1 run, its TPOT in ms
   local dir=$ROOT; [ "$1" = before ] && dir=$ROOT/ab/before
   PYTHONPATH=$dir python benchmarks/offline_throughput.py --preset "$2" --skip-transformers --concurrency 1 \
       --prompt-len "${PROMPT_LEN:-128}" --output-len "${OUTPUT_LEN:-32}" --repeats "${REPEATS:-3}" 2>/dev/null |
-    tail -n 1 | python -c 'import json, sys; print(f"{json.load(sys.stdin)["results"]["deltaserve"]["tpot_ms"]:.3f}")'
+    tail -n 1 | python -c 'import json, sys; print("%.3f" % json.load(sys.stdin)["results"]["deltaserve"]["tpot_ms"])'
 }
 for preset in ${PRESETS//,/ }; do
   head_ms=() before_ms=()
