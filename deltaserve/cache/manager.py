@@ -192,17 +192,19 @@ class CacheManager:
                 return position - start
         return num_tokens
 
-    def plan_snapshot_save(self, req: Request, end: int) -> tuple[int, int, int] | None:
-        """When req, computing from req.num_computed_tokens up to `end` in this step (its lookahead steps
-        included), reaches one of its snapshot positions: (state slot, snapshot slot, position) for the runner to
-        copy the state after that position; else None. The positions are its prompt's last full block end (which a
-        chunk is cut to end at) and the last full block boundary of its tokens, those of its steps in flight and
-        lookahead included (the last boundary the step reaches)."""
+    def plan_snapshot_save(self, req: Request, num_tokens: int, lookahead: int = 0) -> tuple[int, int, int] | None:
+        """When req, computing num_tokens from req.num_computed_tokens in this step and then `lookahead` decode steps,
+        ends its chunk at one of its snapshot positions or passes one in its lookahead steps: (state slot, snapshot
+        slot, position) for the runner to copy the state after that position; else None. The positions are its
+        prompt-end one and the last full block boundary of its tokens, those of its steps in flight and lookahead
+        included (the last boundary the step reaches). A chunk passes no position inside it: cut_at_snapshot cut it
+        there, or found no slot for it then (a slot freed since, by a preemption in this step, is not used)."""
         if self.prefix_cache is None:
             return None
-        start, position = req.num_computed_tokens, end // self.block_size * self.block_size
+        chunk_end = req.num_computed_tokens + num_tokens
+        position = (chunk_end + lookahead) // self.block_size * self.block_size
         shared = position == self._prompt_end(req)
-        if position <= start or not (shared or position >= self._last_boundary(req)):
+        if position < chunk_end or not (shared or position >= self._last_boundary(req)):
             return None
         if not self._wants_snapshot(req, position):
             return None

@@ -60,6 +60,16 @@ class _Tracked:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class _Submitted:
+    """A step queued on the runner: its SchedulerOutput, its output to wait for, and the tracked requests it was
+    submitted for (by id; None where the engine tracks none)."""
+
+    sched: SchedulerOutput
+    pending: PendingOutput
+    tracked: dict[str, _Tracked | None]
+
+
 class Engine:
     def __init__(self, model: str, engine_config: EngineConfig, progress=None, parallel: ParallelConfig = SINGLE):
         """parallel: rank 0 of a tensor-parallel group (whose other ranks run core/tensor_parallel.py's worker
@@ -92,7 +102,7 @@ class Engine:
         if async_scheduling is None:  # on where it hides something: the device runs apart from the host
             async_scheduling = engine_config.device != "cpu"
         self.async_scheduling = async_scheduling and parallel.world_size == 1
-        self._inflight: tuple[SchedulerOutput, PendingOutput] | None = None  # the next step, queued
+        self._inflight: _Submitted | None = None  # the next step, queued
         self.structured: StructuredOutputManager | None = None  # made at the first constrained request
         self._compiling: dict[str, tuple[Request, Future]] = {}  # constrained requests whose grammar compiles
 
@@ -214,7 +224,9 @@ class Engine:
         return self.scheduler.cache.prefix_cache_stats()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._compiling)
+        """Requests to run, or a step still in flight (all its requests stopped meanwhile: the next step() applies
+        it, so the engine is idle, every pin and page back, once this is False)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._compiling) or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
         failed = self._admit_compiled() if self._compiling else []
@@ -223,7 +235,7 @@ class Engine:
 
     def _step(self) -> list[RequestOutput]:
         if self._inflight is not None:
-            (sched, pending), self._inflight = self._inflight, None
+            step, self._inflight = self._inflight, None
         else:
             sched = self.scheduler.schedule()
             if not sched.num_scheduled_tokens and self.scheduler.has_unfinished_requests():
@@ -232,30 +244,33 @@ class Engine:
                     f"the scheduler scheduled nothing while {self.scheduler.num_running} running and "
                     f"{self.scheduler.num_waiting} waiting requests remain; this is a scheduler bug (a request "
                     "that can never get pages or a slot), not something to retry: abort the requests")
-            pending = self._submit(sched)
+            step = self._submit(sched)
         if self.async_scheduling and self.scheduler.has_unfinished_requests():
-            ahead = self.scheduler.schedule()  # may be empty: a request waits for this step's tokens
-            ahead_pending = self._submit(ahead)  # the runner drops the requests it lets go even so
-            if ahead.num_scheduled_tokens:
-                self._inflight = ahead, ahead_pending
-        return self._apply(sched, pending)
+            ahead = self._submit(self.scheduler.schedule())  # the runner drops the requests it lets go even so
+            if ahead.sched.num_scheduled_tokens:  # else a request waits for this step's tokens
+                self._inflight = ahead
+        return self._apply(step)
 
-    def _submit(self, sched: SchedulerOutput) -> PendingOutput:
+    def _submit(self, sched: SchedulerOutput) -> _Submitted:
         broadcast_object(sched, self.parallel)  # the other ranks run the same step on their shards
-        return self.runner.submit(sched)
+        tracked = {req_id: self._tracked.get(req_id) for req_id in sched.num_scheduled_tokens}
+        return _Submitted(sched, self.runner.submit(sched), tracked)
 
-    def _apply(self, sched: SchedulerOutput, pending: PendingOutput) -> list[RequestOutput]:
-        """Wait for a step's tokens, update the scheduler and build the outputs of the requests that progressed."""
-        runner_out = pending.result()
+    def _apply(self, step: _Submitted) -> list[RequestOutput]:
+        """Wait for a step's tokens, update the scheduler and build the outputs of the requests that progressed (those
+        still tracked as they were when it was submitted: not a request given the same id since)."""
+        sched, runner_out = step.sched, step.pending.result()
         updates = self.scheduler.update_from_output(sched, runner_out)
         starts = sched.start_positions()
         for req_id, entries in runner_out.prompt_logprobs.items():
-            self._add_prompt_logprobs(req_id, entries, starts[req_id])
+            tracked = step.tracked[req_id]
+            if tracked is not None and tracked is self._tracked.get(req_id):
+                self._add_prompt_logprobs(tracked, entries, starts[req_id])
         now = time.monotonic()
         outputs = []
         for req, new_ids in updates:
             tracked = self._tracked.get(req.req_id)
-            if tracked is None:
+            if tracked is None or tracked.request is not req:
                 continue
             tracked.metrics.setdefault("first_token_time", now)
             self._add_logprobs(tracked, runner_out.logprobs.get(req.req_id, []))
@@ -319,11 +334,10 @@ class Engine:
             tracked.logprobs.append(self._as_dict(entry))
             tracked.cumulative_logprob += entry.logprobs[0]
 
-    def _add_prompt_logprobs(self, req_id: str, entries: list[Logprobs], start: int) -> None:
+    def _add_prompt_logprobs(self, tracked: _Tracked, entries: list[Logprobs], start: int) -> None:
         """entries score the prompt tokens from the one after this step's first position (start) on; a recompute
         after a preemption starts again at position 0, so its first entries repeat ones already kept."""
-        tracked = self._tracked.get(req_id)
-        if tracked is None or tracked.prompt_logprobs is None:
+        if tracked.prompt_logprobs is None:
             return
         first_scored = start + 1
         num_repeated = len(tracked.prompt_logprobs) - first_scored

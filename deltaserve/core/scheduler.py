@@ -76,6 +76,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the tail is the preemption victim
         self._finished_req_ids: set[str] = set()  # ones the runner holds, to drop at the next step
+        # per step scheduled and not yet applied, in order, its requests: an update finds the request it was scheduled
+        # for, not one that has since been given the same id (the old one finished while its next step ran)
+        self._unapplied: deque[dict[str, Request]] = deque()
         self.num_preemptions = 0  # since start, for logs and tests
 
     @property
@@ -122,6 +125,8 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         out.finished_req_ids = self._finished_req_ids
         self._finished_req_ids = set()
+        if out.num_scheduled_tokens:
+            self._unapplied.append({req_id: self.requests[req_id] for req_id in out.num_scheduled_tokens})
         return out
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -130,18 +135,19 @@ class Scheduler:
         it computed in the prefix cache, finish requests that stop.
 
         Returns (request, new output token ids) for each request the runner sampled for; a request that
-        finished this step has a finished status. Requests finished or aborted since schedule() are skipped.
+        finished this step has a finished status. Requests finished or aborted since schedule() are skipped (a request
+        given the same id since is another request).
         """
         updates = []
-        starts = scheduler_output.start_positions()
+        starts, requests = scheduler_output.start_positions(), self._take_step(scheduler_output)
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            req = self.requests.get(req_id)
-            if req is None:
+            req = requests[req_id]
+            if req.status.finished:
                 continue
             lookahead = scheduler_output.num_lookahead_tokens.get(req_id, 0)
             end = starts[req_id] + num_tokens + lookahead  # tokens computed once this step is done
-            sampled = self._check_sampled(req, starts[req_id] + num_tokens, lookahead,
-                                          runner_output.sampled_token_ids.get(req_id) or [])
+            sampled = runner_output.sampled_token_ids.get(req_id) or []
+            self._settle_pending(req, starts[req_id] + num_tokens, lookahead, sampled)
             new_token_ids, status = self._append(req, sampled)
             if req.status == RequestStatus.RUNNING:  # else preempted since: its pages are gone
                 # the tokens computed after a stop token (lookahead steps) count as never computed
@@ -152,6 +158,16 @@ class Scheduler:
                 updates.append((req, new_token_ids))
         self.cache.end_step()
         return updates
+
+    def _take_step(self, scheduler_output: SchedulerOutput) -> dict[str, Request]:
+        """The requests scheduler_output was scheduled for, taken off the steps not yet applied ({} for an empty
+        step); RuntimeError unless it is the oldest of them (steps are applied once each, in order)."""
+        if not scheduler_output.num_scheduled_tokens:
+            return {}
+        if not self._unapplied or self._unapplied[0].keys() != scheduler_output.num_scheduled_tokens.keys():
+            raise RuntimeError("update_from_output got a step that is not the oldest one scheduled and not applied: "
+                               "apply each step once, in the order schedule() returned them")
+        return self._unapplied.popleft()
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, lookahead: int) -> tuple[int, bool]:
         """Serve running requests in order; returns the budget left and whether anyone was preempted."""
@@ -243,7 +259,7 @@ class Scheduler:
         if lookahead:
             out.num_lookahead_tokens[req.req_id] = lookahead
         end = req.num_computed_tokens + num_tokens + lookahead
-        save = self.cache.plan_snapshot_save(req, end)
+        save = self.cache.plan_snapshot_save(req, num_tokens, lookahead)
         if save is not None:
             out.snapshot_saves.append(save)
         if req.num_computed_tokens + num_tokens == req.num_tokens_with_pending:
@@ -270,10 +286,10 @@ class Scheduler:
         req.status = status
         del self.requests[req.req_id]
 
-    def _check_sampled(self, req: Request, chunk_end: int, lookahead: int, sampled: list[int]) -> list[int]:
-        """sampled, checked against what the step owed req: 1 + lookahead tokens where its chunk reached the end of
-        its tokens (all earlier steps are applied, so req.num_tokens is where this step's chunk began sampling), none
-        before."""
+    def _settle_pending(self, req: Request, chunk_end: int, lookahead: int, sampled: list[int]) -> None:
+        """Take the step's sampled tokens off req's pending outputs, checked against what the step owed it: 1 +
+        lookahead tokens where its chunk reached the end of its tokens (all earlier steps are applied, so
+        req.num_tokens is where this step's chunk began sampling), none before."""
         owed = 1 + lookahead if chunk_end == req.num_tokens else 0
         if len(sampled) != owed:
             raise RuntimeError(
@@ -281,7 +297,6 @@ class Scheduler:
                 "samples 1 + lookahead tokens for each request whose scheduled chunk reaches the end of its tokens, "
                 "and none for a prompt chunk short of it")
         req.num_pending_outputs -= owed
-        return sampled
 
     def _append(self, req: Request, sampled: list[int]) -> tuple[list[int], RequestStatus | None]:
         """Append sampled tokens up to the first that ends req; returns those appended and why it ends (or None)."""

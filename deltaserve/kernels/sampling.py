@@ -90,11 +90,14 @@ def build_sampling_metadata(
     vocab_size: int,
     device: torch.device | str,
     default_generator: torch.Generator,
+    num_output_tokens: list[int] | None = None,
 ) -> SamplingMetadata:
     """Gather B requests' sampling parameters into device tensors, once per step.
 
     prompt_token_ids, output_token_ids: per row, the prompt and the tokens generated so far.
     default_generator: on `device`, the random source of the rows that sample without a seed.
+    num_output_tokens: per row, the outputs before the token sampled now, for seeded rows' generators (default: the
+    lengths of output_token_ids; more when some are still being computed).
     """
     _check_rows(params, prompt_token_ids, output_token_ids)
     sampling = [p for p in params if not p.greedy]
@@ -115,7 +118,7 @@ def build_sampling_metadata(
         repetition_penalty=column("repetition_penalty", torch.float32),
         output_token_counts=_token_counts(output_token_ids, vocab_size, device) if needs_counts else None,
         seen_token_mask=_token_counts(seen_token_ids, vocab_size, device) > 0 if needs_seen else None,
-        generators=row_generators(params, [len(output) for output in output_token_ids], device),
+        generators=row_generators(params, num_output_tokens or [len(output) for output in output_token_ids], device),
         default_generator=default_generator if any(p.seed is None for p in sampling) else None,
         all_greedy=not sampling,
         no_penalties=not (needs_counts or needs_seen),

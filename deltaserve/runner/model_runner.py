@@ -186,8 +186,8 @@ class ModelRunner:
                               to_snapshots=True)
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)  # the process's setting, as the caller left it
-        if sampler is None:
-            return PendingOutput(out)
+        if sampler is None:  # still a sync at result(): a graph's staging block is refilled only after one
+            return PendingOutput(out, copied=self._step_done())
         self._last_sampled = [s.req_id for s in sampler.states], tokens[-1]
         stacked = tokens[0][:, None] if len(tokens) == 1 else torch.stack(tokens, dim=1)  # [S, steps]
         return sampler.pending(stacked, out, self._to_host)
@@ -324,6 +324,14 @@ class ModelRunner:
     def _next_side(self) -> int:
         side, self._staging_side = self._staging_side, 1 - self._staging_side
         return side
+
+    def _step_done(self) -> torch.cuda.Event | None:
+        """An event that completes with the work queued so far (None on the CPU, where it has run already)."""
+        if self.device.type == "cpu":
+            return None
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return done
 
     def _to_host(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """x copied to host memory, queued now: (the copy, an event that completes with it; None on the CPU). A

@@ -44,9 +44,11 @@ class StepSampler:
         self.states, self.rows, self.device = states, rows, generator.device
         self.logits_processor = logits_processor
         self.params = params = [s.sampling_params for s in states]
+        # outputs each request has before this step's token: its position past the prompt
+        self.num_outputs = [s.num_computed_tokens - s.num_prompt_tokens for s in states]
         self.meta = None if plain_greedy(params) else build_sampling_metadata(
             params, [s.token_ids[: s.num_prompt_tokens] for s in states], [s.output_token_ids for s in states],
-            vocab_size, self.device, generator)
+            vocab_size, self.device, generator, self.num_outputs)
         self.result = None  # the first step's SamplerOutput, for its logprobs
 
     def sample(self, logits_at, step: int) -> torch.Tensor:
@@ -57,12 +59,11 @@ class StepSampler:
             logits = self.logits_processor([s.req_id for s in self.states], logits)
         if self.meta is None:
             return logits.argmax(dim=-1)
-        # outputs each request has before this step's token: its position past the prompt
-        num_outputs = [s.num_computed_tokens + step - s.num_prompt_tokens for s in self.states]
-        generators = row_generators(self.params, num_outputs, self.device)
-        result = sample(logits, replace(self.meta, generators=generators))
         if step == 0:
-            self.result = result
+            self.result = result = sample(logits, self.meta)
+        else:  # seeded rows: generators for this step's output numbers
+            generators = row_generators(self.params, [n + step for n in self.num_outputs], self.device)
+            result = sample(logits, replace(self.meta, generators=generators))
         return result.token_ids
 
     def pending(self, tokens: torch.Tensor, out: RunnerOutput, to_host) -> PendingOutput:

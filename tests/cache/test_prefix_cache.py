@@ -150,7 +150,7 @@ def computed(manager, req, num_tokens):
     """As a step does: allocate, schedule a save where one is due, advance, index."""
     assert manager.allocate_slots(req, num_tokens) is not None
     end = req.num_computed_tokens + num_tokens
-    save = manager.plan_snapshot_save(req, end)
+    save = manager.plan_snapshot_save(req, num_tokens)
     req.num_computed_tokens = end
     manager.cache_computed(req, end)
     manager.end_step()

@@ -102,6 +102,40 @@ def test_an_abort_while_a_step_is_in_flight_leaves_the_others_exact(make_llm):
         assert again.outputs[0].token_ids == expected[0].outputs[0].token_ids
 
 
+def run_engine(engine) -> dict:
+    """Step until idle; the final output of each request, by id."""
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    return final
+
+
+def test_an_id_given_again_while_its_old_request_has_a_step_in_flight_gets_only_its_own_tokens(make_llm):
+    """Found in review: the old request's next step, applied after the id went to a new request, gave the new one
+    its token, or failed (and a prompt chunk's logprobs went to the new request's prompt)."""
+    prompt, other = random_prompts((9, 40), seed=2)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    llm = make_llm(async_scheduling=True, num_decode_steps=1, max_num_batched_tokens=16)
+    expected = llm.generate(as_inputs([other]), greedy, use_tqdm=False)[0]
+    stop = llm.generate(as_inputs([prompt]), greedy, use_tqdm=False)[0].outputs[0].token_ids[0]
+    engine = llm.engine
+    engine.add_request(prompt, SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop]), request_id="x")
+    while not any(o.finished for o in engine.step()):  # x stops at its first token, its next step in flight
+        pass
+    assert engine._inflight is not None
+    engine.add_request(other, greedy, request_id="x")
+    got = run_engine(engine)["x"]
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    # an abort while a prompt chunk (with prompt logprobs) is in flight, and the id given again at once
+    engine.add_request(other, greedy, request_id="y")
+    engine.step()
+    assert engine._inflight is not None
+    engine.abort("y")
+    engine.add_request(other, greedy, request_id="y")
+    got = run_engine(engine)["y"]
+    assert_same_outputs([got], [expected], "an id given again")
+
+
 def test_prompt_logprobs_chunked_prefill_and_admissions_with_a_step_in_flight_stay_exact(make_llm):
     """Prompts split by a small token budget, more requests than sequences (later ones admitted while a step runs),
     prompt logprobs: the steps after prompt chunks and the admissions are scheduled ahead, and change nothing."""

@@ -12,7 +12,13 @@ from deltaserve.runner_output import RunnerOutput
 def launch(sched, out, tokens: dict[str, list[int]]) -> dict[str, list[int]]:
     """What the fake runner samples for `out` when it is queued (right after schedule()): for each request whose
     chunk reaches the end of its tokens (it has pending outputs now), its next 1 + lookahead tokens from `tokens`,
-    after those of the steps before, applied or in flight."""
+    after those of the steps before, applied or in flight. Checks, as the runner does, that each snapshot save lies
+    where the step reaches: its request's chunk end, or one of its lookahead steps."""
+    starts, request_of = out.start_positions(), {sched.requests[r].state_slot: r for r in out.num_scheduled_tokens}
+    for state_slot, _, position in out.snapshot_saves:
+        req_id = request_of[state_slot]
+        chunk_end = starts[req_id] + out.num_scheduled_tokens[req_id]
+        assert chunk_end <= position <= chunk_end + out.num_lookahead_tokens.get(req_id, 0), (req_id, position)
     sampled = {}
     for req_id in out.num_scheduled_tokens:
         req = sched.requests[req_id]
@@ -246,3 +252,49 @@ def test_a_runner_that_returns_the_wrong_number_of_tokens_is_caught():
     assert out.num_lookahead_tokens == {"a": 3}
     with pytest.raises(RuntimeError, match="owed 4"):
         sched.update_from_output(out, RunnerOutput(["a"], {"a": [1001]}))
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_slot_freed_by_a_preemption_never_puts_a_save_inside_a_chunk_that_was_not_cut(ahead):
+    """Found in review: a recomputed prompt's chunk was not cut at its snapshot position (no snapshot slot free
+    then); the preemption that followed in the same step freed one, and a save was planned inside the chunk, where
+    the runner refuses it. launch() checks every save's position."""
+    sched = new_scheduler(block_size=2, num_blocks=13, max_num_seqs=3, max_num_batched_tokens=9, num_snapshot_slots=2)
+    reqs = [greedy("1", prompt_len=3, max_tokens=6, ignore_eos=True),
+            greedy("2", prompt_len=19, max_tokens=6, ignore_eos=True),
+            greedy("4", prompt_len=10, max_tokens=6, ignore_eos=True)]
+    run(sched, reqs, {r.req_id: stream(10) for r in reqs}, ahead)
+    assert sched.num_preemptions > 0 and all(r.output_token_ids == stream(6) for r in reqs)
+
+
+@pytest.mark.parametrize("new_prompt_len", [6, 5])
+def test_an_id_given_again_while_the_old_request_has_a_step_in_flight_names_a_new_request(new_prompt_len):
+    """Found in review: the old request's next step, applied after the id was given to a new request, credited its
+    token to the new one (same length) or failed the step (another length)."""
+    sched = new_scheduler()
+    sched.add_request(greedy("a", prompt_len=4, max_tokens=10))
+    first = sched.schedule()  # a's prompt: samples its first token
+    second = sched.schedule()  # ahead: a decodes its second
+    sched.update_from_output(first, RunnerOutput(["a"], {"a": [EOS]}))  # a stops
+    new = greedy("a", prompt_len=new_prompt_len, max_tokens=10, ignore_eos=True)
+    sched.add_request(new)  # the id is free again
+    assert sched.update_from_output(second, RunnerOutput(["a"], {"a": [1234]})) == []
+    assert new.output_token_ids == [] and new.num_pending_outputs == 0
+    run(sched, [], {"a": stream(10)})
+    assert new.output_token_ids == stream(10)
+
+
+def test_steps_are_applied_once_each_in_the_order_they_were_scheduled():
+    sched = new_scheduler()
+    sched.add_request(greedy("a", max_tokens=4, ignore_eos=True))
+    first = sched.schedule()  # a's prompt
+    sched.add_request(greedy("b", max_tokens=4, ignore_eos=True))
+    second = sched.schedule()  # a decodes, b's prompt
+    with pytest.raises(RuntimeError, match="not the oldest one scheduled"):
+        sched.update_from_output(second, RunnerOutput(["a", "b"], {"a": [2], "b": [1]}))
+    sched.update_from_output(first, RunnerOutput(["a"], {"a": [1]}))
+    sched.update_from_output(second, RunnerOutput(["a", "b"], {"a": [2], "b": [1]}))
+    with pytest.raises(RuntimeError, match="not the oldest one scheduled"):
+        sched.update_from_output(second, RunnerOutput(["a", "b"], {"a": [2], "b": [1]}))
+    for req_id in "ab":
+        sched.abort_request(req_id)
