@@ -175,13 +175,13 @@ def load_engine():
 
     folder = bench.make_model("small")
     llm = LLM(folder, device="cpu", max_model_len=4096, max_num_seqs=1, max_num_batched_tokens=2048)
-    return llm, llm.engine.runner.model
+    return llm, llm.engine.model
 
 
 def engine_generate(llm, prompt, n, record=False):
     from deltaserve import SamplingParams
 
-    model = llm.engine.runner.model
+    model = llm.engine.model
     logits = []
     if record:
         orig = type(model).compute_logits

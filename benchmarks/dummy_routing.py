@@ -45,7 +45,7 @@ def cut_config(layers: int, heads: int | None) -> dict:
 def shared_fraction(engine: Engine, batch: int, prompt_len: int, seed: int) -> list[float]:
     """Per MoE layer, |mean router input| / mean |router input| over the 3 decode steps of one more routing pass
     (the router's input: the output of the MoE layer's post-attention norm)."""
-    norms = [layer.post_attention_layernorm for layer in engine.runner.model.layers if isinstance(layer.mlp, MoE)]
+    norms = [layer.post_attention_layernorm for layer in engine.model.layers if isinstance(layer.mlp, MoE)]
     inputs: list[list[torch.Tensor]] = [[] for _ in norms]
     handles = [norm.register_forward_hook(lambda mod, args, out, i=i: inputs[i].append(out[0].float()))
                for i, norm in enumerate(norms)]

@@ -4,7 +4,10 @@
 #   here:        bash benchmarks/gpu/ab_bench.sh prepare COMMIT   # COMMIT's code into ab/before (add /ab/ to
 #                                                                 # .git/info/exclude; carry ["wheels", "ab"])
 #   on the GPU:  bash benchmarks/gpu/ab_bench.sh run              # writes $OUT/bench_{head,before}.{txt,json}
-# BATCHES (default 1,64,256), LONG (default 8192) and T_BENCH (seconds per side, default 175) as in run_h200.sh.
+# BATCHES (default 1,64,256), LONG (default 8192; empty for none) and T_BENCH (seconds per side, default 175) as
+# in run_h200.sh.
+# ROUNDS (default 1): rounds of both sides, the side that runs first swapped each round (ABBA; the first process
+# measured ~6% more copy bandwidth), each round's files suffixed _rN.
 set -uo pipefail
 ROOT=$PWD
 if [ "${1:-}" = prepare ]; then
@@ -14,14 +17,19 @@ if [ "${1:-}" = prepare ]; then
   exit 0
 fi
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+LONG=${LONG-8192}  # LONG= (empty): no long-prompt row
 python3 -m pip install --no-deps --no-index --target "$ROOT/.gpu/site" wheels/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 B="python3 -m deltaserve.entrypoints.cli bench --load-format dummy --device cuda --max-num-batched-tokens 8192
    --config benchmarks/configs/kimi-linear-48b-a3b.json --prompt-len 512 --output-len 32
-   --batch-sizes ${BATCHES:-1,64,256} --long-prompt-len ${LONG:-8192}"
-for side in head before; do
-  echo "== bench $side $(date +%T)"
-  dir=$ROOT; [ $side = before ] && dir=$ROOT/ab/before
-  (cd "$dir" && PYTHONPATH=$ROOT/.gpu/site:$dir timeout ${T_BENCH:-175} $B --json-out "$OUT/bench_$side.json" \
-      > "$OUT/bench_$side.txt" 2>&1)
-  grep -A6 "batch  " "$OUT/bench_$side.txt" | cut -c1-130
+   --batch-sizes ${BATCHES:-1,64,256} ${LONG:+--long-prompt-len $LONG}"
+for ((round = 0; round < ${ROUNDS:-1}; round++)); do
+  order="head before"; [ $((round % 2)) = 1 ] && order="before head"
+  suffix=""; [ "${ROUNDS:-1}" -gt 1 ] && suffix="_r$round"
+  for side in $order; do
+    echo "== bench $side round $round $(date +%T)"
+    dir=$ROOT; [ $side = before ] && dir=$ROOT/ab/before
+    (cd "$dir" && PYTHONPATH=$ROOT/.gpu/site:$dir timeout ${T_BENCH:-175} $B \
+        --json-out "$OUT/bench_$side$suffix.json" > "$OUT/bench_$side$suffix.txt" 2>&1)
+    grep -A6 "batch  " "$OUT/bench_$side$suffix.txt" | cut -c1-130
+  done
 done

@@ -161,10 +161,15 @@ class Scheduler:
 
     def _take_step(self, scheduler_output: SchedulerOutput) -> dict[str, Request]:
         """The requests scheduler_output was scheduled for, taken off the steps not yet applied ({} for an empty
-        step); RuntimeError unless it is the oldest of them (steps are applied once each, in order)."""
+        step); RuntimeError unless it is the oldest of them (steps are applied once each, in order), steps that were
+        never applied and whose requests have all finished aside."""
         if not scheduler_output.num_scheduled_tokens:
             return {}
-        if not self._unapplied or self._unapplied[0].keys() != scheduler_output.num_scheduled_tokens.keys():
+        keys = scheduler_output.num_scheduled_tokens.keys()
+        while self._unapplied and self._unapplied[0].keys() != keys and \
+                all(req.status.finished for req in self._unapplied[0].values()):
+            self._unapplied.popleft()  # a step never applied (it failed) whose requests were all aborted since
+        if not self._unapplied or self._unapplied[0].keys() != keys:
             raise RuntimeError("update_from_output got a step that is not the oldest one scheduled and not applied: "
                                "apply each step once, in the order schedule() returned them")
         return self._unapplied.popleft()

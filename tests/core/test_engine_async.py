@@ -136,6 +136,25 @@ def test_an_id_given_again_while_its_old_request_has_a_step_in_flight_gets_only_
     assert_same_outputs([got], [expected], "an id given again")
 
 
+def test_a_step_that_fails_on_the_runner_leaves_the_engine_serving(make_llm, monkeypatch):
+    prompts = random_prompts((12, 30), seed=17)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    llm = make_llm(async_scheduling=True, num_decode_steps=4)
+    expected = llm.generate(as_inputs(prompts), params, use_tqdm=False)
+    submit, calls = llm.engine.runner.submit, []
+
+    def failing(sched):
+        calls.append(1)
+        if len(calls) == 3:  # a step scheduled ahead
+            raise RuntimeError("device lost")
+        return submit(sched)
+
+    monkeypatch.setattr(llm.engine.runner, "submit", failing)
+    with pytest.raises(RuntimeError, match="device lost"):
+        llm.generate(as_inputs(prompts), params, use_tqdm=False)
+    assert_same_outputs(llm.generate(as_inputs(prompts), params, use_tqdm=False), expected, "after a failed step")
+
+
 def test_prompt_logprobs_chunked_prefill_and_admissions_with_a_step_in_flight_stay_exact(make_llm):
     """Prompts split by a small token budget, more requests than sequences (later ones admitted while a step runs),
     prompt logprobs: the steps after prompt chunks and the admissions are scheduled ahead, and change nothing."""

@@ -298,3 +298,13 @@ def test_steps_are_applied_once_each_in_the_order_they_were_scheduled():
         sched.update_from_output(second, RunnerOutput(["a", "b"], {"a": [2], "b": [1]}))
     for req_id in "ab":
         sched.abort_request(req_id)
+
+
+def test_a_step_never_applied_whose_requests_were_aborted_is_set_aside():
+    """A step that failed on the runner is never applied; once its requests are aborted, the next steps apply."""
+    sched = new_scheduler()
+    sched.add_request(greedy("a", max_tokens=4, ignore_eos=True))
+    sched.schedule()  # the runner fails it
+    sched.abort_request("a")
+    run(sched, [greedy("b", max_tokens=4, ignore_eos=True)], {"b": stream(4)}, ahead=True)
+    assert sched.requests == {}
