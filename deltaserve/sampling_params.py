@@ -144,7 +144,7 @@ class SamplingParams:
     @property
     def samples_from_outputs(self) -> bool:
         """Whether sampling a token reads the outputs before it on the host (penalties count them, a grammar's mask
-        follows them): such a request is not scheduled while a step that samples for it is in flight."""
+        follows them): while a step that samples for such a request is in flight, nothing is scheduled."""
         return self.penalized or self.structured_outputs is not None
 
 

@@ -56,16 +56,16 @@ def main(argv=None) -> dict:
     prompts = [torch.randint(0, engine.model_config.vocab_size, (n,), generator=gen).tolist() for n in (7, 40, 300, 77)]
     max_tokens = [20, 33, 41, 64]
     tokens = {}
-    for label, chained in (("sync", False), ("async", True), ("sync again", False), ("async again", True)):
-        engine.async_scheduling = chained
+    for label, in_flight in (("sync", False), ("async", True), ("sync again", False), ("async again", True)):
+        engine.async_scheduling = in_flight
         tokens[label] = greedy_tokens(engine, prompts, max_tokens)
     same = {label: got == tokens["sync"] for label, got in tokens.items()}
     print(f"greedy tokens equal to the first synchronous run: {same}", flush=True)
 
     tpot = {"sync": [], "async": []}
     for round_ in range(args.rounds):
-        for label, chained in (("async", True), ("sync", False)):
-            engine.async_scheduling = chained
+        for label, in_flight in (("async", True), ("sync", False)):
+            engine.async_scheduling = in_flight
             row = run_batch(engine, args.batch, args.prompt_len, args.output_len, seed=round_)
             tpot[label].append(row["tpot_ms"])
             print(f"round {round_} {label:>5}: TPOT {row['tpot_ms']:.3f} ms, {row['output_tok_s']:.1f} tok/s",

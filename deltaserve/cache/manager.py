@@ -187,6 +187,8 @@ class CacheManager:
 
     def cut_at_snapshot(self, req: Request, start: int, num_tokens: int) -> int:
         """num_tokens, shortened so that a chunk from token `start` ends at the first snapshot position it passes."""
+        if num_tokens <= 1:
+            return num_tokens  # a decode passes no position
         for position in self._snapshot_positions(req):
             if start < position < start + num_tokens and self._wants_snapshot(req, position):
                 return position - start
@@ -203,8 +205,10 @@ class CacheManager:
             return None
         chunk_end = req.num_computed_tokens + num_tokens
         position = (chunk_end + lookahead) // self.block_size * self.block_size
+        if position < chunk_end:
+            return None  # no boundary at the chunk's end nor in its lookahead (most decode steps)
         shared = position == self._prompt_end(req)
-        if position < chunk_end or not (shared or position >= self._last_boundary(req)):
+        if not (shared or position >= self._last_boundary(req)):
             return None
         if not self._wants_snapshot(req, position):
             return None

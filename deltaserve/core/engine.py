@@ -261,7 +261,7 @@ class Engine:
         still tracked as they were when it was submitted: not a request given the same id since)."""
         sched, runner_out = step.sched, step.pending.result()
         updates = self.scheduler.update_from_output(sched, runner_out)
-        starts = sched.start_positions()
+        starts = sched.start_positions() if runner_out.prompt_logprobs else {}
         for req_id, entries in runner_out.prompt_logprobs.items():
             tracked = step.tracked[req_id]
             if tracked is not None and tracked is self._tracked.get(req_id):

@@ -20,7 +20,8 @@ free up.
 Prefix caching (CacheManager's docstring has the rules). A waiting request is admitted with its longest cached
 prefix: its pages (shared, ref counted) and num_computed_tokens = the prefix's tokens; NewRequestData names the
 KDA snapshot the runner restores into its slot. A chunk that would pass one of a request's snapshot positions is
-cut to end there, and SchedulerOutput.snapshot_saves asks the runner to copy the state after that step. A
+cut to end there, and SchedulerOutput.snapshot_saves asks the runner to copy the state after that step (or after
+the lookahead step that reaches a rolling snapshot's position). A
 preempted request's full pages stay cached, so its recompute usually starts from a cached prefix.
 
 Length limits (as vLLM): a prompt of max_model_len tokens or more is rejected; generation is capped by
@@ -39,13 +40,13 @@ written again only by steps queued after that one. A request preempted while its
 when it is applied, and is admitted again only after (no pending outputs).
 
 Lookahead (decode bursts). When every running request decodes without logprobs, stop strings, penalties or a grammar
-(SamplingParams.host_between_tokens), nothing waits, and the pages of num_decode_steps tokens each are free, each
-request gets num_decode_steps - 1 lookahead tokens: the runner decodes that many more steps on the device, each
-step's token the next one's input, and returns them all; their pages are allocated now and update_from_output
-appends them as if they came one step at a time (a stop token or the length limit finishes the request there; the
-tokens computed after it are dropped with its cache). Lookahead never runs past a request's max_tokens or
-max_model_len. With prefix caching, the rolling snapshot is saved at the last block boundary the step reaches, where
-single steps would have saved it last.
+(SamplingParams.host_between_tokens), nothing waits, and the pages of all the steps are free, every request gets the
+same count of lookahead tokens, num_decode_steps - 1 capped by the smallest room left (max_tokens, max_model_len): the
+runner decodes that many more steps on the device, each step's token the next one's input, and returns them all;
+their pages are allocated now and update_from_output appends them as if they came one step at a time (a stop token
+or the length limit finishes the request there; the tokens computed after it are dropped with its cache). With
+prefix caching, the rolling snapshot is saved at the last block boundary the step reaches, where single steps would
+have saved it last.
 """
 
 from __future__ import annotations

@@ -239,8 +239,8 @@ def print_report(result: dict) -> None:
             "distinct_experts")
     weights = f" ({result['quantization']} weights)" if result.get("quantization") else ""
     pdl = ", programmatic dependent launch" if result.get("programmatic_dependent_launch") else ""
-    chained = ", asynchronous scheduling" if result.get("async_scheduling") else ""
-    print(f"device {result['device']}, {result['dtype']}{weights}{pdl}{chained}, copy {result['copy_GBps']:.0f} GB/s, "
+    ahead = ", asynchronous scheduling" if result.get("async_scheduling") else ""
+    print(f"device {result['device']}, {result['dtype']}{weights}{pdl}{ahead}, copy {result['copy_GBps']:.0f} GB/s, "
           f"peak memory {result['peak_memory_GiB'] or 0:.1f} GiB, prompt {result['prompt_len']}, "
           f"output {result['output_len']}")
     capacity = result["capacity"]

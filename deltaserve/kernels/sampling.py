@@ -103,7 +103,6 @@ def build_sampling_metadata(
     sampling = [p for p in params if not p.greedy]
     needs_counts = any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params)
     needs_seen = any(p.repetition_penalty != 1 for p in params)
-    seen_token_ids = [prompt + output for prompt, output in zip(prompt_token_ids, output_token_ids)]
 
     def column(name: str, dtype: torch.dtype) -> torch.Tensor:
         return to_device([getattr(p, name) for p in params], dtype, device)  # no wait: the step before may be in flight
@@ -117,7 +116,8 @@ def build_sampling_metadata(
         frequency_penalty=column("frequency_penalty", torch.float32),
         repetition_penalty=column("repetition_penalty", torch.float32),
         output_token_counts=_token_counts(output_token_ids, vocab_size, device) if needs_counts else None,
-        seen_token_mask=_token_counts(seen_token_ids, vocab_size, device) > 0 if needs_seen else None,
+        seen_token_mask=_token_counts([prompt + output for prompt, output in zip(prompt_token_ids, output_token_ids)],
+                                      vocab_size, device) > 0 if needs_seen else None,
         generators=row_generators(params, num_output_tokens or [len(output) for output in output_token_ids], device),
         default_generator=default_generator if any(p.seed is None for p in sampling) else None,
         all_greedy=not sampling,
@@ -216,7 +216,7 @@ def _token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.dev
     """Occurrences of each token id per row: B ragged lists -> [B, V] float32 on device."""
     width = max(map(len, token_ids), default=0)
     padded = [ids + [vocab_size] * (width - len(ids)) for ids in token_ids]  # pad with an extra column, dropped
-    index = torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(token_ids), width)
+    index = to_device(padded, torch.int64, device).reshape(len(token_ids), width)  # no wait for a step in flight
     counts = torch.zeros(len(token_ids), vocab_size + 1, device=device)
     counts.scatter_add_(1, index, torch.ones(index.shape, device=device))
     return counts[:, :vocab_size]

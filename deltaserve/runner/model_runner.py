@@ -5,7 +5,8 @@ a prefix-cache snapshot), build a ForwardBatch (decodes first, then prefill chun
 new tokens, compute logits only where a token is sampled (or prompt logprobs were asked for), sample, remember the
 sampled tokens, and copy the KDA states the scheduler asked to keep into their snapshot slots. A step with lookahead
 tokens (all decodes) then runs that many more decode steps, each step's sampled tokens the next one's inputs on the
-device. submit() queues all of it and returns at once; the host waits in PendingOutput.result(), once a step.
+device. submit() queues all of it and returns without waiting for the device (but for a step with prompt logprobs,
+which reads them in submit); the host waits in PendingOutput.result(), once a step.
 
 The step before may still be in flight when a step is submitted (asynchronous scheduling): a decode whose input
 token that step samples finds it missing from its request's tokens, and takes it from the device (the last tokens
@@ -165,12 +166,7 @@ class ModelRunner:
             # per-op overhead, which more threads only raise (and a busy machine multiplies): one thread for those
             few = len(host.input_ids) <= _ONE_THREAD_MAX_TOKENS
             torch.set_num_threads(1 if few else self.cpu_threads)
-        # after each step, the saves whose request has then computed their position
-        ends = {self.requests[r].state_slot: self.requests[r].num_computed_tokens + sched.num_scheduled_tokens[r]
-                for r in order}
-        if any(not 0 <= at - ends.get(slot, -num_steps) < num_steps for slot, _, at in sched.snapshot_saves):
-            raise ValueError(f"snapshot saves {sched.snapshot_saves} name a state slot or position no step of this "
-                             f"one reaches (ends {ends}, {num_steps} steps)")
+        saves = self._saves_by_step(sched, order, num_steps)
         out = RunnerOutput(req_ids=list(order), sampled_token_ids={r: [] for r in order})
         side = self._next_side()
         input_ids, tokens, sampler = self._missing_inputs(host, missing, last), [], None
@@ -182,26 +178,43 @@ class ModelRunner:
             if sampler is not None:  # else prompt chunks short of their ends only (and no lookahead)
                 input_ids = sampler.sample(logits_at, step)
                 tokens.append(input_ids)
-            self._copy_states([(slot, snap) for slot, snap, at in sched.snapshot_saves if at == ends[slot] + step],
-                              to_snapshots=True)
+            if saves:
+                self._copy_states(saves[step], to_snapshots=True)
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)  # the process's setting, as the caller left it
-        if sampler is None:  # still a sync at result(): a graph's staging block is refilled only after one
+        if sampler is None:  # result() still waits for the step: a graph's staging block is refilled only after
             return PendingOutput(out, copied=self._step_done())
         self._last_sampled = [s.req_id for s in sampler.states], tokens[-1]
-        stacked = tokens[0][:, None] if len(tokens) == 1 else torch.stack(tokens, dim=1)  # [S, steps]
-        return sampler.pending(stacked, out, self._to_host)
+        return sampler.pending(tokens, out, self._to_host)
 
     @staticmethod
     def _lookahead(sched: SchedulerOutput, order: list[str]) -> int:
         """The step's lookahead decode steps: the same count for every request, all decodes (the scheduler's rule)."""
-        counts = {sched.num_lookahead_tokens.get(r, 0) for r in order}
-        lookahead = counts.pop()
-        if counts or (lookahead and any(sched.num_scheduled_tokens[r] != 1 for r in order)):
+        if not sched.num_lookahead_tokens:
+            return 0
+        counts = set(sched.num_lookahead_tokens.values())
+        if len(counts) > 1 or len(sched.num_lookahead_tokens) != len(order) or \
+                sched.total_num_scheduled_tokens != len(order):
             raise ValueError(f"lookahead tokens {sched.num_lookahead_tokens} for scheduled tokens "
                              f"{sched.num_scheduled_tokens}: lookahead needs every request of the step to decode one "
                              "token with the same lookahead")
-        return lookahead
+        return counts.pop()
+
+    def _saves_by_step(self, sched: SchedulerOutput, order: list[str], num_steps: int) -> list[list[tuple[int, int]]]:
+        """Per step of this one (its lookahead steps after it), the (state slot, snapshot slot) copies to make after
+        it: a save's position is where its request's computed tokens then stand ([] when the step saves nothing)."""
+        if not sched.snapshot_saves:
+            return []
+        saves = [[] for _ in range(num_steps)]
+        ends = {self.requests[r].state_slot: self.requests[r].num_computed_tokens + sched.num_scheduled_tokens[r]
+                for r in order}
+        for slot, snapshot, position in sched.snapshot_saves:
+            step = position - ends.get(slot, -num_steps)
+            if not 0 <= step < num_steps:
+                raise ValueError(f"snapshot save {(slot, snapshot, position)} names a state slot or position no step "
+                                 f"of this one reaches (ends {ends}, {num_steps} steps)")
+            saves[step].append((slot, snapshot))
+        return saves
 
     def _run(self, host: HostBatch, input_ids: torch.Tensor | None, stage: int, side: int):
         """One forward pass over host's tokens (input_ids on the device when given, else host.input_ids); returns
@@ -223,13 +236,14 @@ class ModelRunner:
         if last_sampled is None:
             raise ValueError(f"requests {[r for _, r in missing]} decode a token the step before did not sample")
         order, last = last_sampled
+        if len(missing) == len(host.input_ids) == len(order) and all(
+                row == i and req_id == order[i] for i, (row, req_id) in enumerate(missing)):
+            return last  # every input is the step before's token, in its order: a decode step scheduled ahead
         index = {req_id: i for i, req_id in enumerate(order)}
         if any(req_id not in index for _, req_id in missing):
             raise ValueError(f"requests {[r for _, r in missing if r not in index]} decode a token that the step "
                              f"before (of {order}) did not sample")
         rows, sources = [row for row, _ in missing], [index[req_id] for _, req_id in missing]
-        if rows == list(range(len(host.input_ids))) and sources == list(range(len(order))):
-            return last  # every input is the step before's token, in its order: a pipelined decode step
         input_ids = to_device(host.input_ids, torch.int64, self.device)
         input_ids[to_device(rows, torch.int64, self.device)] = last[to_device(sources, torch.int64, self.device)]
         return input_ids

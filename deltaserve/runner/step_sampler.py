@@ -3,11 +3,12 @@ and of its lookahead steps, for the requests that sample) and PendingOutput (a s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
-from deltaserve.kernels.sampling import build_sampling_metadata, plain_greedy, row_generators, sample
+from deltaserve.kernels import sampling
+from deltaserve.kernels.sampling import SampledLogprobs, build_sampling_metadata, plain_greedy, row_generators
 from deltaserve.runner.logprobs import sampled_logprobs
 from deltaserve.runner_output import RunnerOutput
 from deltaserve.sampling_params import SamplingParams
@@ -30,12 +31,17 @@ class RequestState:
         return self.token_ids[self.num_prompt_tokens:]
 
 
+def astuple_shallow(record) -> tuple:
+    """A dataclass's fields in order, not copied (dataclasses.astuple deep-copies tensors)."""
+    return tuple(getattr(record, f.name) for f in fields(record))
+
+
 class StepSampler:
     """Samples one step's tokens for the requests whose chunk reaches their end (`states`), step after step of a
-    lookahead: penalties and logprobs read the outputs the host has, which the scheduler guarantees are all of them
-    for a request that asks (SamplingParams.samples_from_outputs); seeded rows draw from generators seeded by their
-    token's output number, counted from positions, so a step whose previous tokens are still in flight draws what
-    single synchronous steps would."""
+    lookahead: penalties and a grammar's mask read the outputs the host has, which the scheduler guarantees are all
+    of them for a request that has either (SamplingParams.samples_from_outputs); seeded rows draw from generators
+    seeded by their token's output number, counted from positions, so a step whose previous tokens are still in
+    flight draws what single synchronous steps would."""
 
     def __init__(self, states: list[RequestState], rows: list[int], vocab_size: int, generator: torch.Generator,
                  logits_processor=None):
@@ -46,42 +52,49 @@ class StepSampler:
         self.params = params = [s.sampling_params for s in states]
         # outputs each request has before this step's token: its position past the prompt
         self.num_outputs = [s.num_computed_tokens - s.num_prompt_tokens for s in states]
-        self.meta = None if plain_greedy(params) else build_sampling_metadata(
-            params, [s.token_ids[: s.num_prompt_tokens] for s in states], [s.output_token_ids for s in states],
-            vocab_size, self.device, generator, self.num_outputs)
+        self.meta = None
+        if not plain_greedy(params):  # the prompts and outputs only where a penalty reads them (O(context) a row)
+            penalised = any(p.penalized for p in params)
+            prompts = [s.token_ids[: s.num_prompt_tokens] if penalised else [] for s in states]
+            outputs = [s.output_token_ids if penalised else [] for s in states]
+            self.meta = build_sampling_metadata(params, prompts, outputs, vocab_size, self.device, generator,
+                                                self.num_outputs)
+        self.all_rows = list(range(len(states)))
         self.result = None  # the first step's SamplerOutput, for its logprobs
 
     def sample(self, logits_at, step: int) -> torch.Tensor:
         """The tokens of lookahead step `step` (0: the step itself), [S] int64 on the device. Step 0 reads the
         sampling rows; every later step's rows are all of them (a lookahead step is all decodes)."""
-        logits = logits_at(self.rows if step == 0 else list(range(len(self.states))))
+        logits = logits_at(self.rows if step == 0 else self.all_rows)
         if step == 0 and self.logits_processor is not None:
             logits = self.logits_processor([s.req_id for s in self.states], logits)
         if self.meta is None:
             return logits.argmax(dim=-1)
         if step == 0:
-            self.result = result = sample(logits, self.meta)
+            self.result = result = sampling.sample(logits, self.meta)
         else:  # seeded rows: generators for this step's output numbers
             generators = row_generators(self.params, [n + step for n in self.num_outputs], self.device)
-            result = sample(logits, replace(self.meta, generators=generators))
+            result = sampling.sample(logits, replace(self.meta, generators=generators))
         return result.token_ids
 
-    def pending(self, tokens: torch.Tensor, out: RunnerOutput, to_host) -> PendingOutput:
-        """The step's output once tokens [S, steps] reach the host; the requests' computed tokens advance now by the
-        lookahead steps, their tokens join them in result()."""
-        num_steps = tokens.shape[1]
+    def pending(self, tokens: list[torch.Tensor], out: RunnerOutput, to_host) -> PendingOutput:
+        """The step's output once its tokens (per step, [S] on the device) reach the host; the requests' computed
+        tokens advance now by the lookahead steps, their tokens join them in result()."""
+        num_steps = len(tokens)
         for state in self.states:
             state.num_computed_tokens += num_steps - 1
-        sampled, copied = to_host(tokens)
-        result = self.result
+        logprobs = None
+        if self.result is not None and self.result.logprobs is not None:  # to the host with the tokens, no wait
+            logprobs = SampledLogprobs(*(to_host(x)[0] for x in astuple_shallow(self.result.logprobs)))
+        sampled, copied = to_host(tokens[0] if num_steps == 1 else torch.stack(tokens, dim=1))
 
         def finish() -> RunnerOutput:
-            rows = sampled.tolist()
+            rows = [[t] for t in sampled.tolist()] if num_steps == 1 else sampled.tolist()
             for state, row in zip(self.states, rows):
                 state.token_ids.extend(row)
                 out.sampled_token_ids[state.req_id] = row
-            if result is not None and result.logprobs is not None:
-                entries = sampled_logprobs(result.logprobs, [row[0] for row in rows], [p.logprobs for p in self.params])
+            if logprobs is not None:
+                entries = sampled_logprobs(logprobs, [row[0] for row in rows], [p.logprobs for p in self.params])
                 out.logprobs.update((s.req_id, [e]) for s, e in zip(self.states, entries) if e is not None)
             return out
 
@@ -89,15 +102,17 @@ class StepSampler:
 
 
 class PendingOutput:
-    """A step's RunnerOutput, ready or still being computed on the device: result() waits once for `copied` (the
-    event after its sampled tokens' copy to the host; None on the CPU), then builds it with finish()."""
+    """A step's RunnerOutput, ready or still being computed on the device: result() waits once for `copied` (an
+    event after the step's work, its sampled tokens' copy to the host last; None on the CPU), then builds the
+    output with finish() where one is given."""
 
     def __init__(self, output: RunnerOutput | None = None, finish=None, copied: torch.cuda.Event | None = None):
         self._output, self._finish, self._copied = output, finish, copied
 
     def result(self) -> RunnerOutput:
+        if self._copied is not None:
+            self._copied.synchronize()  # the step's one sync: for its work, not for work queued after it
+            self._copied = None
         if self._output is None:
-            if self._copied is not None:
-                self._copied.synchronize()  # the step's one sync: for its copy, not for work queued after it
             self._output, self._finish = self._finish(), None
         return self._output

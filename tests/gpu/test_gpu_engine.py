@@ -119,17 +119,17 @@ def test_steps_in_flight_replay_the_graphs_of_synchronous_steps_exactly(tiny):
     params += [SamplingParams(max_tokens=41, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True),
                SamplingParams(max_tokens=26, temperature=1.0, top_k=20, seed=6, ignore_eos=True)]
     tokens = {}
-    for chained in (False, True):
-        llm = LLM(tiny, device="cuda", dtype="bfloat16", max_model_len=512, async_scheduling=chained)
-        assert llm.engine.runner.graphs is not None and llm.engine.async_scheduling == chained
+    for in_flight in (False, True):
+        llm = LLM(tiny, device="cuda", dtype="bfloat16", max_model_len=512, async_scheduling=in_flight)
+        assert llm.engine.runner.graphs is not None and llm.engine.async_scheduling == in_flight
         plans = record_steps(llm)
-        tokens[chained] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        tokens[in_flight] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         # one-token prompts: their first step replays a graph, and the step queued after it stages its inputs
         # while that step is unsynced (on the other staging side)
         short = [{"prompt_token_ids": [5 + i]} for i in range(4)]
         greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-        tokens[chained] += [o.outputs[0].token_ids for o in llm.generate(short, greedy, use_tqdm=False)]
-        assert any(ahead for _, ahead in plans) == chained
+        tokens[in_flight] += [o.outputs[0].token_ids for o in llm.generate(short, greedy, use_tqdm=False)]
+        assert any(ahead for _, ahead in plans) == in_flight
         del llm
     assert tokens[True] == tokens[False]
     assert LLM(tiny, device="cuda", dtype="bfloat16", max_model_len=512).engine.async_scheduling  # the default
