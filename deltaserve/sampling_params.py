@@ -144,7 +144,8 @@ class SamplingParams:
     @property
     def samples_from_outputs(self) -> bool:
         """Whether sampling a token reads the outputs before it on the host (penalties count them, a grammar's mask
-        follows them): while a step that samples for such a request is in flight, nothing is scheduled."""
+        follows them): a step scheduled while the one before it is in flight samples such a request only once that
+        step is applied (the runner's forward pass goes ahead)."""
         return self.penalized or self.structured_outputs is not None
 
 

@@ -6,7 +6,9 @@ detokenizer and finish the request through the scheduler.
 
 With asynchronous scheduling (EngineConfig.async_scheduling), one step stays in flight: step() schedules and queues
 the next step before waiting for the current one's tokens (core/scheduler.py, A step in flight), so the device
-computes it while the host applies, detokenizes and returns the current step's.
+computes it while the host applies, detokenizes and returns the current step's. Where that next step samples a
+request whose sampling reads its outputs (penalties, a grammar), only its forward pass is queued then; its sampling
+is launched once the current step is applied (PendingOutput.launch), its tokens counted and its grammars advanced.
 
 Structured outputs (deltaserve.structured): a constrained request waits outside the scheduler until its grammar has
 compiled on the manager's thread pool, so a slow schema never stalls the others' steps; the runner masks its logits
@@ -247,9 +249,12 @@ class Engine:
             step = self._submit(sched)
         if self.async_scheduling and self.scheduler.has_unfinished_requests():
             ahead = self._submit(self.scheduler.schedule())  # the runner drops the requests it lets go even so
-            if ahead.sched.num_scheduled_tokens:  # else a request waits for this step's tokens
+            if ahead.sched.num_scheduled_tokens:
                 self._inflight = ahead
-        return self._apply(step)
+        outputs = self._apply(step)
+        if self._inflight is not None:  # its sampling, if it waited for this step's tokens (penalties, grammars)
+            self._inflight.pending.launch()
+        return outputs
 
     def _submit(self, sched: SchedulerOutput) -> _Submitted:
         broadcast_object(sched, self.parallel)  # the other ranks run the same step on their shards

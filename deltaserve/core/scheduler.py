@@ -31,13 +31,13 @@ A step in flight (asynchronous scheduling, vLLM v1's). schedule() may run while 
 num_computed_tokens counts the tokens of every step scheduled, and num_pending_outputs the tokens those steps will
 sample, not yet appended. A request whose chunk reaches the end of its tokens and pending ones samples; its next
 decode's input is then the token the step in flight samples, which the runner takes from the device. A request whose
-steps in flight bring it to max_tokens or max_model_len is not scheduled again (it will finish by length). While a
-running request whose sampling reads its earlier outputs (penalties, a grammar:
-SamplingParams.samples_from_outputs) has pending outputs, schedule() schedules nothing: the next step waits for
-them. update_from_output applies the steps in order; a request that a stop token ends has its next step, already
-queued, computed for nothing and skipped here, as aborted requests are; its pages and slot, freed meanwhile, are
-written again only by steps queued after that one. A request preempted while its step ran gets that step's tokens
-when it is applied, and is admitted again only after (no pending outputs).
+steps in flight bring it to max_tokens or max_model_len is not scheduled again (it will finish by length). A request
+whose sampling reads its earlier outputs (penalties, a grammar) is scheduled ahead too: the runner queues that step's
+forward pass at once and its sampling once the step before is applied. update_from_output applies the steps in
+order; a request that a stop token ends has its next step, already queued, computed for nothing and skipped here, as
+aborted requests are; its pages and slot, freed meanwhile, are written again only by steps queued after that one. A
+request preempted while its step ran gets that step's tokens when it is applied, and is admitted again only after
+(no pending outputs).
 
 Lookahead (decode bursts). When every running request decodes without logprobs, stop strings, penalties or a grammar
 (SamplingParams.host_between_tokens), nothing waits, and the pages of all the steps are free, every request gets the
@@ -119,8 +119,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; see the module docstring for the policy."""
         out = SchedulerOutput()
-        if any(r.num_pending_outputs and r.sampling_params.samples_from_outputs for r in self.running):
-            return out  # its sampling needs the outputs in flight: the next step waits for them
         budget, preempted = self._schedule_running(out, self.max_num_batched_tokens, self._lookahead())
         if not preempted:
             self._schedule_waiting(out, budget)

@@ -75,6 +75,7 @@ class ModelRunner:
         # token bitmask); lookahead steps never carry a request it would change (SamplingParams.host_between_tokens)
         self.logits_processor = None
         self._last_sampled: tuple[list[str], torch.Tensor] | None = None  # the last step's last tokens, on the device
+        self._unlaunched: PendingOutput | None = None  # a step whose sampling waits for the step before (_launch)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else None
         self.compiled_decode = None
@@ -154,6 +155,8 @@ class ModelRunner:
     def submit(self, sched: SchedulerOutput) -> PendingOutput:
         """Queue one scheduler step; its PendingOutput's result() waits for its sampled tokens (a step with prompt
         logprobs has waited for those already). The step before it may still be in flight (module docstring)."""
+        if self._unlaunched is not None:  # the step before's sampling comes first: this step may read its tokens
+            self._unlaunched.launch()
         self._update_requests(sched)
         last, self._last_sampled = self._last_sampled, None  # only the step right after may read them
         order = sorted(sched.num_scheduled_tokens, key=lambda r: sched.num_scheduled_tokens[r] != 1)
@@ -169,21 +172,47 @@ class ModelRunner:
         saves = self._saves_by_step(sched, order, num_steps)
         out = RunnerOutput(req_ids=list(order), sampled_token_ids={r: [] for r in order})
         side = self._next_side()
-        input_ids, tokens, sampler = self._missing_inputs(host, missing, last), [], None
+        input_ids, tokens, sampling, sampler = self._missing_inputs(host, missing, last), [], [], None
         for step in range(num_steps):
             step_host = host if step == 0 else host.advanced(step, self.plan.block_size)
             logits_at = self._run(step_host, input_ids, step, side)
             if step == 0:
-                sampler = self._sampler(order, host.query_lens, logits_at, out)
-            if sampler is not None:  # else prompt chunks short of their ends only (and no lookahead)
-                input_ids = sampler.sample(logits_at, step)
-                tokens.append(input_ids)
+                sampling = self._advance(order, host.query_lens, logits_at, out)
+                if not sampling or self._waits_for_outputs(sampling):
+                    if saves:
+                        self._copy_states(saves[0], to_snapshots=True)
+                    break  # nothing to sample, or a sampling that waits (and no lookahead: the scheduler's rule)
+                sampler = self._step_sampler(sampling)
+            input_ids = sampler.sample(logits_at, step)
+            tokens.append(input_ids)
             if saves:
                 self._copy_states(saves[step], to_snapshots=True)
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)  # the process's setting, as the caller left it
-        if sampler is None:  # result() still waits for the step: a graph's staging block is refilled only after
+        if not sampling:  # result() still waits for the step: a graph's staging block is refilled only after
             return PendingOutput(out, copied=self._step_done())
+        if sampler is None:
+            self._unlaunched = PendingOutput(launch=lambda: self._launch(sampling, logits_at, out))
+            return self._unlaunched
+        self._last_sampled = [s.req_id for s in sampler.states], tokens[-1]
+        return sampler.pending(tokens, out, self._to_host)
+
+    @staticmethod
+    def _waits_for_outputs(sampling: list[tuple[RequestState, int]]) -> bool:
+        """Whether a request that samples here reads its outputs on the host (penalties, a grammar's mask) while the
+        step before, whose token is this step's input, is still in flight: its sampling then waits for that step
+        to be applied (PendingOutput.launch), as vLLM defers its grammar's bitmask."""
+        return any(state.sampling_params.samples_from_outputs and state.num_computed_tokens > len(state.token_ids)
+                   for state, _ in sampling)
+
+    @torch.inference_mode()
+    def _launch(self, sampling: list[tuple[RequestState, int]], logits_at, out: RunnerOutput) -> PendingOutput:
+        """Sample a step whose sampling waited for the step before to be applied (its tokens are now in the
+        requests' token lists, and the grammars have accepted them); logits_at still reads this step's logits (a
+        graph's buffer is rewritten only by a later step, queued after this)."""
+        self._unlaunched = None
+        sampler = self._step_sampler(sampling)
+        tokens = [sampler.sample(logits_at, 0)]
         self._last_sampled = [s.req_id for s in sampler.states], tokens[-1]
         return sampler.pending(tokens, out, self._to_host)
 
@@ -358,9 +387,10 @@ class ModelRunner:
         copied.record(torch.cuda.current_stream(x.device))  # that stream: the current device may be another card
         return host, copied
 
-    def _sampler(self, order: list[str], query_lens: list[int], logits_at, out: RunnerOutput) -> StepSampler | None:
-        """Advance the requests' computed tokens by the step's, score prompt logprobs, and return the sampler of the
-        requests whose chunk reaches the end of their tokens (None when none does)."""
+    def _advance(self, order: list[str], query_lens: list[int], logits_at,
+                 out: RunnerOutput) -> list[tuple[RequestState, int]]:
+        """Advance the requests' computed tokens by the step's, score prompt logprobs, and return the requests whose
+        chunk reaches the end of their tokens, with the step's row of each one's last token."""
         sampling = []  # (state, row of its last token)
         for req_id, end, n in zip(order, itertools.accumulate(query_lens), query_lens):
             state = self.requests[req_id]
@@ -369,8 +399,9 @@ class ModelRunner:
                 self._prompt_logprobs(state, end - n, n, logits_at, out)
             if state.num_computed_tokens >= len(state.token_ids):
                 sampling.append((state, end - 1))
-        if not sampling:
-            return None
+        return sampling
+
+    def _step_sampler(self, sampling: list[tuple[RequestState, int]]) -> StepSampler:
         return StepSampler([s for s, _ in sampling], [row for _, row in sampling], self.cfg.vocab_size, self.generator,
                            self.logits_processor)
 

@@ -104,12 +104,21 @@ class StepSampler:
 class PendingOutput:
     """A step's RunnerOutput, ready or still being computed on the device: result() waits once for `copied` (an
     event after the step's work, its sampled tokens' copy to the host last; None on the CPU), then builds the
-    output with finish() where one is given."""
+    output with finish() where one is given. launch: for a step whose sampling waits until the step before it is
+    applied, the closure that queues it then and returns the PendingOutput it becomes."""
 
-    def __init__(self, output: RunnerOutput | None = None, finish=None, copied: torch.cuda.Event | None = None):
-        self._output, self._finish, self._copied = output, finish, copied
+    def __init__(self, output: RunnerOutput | None = None, finish=None, copied: torch.cuda.Event | None = None,
+                 launch=None):
+        self._output, self._finish, self._copied, self._launch = output, finish, copied, launch
+
+    def launch(self) -> None:
+        """Queue the step's sampling if it waited (the step before it is applied now); a no-op otherwise."""
+        if self._launch is not None:
+            launched, self._launch = self._launch(), None
+            self._output, self._finish, self._copied = launched._output, launched._finish, launched._copied
 
     def result(self) -> RunnerOutput:
+        self.launch()
         if self._copied is not None:
             self._copied.synchronize()  # the step's one sync: for its work, not for work queued after it
             self._copied = None

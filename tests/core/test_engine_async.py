@@ -199,17 +199,21 @@ def test_preemptions_with_a_step_in_flight_keep_every_token(make_llm):
         assert_same_outputs(got, expected, f"preempted with {steps} decode steps a step in flight")
 
 
-def test_penalized_requests_wait_for_their_tokens_and_stay_exact(make_llm):
-    """Penalties count the outputs on the host: while such a request has a step in flight nothing is scheduled
-    ahead, and the tokens are those of synchronous steps."""
-    prompts = random_prompts((18, 33), seed=16)
-    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.3),
-              SamplingParams(max_tokens=20, temperature=0.6, seed=8, ignore_eos=True, frequency_penalty=0.5)]
+def test_penalized_requests_are_sampled_once_the_step_before_is_applied_and_stay_exact(make_llm):
+    """Penalties count the outputs on the host: a step scheduled ahead runs its forward pass at once and samples a
+    penalised request only once the step before is applied (PendingOutput.launch); the tokens are those of
+    synchronous steps, the steps were scheduled ahead, and none had lookahead. The penalties favour tokens already
+    seen (below 1, negative), so that leaving out the token in flight changes what is sampled next."""
+    prompts = random_prompts((18, 33, 25, 9), seed=16)
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, repetition_penalty=0.2),
+              SamplingParams(max_tokens=40, temperature=0.6, seed=8, ignore_eos=True, frequency_penalty=-2.0),
+              SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, presence_penalty=-2.0),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)]
     expected = make_llm(num_decode_steps=8).generate(as_inputs(prompts), params, use_tqdm=False)
     llm = make_llm(num_decode_steps=8, async_scheduling=True)
     seen = record_steps(llm)
     got = llm.generate(as_inputs(prompts), params, use_tqdm=False)
-    assert not ahead_steps(seen)
+    assert ahead_steps(seen) and max(ahead_steps(seen)) == 1
     assert_same_outputs(got, expected, "penalties, asynchronous vs synchronous")
 
 

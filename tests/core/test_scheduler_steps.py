@@ -211,15 +211,18 @@ def test_a_request_that_ends_in_the_step_in_flight_is_not_scheduled_again():
     assert_pools_full(sched)
 
 
-def test_a_request_whose_sampling_reads_its_outputs_holds_the_next_step_until_they_are_applied():
+def test_a_request_whose_sampling_reads_its_outputs_is_scheduled_ahead_without_lookahead():
+    """(The runner samples it once the step before is applied.)"""
     sched = new_scheduler(num_decode_steps=8)
     sched.add_request(greedy("a", max_tokens=5, ignore_eos=True, repetition_penalty=1.2))
     sched.add_request(greedy("b", max_tokens=5, ignore_eos=True))
     first = sched.schedule()
     ahead = sched.schedule()
-    assert not ahead.num_scheduled_tokens and not ahead.new_reqs  # a's penalty needs the token in flight
+    assert ahead.num_scheduled_tokens == {"a": 1, "b": 1} and not ahead.num_lookahead_tokens
     sched.update_from_output(first, RunnerOutput(["a", "b"], {"a": [1000], "b": [2000]}))
-    assert set(sched.schedule().num_scheduled_tokens) == {"a", "b"}
+    sched.update_from_output(ahead, RunnerOutput(["a", "b"], {"a": [1001], "b": [2001]}))
+    for req_id in "ab":
+        sched.abort_request(req_id)
 
 
 def test_a_request_preempted_with_a_step_in_flight_gets_its_tokens_and_waits_for_them():

@@ -177,3 +177,23 @@ def test_a_grammar_that_fails_while_its_request_waits_finishes_it_as_aborted(llm
         outputs += engine.step()
     [output] = outputs
     assert (output.request_id, output.finished, output.outputs[0].finish_reason) == (req_id, True, "abort")
+
+
+def test_constrained_requests_with_a_step_in_flight_give_the_tokens_of_synchronous_steps():
+    """Asynchronous scheduling: a constrained request's step is scheduled and its forward queued while the step
+    before runs; its mask is filled once that step's token is accepted. Same tokens as synchronous steps, beside a
+    free request."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 12}},
+              "required": ["n", "s"]}
+    params = [constrained(seed=3, json=schema), SamplingParams(max_tokens=24, temperature=0),
+              constrained(seed=4, regex=r"[a-z]{3}-\d{2,4}")]
+    prompts = ["JSON:", "The sea", "Go:"]
+    expected = LLM(device="cpu", num_decode_steps=4).generate(prompts, params, use_tqdm=False)
+    pipelined = LLM(device="cpu", num_decode_steps=4, async_scheduling=True)
+    scheduler, ahead = pipelined.engine.scheduler, []
+    schedule = scheduler.schedule
+    scheduler.schedule = lambda: ahead.append(any(r.num_pending_outputs for r in scheduler.running)) or schedule()
+    got = pipelined.generate(prompts, params, use_tqdm=False)
+    assert any(ahead)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    json.loads(got[0].outputs[0].text)
