@@ -12,7 +12,7 @@ import torch
 
 from deltaserve.forward_batch import ForwardBatch
 from deltaserve.kernels.varlen import pack_seqs
-from deltaserve.runner.model_runner import allocate_caches
+from deltaserve.runner.caches import allocate_caches
 
 
 class SequenceRunner:

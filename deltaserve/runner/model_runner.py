@@ -23,7 +23,6 @@ from contextlib import contextmanager
 import torch
 
 from deltaserve.cache.sizing import CachePlan
-from deltaserve.cache_spec import KDAStateSpec, MLAPageSpec
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce, check_divisible
 from deltaserve.forward_batch import ForwardBatch
@@ -34,6 +33,7 @@ from deltaserve.kernels.varlen import to_device
 from deltaserve.layers.linear import Linear
 from deltaserve.layers.moe import MoE
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
+from deltaserve.runner.caches import allocate_caches
 from deltaserve.runner.cuda_graph import DecodeGraphs, graph_width
 from deltaserve.runner.host_batch import HostBatch, cache_slot
 from deltaserve.runner.logprobs import prompt_logprobs
@@ -179,6 +179,9 @@ class ModelRunner:
             if step == 0:
                 sampling = self._advance(order, host.query_lens, logits_at, out)
                 if not sampling or self._waits_for_outputs(sampling):
+                    if num_steps > 1:
+                        raise ValueError("lookahead steps for a request whose sampling waits for the step before "
+                                         "(penalties, a grammar): the scheduler gives such a step no lookahead")
                     if saves:
                         self._copy_states(saves[0], to_snapshots=True)
                     break  # nothing to sample, or a sampling that waits (and no lookahead: the scheduler's rule)
@@ -439,38 +442,6 @@ def gpu_cache_budget(total: int, free: int, weights: int, utilization: float) ->
     and never more than is free now (after the weights) less the reserve: another engine in this process, or
     another process, keeps what it holds. May be negative; plan_cache then says what to change."""
     return min(int(total * utilization) - weights, free) - ACTIVATION_RESERVE_BYTES
-
-
-class LayerCaches(list):
-    """Per layer, its cache tensors by name (a list of dicts, as the model takes them); `stacks` holds, per name of
-    a per-slot state (KDA's conv and recurrent), one tensor [layers with it, slots, ...] whose rows are those
-    layers' tensors: a request's whole state is copied or reset in one op a name, not one a layer."""
-
-    def __init__(self, layers: list[dict[str, torch.Tensor]], stacks: dict[str, torch.Tensor]):
-        super().__init__(layers)
-        self.stacks = stacks
-
-
-def allocate_caches(specs: list[MLAPageSpec | KDAStateSpec], num_pages: int, page_size: int, num_slots: int,
-                    dtype: torch.dtype, device: torch.device) -> LayerCaches:
-    """Zeroed cache tensors, per layer (specs: the model's cache_specs()): MLA pages [num_pages, page_size,
-    latent_dim] in dtype; KDA conv tails [num_slots, ...] in dtype and recurrent states [num_slots, ...] float32, both
-    rows of LayerCaches.stacks."""
-    kda = [spec for spec in specs if isinstance(spec, KDAStateSpec)]
-    assert len(set(kda)) <= 1, f"the KDA layers' states differ in shape: {sorted(set(kda), key=str)}"
-    stacks = {}
-    if kda:
-        stacks["conv"] = torch.zeros(len(kda), num_slots, *kda[0].conv_shape, dtype=dtype, device=device)
-        stacks["recurrent"] = torch.zeros(len(kda), num_slots, *kda[0].recurrent_shape, dtype=torch.float32,
-                                          device=device)
-    layers, row = [], 0
-    for spec in specs:
-        if isinstance(spec, KDAStateSpec):
-            layers.append({name: stack[row] for name, stack in stacks.items()})
-            row += 1
-        else:
-            layers.append({"latent": torch.zeros(num_pages, page_size, spec.latent_dim, dtype=dtype, device=device)})
-    return LayerCaches(layers, stacks)
 
 
 def kernel_options(engine: EngineConfig, parallel: ParallelConfig = SINGLE) -> KernelOptions:

@@ -7,8 +7,8 @@ import torch
 from deltaserve.cache_spec import KDAStateSpec, MLAPageSpec
 from deltaserve.kernels.pdl import pdl_args
 from deltaserve.kernels.varlen import pack_seqs
+from deltaserve.runner.caches import LayerCaches, allocate_caches
 from deltaserve.runner.host_batch import HostBatch
-from deltaserve.runner.model_runner import LayerCaches, allocate_caches
 
 # what a model's cache_specs() says of a KDA, an MLA and another KDA layer
 TWO_KINDS_OF_LAYER = [KDAStateSpec((6, 3), (2, 4, 4)), MLAPageSpec(5), KDAStateSpec((6, 3), (2, 4, 4))]
