@@ -1,5 +1,5 @@
-"""One real server on the tiny model for the whole session (API key on), the official openai client on it,
-and an offline LLM on the same model to compare against."""
+"""One real server on the tiny model for the whole session (API key on, asynchronous scheduling on), the official
+openai client on it, and an offline LLM on the same model to compare against."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ from deltaserve import LLM
 
 @pytest.fixture(scope="session")
 def server(tiny_model):
-    srv = start_server(tiny_model, max_model_len=512)
+    """Asynchronous scheduling on, as on a GPU by default (one step in flight while the next is scheduled): the
+    tests that compare with offline_llm (synchronous) check that it changes no token; small_server runs without."""
+    srv = start_server(tiny_model, max_model_len=512, async_scheduling=True)
+    assert srv.engine.async_scheduling
     yield srv
     srv.stop()
 
