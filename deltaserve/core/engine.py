@@ -42,6 +42,7 @@ from deltaserve.runner.step_sampler import PendingOutput
 from deltaserve.runner_output import Logprobs
 from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.scheduler_output import SchedulerOutput
+from deltaserve.structured import errors as structured_errors
 from deltaserve.structured.manager import StructuredOutputManager
 from deltaserve.tokenizer import load_tokenizer
 from deltaserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -106,7 +107,8 @@ class Engine:
         self.async_scheduling = async_scheduling and parallel.world_size == 1
         self._inflight: _Submitted | None = None  # the next step, queued
         self.structured: StructuredOutputManager | None = None  # made at the first constrained request
-        self._compiling: dict[str, tuple[Request, Future]] = {}  # constrained requests whose grammar compiles
+        # constrained requests whose grammar compiles, with the time after which they are refused
+        self._compiling: dict[str, tuple[Request, Future, float]] = {}
 
     def _load(self, model: str, progress=None):
         """The weights, timed as a start-up phase; a bar over the tensors unless the caller draws its own."""
@@ -170,7 +172,7 @@ class Engine:
         if future.done():
             self._admit(req, future)
         else:
-            self._compiling[req.req_id] = (req, future)
+            self._compiling[req.req_id] = (req, future, time.monotonic() + structured_errors.COMPILE_TIMEOUT_S)
 
     def _admit(self, req: Request, future: Future) -> None:
         compiled = future.result()  # a ValueError naming what is wrong when it failed
@@ -181,12 +183,14 @@ class Engine:
         """Admit the requests whose grammar has compiled; one finished ("abort") output each for those whose grammar
         failed. With nothing else to run, first wait a little for one to compile."""
         if self._compiling and self._inflight is None and not self.scheduler.has_unfinished_requests():
-            wait([future for _, future in self._compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
-        failed = []
-        for req_id, (req, future) in list(self._compiling.items()):
-            if future.done():
+            wait([future for _, future, _ in self._compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+        failed, now = [], time.monotonic()
+        for req_id, (req, future, deadline) in list(self._compiling.items()):
+            if future.done() or now > deadline:
                 del self._compiling[req_id]
                 try:
+                    if not future.done():
+                        raise structured_errors.CompileTimeout()
                     self._admit(req, future)
                 except ValueError as e:
                     log.warning("request %s: its constraint cannot be used, aborted: %s", req_id, e)

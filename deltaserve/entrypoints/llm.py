@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -13,6 +15,7 @@ from deltaserve.core.engine import Engine
 from deltaserve.core.outputs import RequestOutput
 from deltaserve.entrypoints.chat_tools import chat_completion_output, render_chat_prompt
 from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams, generation_defaults
+from deltaserve.structured import errors
 
 Prompt = str | dict  # text, or {"prompt_token_ids": [...]}
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo-model"
@@ -129,8 +132,12 @@ class LLM:
         raises ValueError here, at the call, with nothing queued."""
         specs = {p.structured_outputs.key: p.structured_outputs for p in params if p.structured_outputs is not None}
         futures = [self.engine.structured_outputs().submit(spec) for spec in specs.values()]
+        deadline = time.monotonic() + errors.COMPILE_TIMEOUT_S
         for future in futures:
-            future.result()
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                raise errors.CompileTimeout() from None
 
     def _abort_all(self, req_ids: list[str]) -> None:
         for req_id in req_ids:

@@ -1,4 +1,4 @@
-"""The two ways a constrained request is refused; both are ValueErrors, so every caller reports them as bad input."""
+"""The ways a constrained request is refused; all are ValueErrors, so every caller reports them as bad input."""
 
 from __future__ import annotations
 
@@ -19,3 +19,14 @@ class GrammarError(ValueError):
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
+
+
+COMPILE_TIMEOUT_S = 60.0  # a constraint that takes longer to compile is refused (its pool thread runs on, cached)
+
+
+class CompileTimeout(ValueError):
+    """A constraint whose grammar did not compile within COMPILE_TIMEOUT_S."""
+
+    def __init__(self):
+        super().__init__(f"the constraint did not compile within {COMPILE_TIMEOUT_S:g} s; simplify it (a smaller "
+                         "schema, fewer or shorter bounded repetitions)")

@@ -179,6 +179,31 @@ def test_a_grammar_that_fails_while_its_request_waits_finishes_it_as_aborted(llm
     assert (output.request_id, output.finished, output.outputs[0].finish_reason) == (req_id, True, "abort")
 
 
+def test_a_constraint_that_does_not_compile_in_time_is_refused_and_its_compile_goes_on(llm, monkeypatch):
+    """LLM.generate raises (nothing queued); a request added to the engine waiting for it finishes as aborted; the
+    compile itself runs on and is cached for the next request."""
+    from deltaserve.structured import errors
+
+    engine = llm.engine
+    manager = engine.structured_outputs()
+    release, compile_ = threading.Event(), manager._compile
+    monkeypatch.setattr(manager, "_compile", lambda spec: release.wait(30) and compile_(spec))
+    monkeypatch.setattr(errors, "COMPILE_TIMEOUT_S", 0.2)
+    spec = dict(regex="[stu]{6}")  # a pattern no other test compiles
+    with pytest.raises(ValueError, match=r"did not compile within 0\.2 s; simplify it"):
+        llm.generate(["Go:"], constrained(**spec), use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    req_id = engine.add_request([1, 2, 3], constrained(**spec))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [(req_id, "abort")]
+    release.set()
+    monkeypatch.setattr(errors, "COMPILE_TIMEOUT_S", 60.0)
+    [output] = llm.generate(["Go:"], constrained(**spec), use_tqdm=False)
+    assert re.fullmatch("[stu]{6}", output.outputs[0].text)
+
+
 def test_constrained_requests_with_a_step_in_flight_give_the_tokens_of_synchronous_steps():
     """Asynchronous scheduling: a constrained request's step is scheduled and its forward queued while the step
     before runs; its mask is filled once that step's token is accepted. Same tokens as synchronous steps, beside a

@@ -12,7 +12,7 @@ from deltaserve.entrypoints.forced_tools import ForcedTools
 from deltaserve.entrypoints.openai.errors import bad_request
 from deltaserve.entrypoints.openai.protocol import SamplingFields
 from deltaserve.sampling_params import StructuredOutputsParams
-from deltaserve.structured import GrammarError, StructuredOutputsUnavailable
+from deltaserve.structured import GrammarError, StructuredOutputsUnavailable, errors
 
 # where in the request a constraint's error is (its field, then the kind of constraint: json, regex, ...)
 _WHERE = {"structured_outputs": "{param}.{kind}", "response_format": "response_format.json_schema.schema",
@@ -51,9 +51,13 @@ def _response_format(fmt) -> StructuredOutputsParams:
 
 async def compile_constraint(async_engine: AsyncEngine, spec: StructuredOutputsParams, param: str) -> None:
     """Compile spec on the engine's grammar pool (cached) and wait for it here, off the engine's step; a 400 naming
-    the field when the constraint cannot be used or xgrammar is not installed."""
-    try:
-        await asyncio.wrap_future(async_engine.engine.structured_outputs().submit(spec))
+    the field when the constraint cannot be used, takes longer than COMPILE_TIMEOUT_S to compile, or xgrammar is not
+    installed."""
+    try:  # shielded: a timeout leaves the compile running, for the cache
+        future = async_engine.engine.structured_outputs().submit(spec)  # what needs no xgrammar is checked here
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), errors.COMPILE_TIMEOUT_S)
+    except TimeoutError:
+        raise bad_request(str(errors.CompileTimeout()), param) from None
     except StructuredOutputsUnavailable as e:
         raise bad_request(str(e), param) from e
     except GrammarError as e:

@@ -151,3 +151,23 @@ def test_without_xgrammar_a_constrained_request_is_a_400_naming_the_extra(monkey
             assert free.status_code == 200
     finally:
         srv.stop()
+
+
+def test_a_constraint_that_does_not_compile_in_time_is_a_400_and_the_server_goes_on(client, demo_server, monkeypatch):
+    import threading
+
+    from deltaserve.structured import errors
+
+    manager = demo_server.engine.structured_outputs()
+    release, compile_ = threading.Event(), manager._compile
+    monkeypatch.setattr(manager, "_compile", lambda spec: release.wait(30) and compile_(spec))
+    monkeypatch.setattr(errors, "COMPILE_TIMEOUT_S", 0.2)
+    extra = {"structured_outputs": {"regex": "[vwx]{4}"}}  # a pattern no other test compiles
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="Go:", max_tokens=8, extra_body=extra)
+    body = err.value.response.json()["error"]
+    assert body["param"] == "structured_outputs" and "did not compile within 0.2 s" in body["message"], body
+    release.set()
+    monkeypatch.setattr(errors, "COMPILE_TIMEOUT_S", 60.0)
+    text = client.completions.create(model="tiny", prompt="Go:", max_tokens=8, extra_body=extra).choices[0].text
+    assert re.fullmatch("[vwx]{4}", text)
