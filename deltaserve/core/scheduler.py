@@ -179,8 +179,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             req = self.running[index]
-            if req.num_pending_outputs and self._room(req) <= 0:
-                index += 1  # its steps in flight bring it to its length limit: it finishes when they are applied
+            if self._ends_in_flight(req):
+                index += 1  # it finishes when its steps in flight are applied
                 continue
             num_tokens = self._num_new_tokens(req, req.num_computed_tokens, budget)
             new_block_ids, preempted_any = self._allocate_or_preempt(req, num_tokens + lookahead)
@@ -236,7 +236,7 @@ class Scheduler:
         steps = self.num_decode_steps
         if steps == 1 or self.waiting or not self.running:
             return 0
-        decoding = [r for r in self.running if not (r.num_pending_outputs and self._room(r) <= 0)]
+        decoding = [r for r in self.running if not self._ends_in_flight(r)]
         for req in decoding:
             if req.num_computed_tokens + 1 != req.num_tokens_with_pending or req.sampling_params.host_between_tokens:
                 return 0
@@ -246,6 +246,10 @@ class Scheduler:
         if steps <= 1 or sum(self.cache.blocks_needed(r, steps) for r in decoding) > self.cache.num_free_blocks:
             return 0
         return steps - 1
+
+    def _ends_in_flight(self, req: Request) -> bool:
+        """Whether req's steps in flight bring it to its length limit (it is not scheduled again)."""
+        return req.num_pending_outputs > 0 and self._room(req) <= 0
 
     def _room(self, req: Request) -> int:
         """Tokens req may still sample beyond those of its steps in flight (max_tokens, max_model_len)."""

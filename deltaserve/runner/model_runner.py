@@ -197,6 +197,10 @@ class ModelRunner:
         if sampler is None:
             self._unlaunched = PendingOutput(launch=lambda: self._launch(sampling, logits_at, out))
             return self._unlaunched
+        return self._pending(sampler, tokens, out)
+
+    def _pending(self, sampler: StepSampler, tokens: list[torch.Tensor], out: RunnerOutput) -> PendingOutput:
+        """The step's output, its last tokens kept on the device for the step after (_missing_inputs)."""
         self._last_sampled = [s.req_id for s in sampler.states], tokens[-1]
         return sampler.pending(tokens, out, self._to_host)
 
@@ -216,8 +220,7 @@ class ModelRunner:
         self._unlaunched = None
         sampler = self._step_sampler(sampling)
         tokens = [sampler.sample(logits_at, 0)]
-        self._last_sampled = [s.req_id for s in sampler.states], tokens[-1]
-        return sampler.pending(tokens, out, self._to_host)
+        return self._pending(sampler, tokens, out)
 
     @staticmethod
     def _lookahead(sched: SchedulerOutput, order: list[str]) -> int:
