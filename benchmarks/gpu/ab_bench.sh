@@ -7,7 +7,8 @@
 # BATCHES (default 1,64,256), LONG (default 8192; empty for none) and T_BENCH (seconds per side, default 175) as
 # in run_h200.sh.
 # ROUNDS (default 1): rounds of both sides, the side that runs first swapped each round (ABBA; the first process
-# measured ~6% more copy bandwidth), each round's files suffixed _rN.
+# measured ~6% more copy bandwidth), each round's files suffixed _rN. FIRST_ROUND (default 0) numbers the rounds from
+# there: FIRST_ROUND=1 starts with the before side (a second call that continues the first call's ABBA).
 set -uo pipefail
 ROOT=$PWD
 if [ "${1:-}" = prepare ]; then
@@ -22,9 +23,9 @@ python3 -m pip install --no-deps --no-index --target "$ROOT/.gpu/site" wheels/*.
 B="python3 -m deltaserve.entrypoints.cli bench --load-format dummy --device cuda --max-num-batched-tokens 8192
    --config benchmarks/configs/kimi-linear-48b-a3b.json --prompt-len 512 --output-len 32
    --batch-sizes ${BATCHES:-1,64,256} ${LONG:+--long-prompt-len $LONG}"
-for ((round = 0; round < ${ROUNDS:-1}; round++)); do
+for ((round = ${FIRST_ROUND:-0}; round < ${FIRST_ROUND:-0} + ${ROUNDS:-1}; round++)); do
   order="head before"; [ $((round % 2)) = 1 ] && order="before head"
-  suffix=""; [ "${ROUNDS:-1}" -gt 1 ] && suffix="_r$round"
+  suffix=""; [ "${ROUNDS:-1}" -gt 1 ] || [ "${FIRST_ROUND:-0}" -gt 0 ] && suffix="_r$round"
   for side in $order; do
     echo "== bench $side round $round $(date +%T)"
     dir=$ROOT; [ $side = before ] && dir=$ROOT/ab/before
