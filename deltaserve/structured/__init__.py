@@ -7,6 +7,6 @@ grammar; manager compiles off the engine's step, keeps one matcher per running r
 bitmask that kernels.token_bitmask applies to the logits before sampling.
 """
 
-from deltaserve.structured.errors import CompileTimeout, GrammarError, StructuredOutputsUnavailable
+from deltaserve.structured.errors import CompilesBusy, CompileTimeout, GrammarError, StructuredOutputsUnavailable
 
-__all__ = ["CompileTimeout", "GrammarError", "StructuredOutputsUnavailable"]
+__all__ = ["CompilesBusy", "CompileTimeout", "GrammarError", "StructuredOutputsUnavailable"]

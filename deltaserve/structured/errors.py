@@ -30,3 +30,15 @@ class CompileTimeout(ValueError):
     def __init__(self):
         super().__init__(f"the constraint did not compile within {COMPILE_TIMEOUT_S:g} s; simplify it (a smaller "
                          "schema, fewer or shorter bounded repetitions)")
+
+
+MAX_COMPILES_IN_FLIGHT = 32  # constraints compiling or queued for the pool at once; past it, a new one is refused
+
+
+class CompilesBusy(ValueError):
+    """MAX_COMPILES_IN_FLIGHT constraints are compiling: a new one is refused at once, so that a burst of distinct
+    schemas cannot queue compiles that every later request waits behind (the server answers 429)."""
+
+    def __init__(self):
+        super().__init__(f"{MAX_COMPILES_IN_FLIGHT} constraints are compiling already, the most at once; retry "
+                         "shortly (a constraint compiled before is cached and never waits)")

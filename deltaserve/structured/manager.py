@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 
 from deltaserve.kernels.token_bitmask import apply_token_bitmask
 from deltaserve.kernels.varlen import to_device
 from deltaserve.sampling_params import StructuredOutputsParams
+from deltaserve.structured import errors
 from deltaserve.structured.backend import GrammarBackend, checked
 
 log = logging.getLogger("deltaserve")
@@ -41,18 +42,26 @@ class StructuredOutputManager:
         self._matchers: dict[str, object] = {}
         self._json: set[str] = set()  # requests whose output is JSON: no raw control characters (backend.py)
 
-    def submit(self, spec: StructuredOutputsParams) -> Future:
+    def submit(self, spec: StructuredOutputsParams, wait_for_room: bool = False) -> Future:
         """A Future of spec's compiled grammar (its exception a ValueError naming what is wrong); what needs no
-        xgrammar (a schema's keywords) is checked here and raised at once. Thread-safe."""
+        xgrammar (a schema's keywords) is checked here and raised at once. A constraint not cached while
+        MAX_COMPILES_IN_FLIGHT others compile raises CompilesBusy, or with wait_for_room waits until one has
+        finished (an offline caller's batch of many schemas). Thread-safe."""
         checked(spec)
-        with self._lock:
-            future = self._compiled.get(spec.key)
-            if future is None:
-                future = self._compiled[spec.key] = self._pool.submit(self._compile, spec)
-                while len(self._compiled) > MAX_CACHED_GRAMMARS:
-                    self._compiled.popitem(last=False)
-            self._compiled.move_to_end(spec.key)
-        return future
+        while True:
+            with self._lock:
+                future = self._compiled.get(spec.key)
+                in_flight = [] if future is not None else [f for f in self._compiled.values() if not f.done()]
+                if future is None and len(in_flight) < errors.MAX_COMPILES_IN_FLIGHT:
+                    future = self._compiled[spec.key] = self._pool.submit(self._compile, spec)
+                    while len(self._compiled) > MAX_CACHED_GRAMMARS:
+                        self._compiled.popitem(last=False)
+                if future is not None:
+                    self._compiled.move_to_end(spec.key)
+                    return future
+            if not wait_for_room:
+                raise errors.CompilesBusy()
+            wait(in_flight, return_when=FIRST_COMPLETED)
 
     def _compile(self, spec: StructuredOutputsParams):
         with self._backend_lock:

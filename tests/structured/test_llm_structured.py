@@ -222,3 +222,24 @@ def test_constrained_requests_with_a_step_in_flight_give_the_tokens_of_synchrono
     assert any(ahead)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     json.loads(got[0].outputs[0].text)
+
+
+def test_compiles_in_flight_are_bounded_and_an_offline_batch_waits_for_room(llm, monkeypatch):
+    """Past MAX_COMPILES_IN_FLIGHT, Engine.add_request refuses a new constraint at once (CompilesBusy, nothing
+    queued), while LLM.generate waits for room: a batch of more distinct schemas than the bound completes."""
+    from deltaserve.structured import CompilesBusy, errors
+
+    engine = llm.engine
+    manager = engine.structured_outputs()
+    release, compile_ = threading.Event(), manager._compile
+    monkeypatch.setattr(manager, "_compile", lambda spec: release.wait(30) and compile_(spec))
+    monkeypatch.setattr(errors, "MAX_COMPILES_IN_FLIGHT", 2)
+    blocked = [manager.submit(StructuredOutputsParams(regex=f"[ab]{{{n}}}z")) for n in (7, 8)]  # no other test's
+    with pytest.raises(CompilesBusy, match="2 constraints are compiling already"):
+        engine.add_request([1, 2, 3], constrained(regex="[ab]{9}z"))
+    assert not engine.has_unfinished_requests()
+    threading.Timer(0.3, release.set).start()
+    patterns = [f"[cd]{{{n}}}" for n in range(3, 8)]  # five distinct constraints through a bound of two
+    outputs = llm.generate(["Go:"] * len(patterns), [constrained(regex=p) for p in patterns], use_tqdm=False)
+    assert all(re.fullmatch(p, o.outputs[0].text) for p, o in zip(patterns, outputs))
+    assert all(future.result(timeout=30) for future in blocked)

@@ -9,7 +9,7 @@ import asyncio
 
 from deltaserve.core.async_engine import AsyncEngine
 from deltaserve.entrypoints.forced_tools import ForcedTools
-from deltaserve.entrypoints.openai.errors import bad_request
+from deltaserve.entrypoints.openai.errors import OpenAIError, bad_request
 from deltaserve.entrypoints.openai.protocol import SamplingFields
 from deltaserve.sampling_params import StructuredOutputsParams
 from deltaserve.structured import GrammarError, StructuredOutputsUnavailable, errors
@@ -58,6 +58,8 @@ async def compile_constraint(async_engine: AsyncEngine, spec: StructuredOutputsP
         await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), errors.COMPILE_TIMEOUT_S)
     except TimeoutError:
         raise bad_request(str(errors.CompileTimeout()), param) from None
+    except errors.CompilesBusy as e:
+        raise OpenAIError(429, str(e), param, "compiles_busy", {"retry-after": "1"}) from e
     except StructuredOutputsUnavailable as e:
         raise bad_request(str(e), param) from e
     except GrammarError as e:

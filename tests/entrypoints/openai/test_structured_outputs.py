@@ -171,3 +171,29 @@ def test_a_constraint_that_does_not_compile_in_time_is_a_400_and_the_server_goes
     monkeypatch.setattr(errors, "COMPILE_TIMEOUT_S", 60.0)
     text = client.completions.create(model="tiny", prompt="Go:", max_tokens=8, extra_body=extra).choices[0].text
     assert re.fullmatch("[vwx]{4}", text)
+
+
+def test_a_new_constraint_past_the_compiles_in_flight_is_a_429_and_the_server_goes_on(client, demo_server,
+                                                                                      monkeypatch):
+    import threading
+
+    from deltaserve.sampling_params import StructuredOutputsParams
+    from deltaserve.structured import errors
+
+    manager = demo_server.engine.structured_outputs()
+    release, compile_ = threading.Event(), manager._compile
+    monkeypatch.setattr(manager, "_compile", lambda spec: release.wait(30) and compile_(spec))
+    monkeypatch.setattr(errors, "MAX_COMPILES_IN_FLIGHT", 1)
+    blocked = manager.submit(StructuredOutputsParams(regex="[pq]{5}"))  # a pattern no other test compiles
+    extra = {"structured_outputs": {"regex": "[pq]{6}"}}
+    with pytest.raises(openai.RateLimitError) as err:
+        client.with_options(max_retries=0).completions.create(model="tiny", prompt="Go:", max_tokens=8,
+                                                               extra_body=extra)
+    assert err.value.response.headers["retry-after"] == "1"
+    body = err.value.response.json()["error"]
+    assert body["type"] == "rate_limit_error" and body["code"] == "compiles_busy", body
+    assert body["param"] == "structured_outputs" and "1 constraints are compiling already" in body["message"], body
+    release.set()
+    blocked.result(timeout=30)
+    text = client.completions.create(model="tiny", prompt="Go:", max_tokens=8, extra_body=extra).choices[0].text
+    assert re.fullmatch("[pq]{6}", text)
