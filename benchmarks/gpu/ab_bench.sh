@@ -5,7 +5,9 @@
 #                                                                 # .git/info/exclude; carry ["wheels", "ab"])
 #   on the GPU:  bash benchmarks/gpu/ab_bench.sh run              # writes $OUT/bench_{head,before}.{txt,json}
 # BATCHES (default 1,64,256), LONG (default 8192; empty for none) and T_BENCH (seconds per side, default 175) as
-# in run_h200.sh.
+# in run_h200.sh; T_FIRST (default T_BENCH) for the call's first process, which compiles fla-core's kernels on a fresh
+# machine. CONFIG (default the 48B shape): another config.json, e.g. benchmarks/configs/kimi-linear-48b-a3b-12layers.json
+# (the 48B layer shapes in 12 layers, ~45 GB in bf16: fits an 80 GB H100).
 # ROUNDS (default 1): rounds of both sides, the side that runs first swapped each round (ABBA; the first process
 # measured ~6% more copy bandwidth), each round's files suffixed _rN. FIRST_ROUND (default 0) numbers the rounds from
 # there: FIRST_ROUND=1 starts with the before side (a second call that continues the first call's ABBA).
@@ -21,7 +23,7 @@ export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LONG=${LONG-8192}  # LONG= (empty): no long-prompt row
 python3 -m pip install --no-deps --no-index --target "$ROOT/.gpu/site" wheels/*.whl >/dev/null 2>&1 || echo "wheel install failed"
 B="python3 -m deltaserve.entrypoints.cli bench --load-format dummy --device cuda --max-num-batched-tokens 8192
-   --config benchmarks/configs/kimi-linear-48b-a3b.json --prompt-len 512 --output-len 32
+   --config $ROOT/${CONFIG:-benchmarks/configs/kimi-linear-48b-a3b.json} --prompt-len 512 --output-len 32
    --batch-sizes ${BATCHES:-1,64,256} ${LONG:+--long-prompt-len $LONG}"
 for ((round = ${FIRST_ROUND:-0}; round < ${FIRST_ROUND:-0} + ${ROUNDS:-1}; round++)); do
   order="head before"; [ $((round % 2)) = 1 ] && order="before head"
@@ -29,8 +31,9 @@ for ((round = ${FIRST_ROUND:-0}; round < ${FIRST_ROUND:-0} + ${ROUNDS:-1}; round
   for side in $order; do
     echo "== bench $side round $round $(date +%T)"
     dir=$ROOT; [ $side = before ] && dir=$ROOT/ab/before
-    (cd "$dir" && PYTHONPATH=$ROOT/.gpu/site:$dir timeout ${T_BENCH:-175} $B \
+    limit=${T_BENCH:-175}; [ -z "${started:-}" ] && limit=${T_FIRST:-$limit}; started=1
+    (cd "$dir" && PYTHONPATH=$ROOT/.gpu/site:$dir timeout $limit $B \
         --json-out "$OUT/bench_$side$suffix.json" > "$OUT/bench_$side$suffix.txt" 2>&1)
-    grep -A6 "batch  " "$OUT/bench_$side$suffix.txt" | cut -c1-130
+    grep -A6 "batch  " "$OUT/bench_$side$suffix.txt" | cut -c1-130; echo "ended $(date +%T)"
   done
 done

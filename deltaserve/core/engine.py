@@ -43,6 +43,7 @@ from deltaserve.runner_output import Logprobs
 from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.scheduler_output import SchedulerOutput
 from deltaserve.structured import errors as structured_errors
+from deltaserve.structured import manager as structured_manager
 from deltaserve.structured.manager import StructuredOutputManager
 from deltaserve.tokenizer import load_tokenizer
 from deltaserve.tokenizer.detokenizer import IncrementalDetokenizer
@@ -317,9 +318,17 @@ class Engine:
 
     def _advance_grammar(self, req: Request, new_ids: list[int]) -> None:
         """Move a constrained request's matcher over its new tokens; a token its grammar refuses (the mask allowed
-        it: a bug) ends the request rather than letting it continue outside the grammar."""
-        if self.structured is not None and not self.structured.accept(req.req_id, new_ids):
+        it: a bug) ends the request rather than letting it continue outside the grammar, and so does a grammar whose
+        mask is too slow to fill (StructuredOutputManager.too_slow)."""
+        if self.structured is None:
+            return
+        if not self.structured.accept(req.req_id, new_ids):
             log.error("request %s: the grammar refused a sampled token %s; aborting it", req.req_id, new_ids)
+            self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_ABORTED)
+        elif self.structured.too_slow(req.req_id):
+            log.warning("request %s: its grammar's mask took over %g s a token at %d steps, holding up the batch; "
+                        "aborting it (an ambiguous grammar: make its alternatives exclusive)", req.req_id,
+                        structured_manager.FILL_LIMIT_S, structured_manager.FILL_STRIKES)
             self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_ABORTED)
 
     def _detokenize(self, tracked: _Tracked, new_ids: list[int]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
@@ -26,6 +27,10 @@ from deltaserve.structured.backend import GrammarBackend, checked
 log = logging.getLogger("deltaserve")
 MAX_CACHED_GRAMMARS = 256
 COMPILE_THREADS = 2
+# A request whose mask took longer than FILL_LIMIT_S at FILL_STRIKES of its steps is ended: its fill holds up the
+# sampling of every request in the batch (xgrammar's fill can take ~1 s a token for an ambiguous grammar).
+FILL_LIMIT_S = 0.05
+FILL_STRIKES = 4
 
 
 class StructuredOutputManager:
@@ -41,6 +46,7 @@ class StructuredOutputManager:
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._matchers: dict[str, object] = {}
         self._json: set[str] = set()  # requests whose output is JSON: no raw control characters (backend.py)
+        self._slow_fills: dict[str, int] = {}  # steps at which a request's mask took longer than FILL_LIMIT_S
 
     def submit(self, spec: StructuredOutputsParams, wait_for_room: bool = False) -> Future:
         """A Future of spec's compiled grammar (its exception a ValueError naming what is wrong); what needs no
@@ -81,9 +87,14 @@ class StructuredOutputManager:
         matcher = self._matchers.get(req_id)
         return matcher is None or all(matcher.accept_token(t) for t in token_ids)
 
+    def too_slow(self, req_id: str) -> bool:
+        """Whether req_id's mask took longer than FILL_LIMIT_S at FILL_STRIKES of its steps (the engine ends it)."""
+        return self._slow_fills.get(req_id, 0) >= FILL_STRIKES
+
     def release(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)
         self._json.discard(req_id)
+        self._slow_fills.pop(req_id, None)
 
     def __call__(self, req_ids: list[str], logits: torch.Tensor) -> torch.Tensor:
         """The runner's logits processor: logits [B, V] of req_ids (one row each) with the constrained rows masked
@@ -93,12 +104,24 @@ class StructuredOutputManager:
             return logits
         words = -(-self._backend.vocab_size // 32)
         bitmask = torch.empty(len(rows), words, dtype=torch.int32, pin_memory=logits.device.type == "cuda")
-        self._backend.fill([self._matchers[req_ids[i]] for i in rows], bitmask)
+        matchers = [self._matchers[req_ids[i]] for i in rows]
+        start = time.perf_counter()
+        self._backend.fill(matchers, bitmask)
+        if time.perf_counter() - start > FILL_LIMIT_S:
+            self._time_rows([req_ids[i] for i in rows], matchers, bitmask)
         json_rows = [j for j, i in enumerate(rows) if req_ids[i] in self._json]
         if json_rows:
             bitmask[json_rows] &= self._backend.json_safe_bitmask
         device_rows = to_device(rows, torch.int64, logits.device)
         return apply_token_bitmask(logits, bitmask.to(logits.device, non_blocking=True), device_rows)
+
+    def _time_rows(self, req_ids: list[str], matchers: list, bitmask: torch.Tensor) -> None:
+        """After a slow fill, fill each row again alone (the same bits) to find whose mask is slow."""
+        for j, (req_id, matcher) in enumerate(zip(req_ids, matchers)):
+            start = time.perf_counter()
+            self._backend.fill([matcher], bitmask[j : j + 1])
+            if time.perf_counter() - start > FILL_LIMIT_S:
+                self._slow_fills[req_id] = self._slow_fills.get(req_id, 0) + 1
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -243,3 +243,19 @@ def test_compiles_in_flight_are_bounded_and_an_offline_batch_waits_for_room(llm,
     outputs = llm.generate(["Go:"] * len(patterns), [constrained(regex=p) for p in patterns], use_tqdm=False)
     assert all(re.fullmatch(p, o.outputs[0].text) for p, o in zip(patterns, outputs))
     assert all(future.result(timeout=30) for future in blocked)
+
+
+def test_a_grammar_whose_mask_is_slow_to_fill_is_aborted_and_the_free_requests_go_on(llm, monkeypatch):
+    """A constrained request whose mask takes longer than FILL_LIMIT_S at FILL_STRIKES steps ends as aborted (it
+    would hold up every request's sampling); a free request beside it gets the tokens it gets alone."""
+    from deltaserve.structured import manager
+
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    [alone] = llm.generate(["The"], free, use_tqdm=False)
+    monkeypatch.setattr(manager, "FILL_LIMIT_S", 0.0)  # every fill is slow
+    monkeypatch.setattr(manager, "FILL_STRIKES", 3)
+    slow, beside = llm.generate(["Go:", "The"], [constrained(regex="[gh]{40}", max_tokens=40), free], use_tqdm=False)
+    assert slow.outputs[0].finish_reason == "abort" and len(slow.outputs[0].token_ids) == 3
+    assert re.fullmatch("[gh]*", slow.outputs[0].text)
+    assert beside.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert not llm.engine.structured._slow_fills  # released with the request
