@@ -143,10 +143,6 @@ class ModelConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
-    def kda_dim(self) -> int:
-        return self.kda_num_heads * self.kda_head_dim
-
-    @property
     def kda_layer_ids(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == KDA]
 

@@ -115,8 +115,7 @@ class Engine:
         bar = ProgressBar("loading weights", "tensor") if progress is None else None
         try:
             with phase("weights") as info:
-                weights = ModelRunner.load_model(model, self.model_config, self.config, progress or bar,
-                                                 self.parallel)
+                weights = ModelRunner.load_model(model, self.model_config, self.config, progress or bar, self.parallel)
                 size = sum(p.numel() * p.element_size() for p in weights.parameters())
                 info["detail"] = f"{size / 2**30:.2f} GiB" + (" (dummy)" if self.config.load_format == "dummy" else "")
         finally:
@@ -153,8 +152,7 @@ class Engine:
     def structured_outputs(self) -> StructuredOutputManager:
         """The structured-outputs manager (made now if this is the first use; xgrammar loads on its pool)."""
         if self.structured is None:
-            self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                                      self.eos_token_ids)
+            self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
             self.runner.logits_processor = self.structured
         return self.structured
 

@@ -86,8 +86,7 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": reply})
         rate = num_tokens / seconds if seconds > 0 else 0.0
         print(flush=True)  # the answer's own line ends
-        print(f"[{num_tokens} tokens, {rate:.1f} tok/s{', stopped' if stopped else ''}]",
-              file=sys.stderr, flush=True)
+        print(f"[{num_tokens} tokens, {rate:.1f} tok/s{', stopped' if stopped else ''}]", file=sys.stderr, flush=True)
         return reply
 
     def _stream(self, stream, interrupted: threading.Event) -> tuple[str, int, float, bool]:

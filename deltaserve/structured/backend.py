@@ -55,8 +55,7 @@ class GrammarBackend:
         xgr = import_xgrammar()
         special = tokenizer.all_special_ids
         vocab = [b"" if i in special else tokenizer.id_to_bytes(i) for i in range(vocab_size)]
-        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
-                                 stop_token_ids=list(stop_token_ids))
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self.xgr = xgr
         self.vocab_size = vocab_size
         self.json_safe_bitmask = pack_bitmask([not any(b < 0x20 for b in token) for token in vocab])

@@ -82,9 +82,7 @@ class Tokenizer(ABC):
                 f"the tokenizer in {self._config_origin} has no chat template; send a prompt or token ids, "
                 f"or add a chat_template to tokenizer_config.json"
             )
-        return self.chat_template.render(
-            messages, add_generation_prompt, tools, **self.config.special_token_strings()
-        )
+        return self.chat_template.render(messages, add_generation_prompt, tools, **self.config.special_token_strings())
 
     def _eos_token_ids(self, eos_token_id: int | None) -> tuple[int, ...]:
         """The config's eos_token plus the end-of-turn tokens that the chat template uses."""

@@ -98,8 +98,7 @@ class ServingContext:
         """The prompt text, and whether to read tool calls out of the output (tools with tool_choice "auto")."""
         tokenizer = self.need_tokenizer("chat")
         try:
-            return render_chat_prompt(tokenizer, messages, tools, tool_choice,
-                                      parallel_tool_calls=parallel_tool_calls)
+            return render_chat_prompt(tokenizer, messages, tools, tool_choice, parallel_tool_calls=parallel_tool_calls)
         except ToolRequestError as e:
             raise bad_request(str(e), e.param) from e
         except ChatTemplateError as e:
