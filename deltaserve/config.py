@@ -308,8 +308,8 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    # on by default: a multi-turn chat's TTFT an order of magnitude lower (BENCHMARKS.md, Prefix caching); the cost,
-    # one extra step before the first token of a prompt that does not end on a block boundary
+    # on by default (a multi-turn chat's TTFT much lower); the cost: one extra step before the first token of a
+    # prompt that does not end on a block boundary
     enable_prefix_caching: bool = True
     dtype: str = "float32"
     device: str = "cpu"
@@ -336,9 +336,8 @@ class EngineConfig:
     # (where the host is the device, and a request that stops would cost a step computed for nothing)
     async_scheduling: bool | None = None
     # CPU: decode-only steps of up to runner.model_runner.COMPILED_DECODE_MAX_SEQS requests run the model's forward
-    # through torch.compile (one graph a batch size, compiled at its first step: seconds). Faster a token at batch 1
-    # on small models (BENCHMARKS.md, CPU), but inductor's kernels sum in their own order: logits
-    # within ~1e-5 of eager's, not bit-exact, so off by default (float32 eager is the exact regime)
+    # through torch.compile (one graph a batch size, compiled at its first step: seconds). Faster at batch 1 on small
+    # models, but inductor sums in its own order (logits within ~1e-5 of eager's), so off by default
     compile_decode: bool = False
     # CPU, float32: products of up to 4 rows through our kernel (kernels/cpu_gemv.py, where it builds), which sums in
     # its own order (the last bits differ from MKL's); False: PyTorch's products only

@@ -174,8 +174,7 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
     runs += [(1, n, min(output_len, LONG_OUTPUT_LEN)) for n in long_prompt_lens]
     for batch, prompt, output in runs:
         # warm-up at the row's shape: a batch's prefill chunks (and their token-expert pairs) are shapes of their
-        # own, and the kernels compile and autotune on a shape's first call (measured: 16 prompts of 512 tokens,
-        # 10.3 s TTFT unwarmed on an H200, where batch 1 took 0.1 s)
+        # own, and the kernels compile and autotune on a shape's first call
         warmup = prompt if prompt <= LONG_WARMUP_TOKENS or batch > 1 else LONG_WARMUP_TOKENS
         run_batch(engine, batch, warmup, 2, seed=2**31 + batch + prompt)  # not a measured row's prompts (cached)
         row = {"prompt_len": prompt, **run_batch(engine, batch, prompt, output, seed=batch + prompt)}

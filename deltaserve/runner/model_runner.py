@@ -456,7 +456,6 @@ def _input_major_weights(model: torch.nn.Module) -> None:
     projection and expert weights input-major ([in, out] in memory; the logical shape and values unchanged): MKL's
     matrix-vector products then stream whole rows. Not for half precision, which decodes faster output-major.
     Skipped: kv_b_proj (MLA decode views it per head), an lm_head tied to the embedding (looked up by row), FP8."""
-
     params = [m.weight for name, m in model.named_modules() if isinstance(m, Linear) and not name.endswith("kv_b_proj")]
     params += [w for m in model.modules() if isinstance(m, MoE) for w in (m.w13, m.w2)]
     for param in params:
