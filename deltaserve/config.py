@@ -45,9 +45,8 @@ QUANTIZATION_METHODS = ("fp8",)
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Block-wise FP8 (e4m3) weights, the format of FP8 checkpoints on the hub: per [block_n, block_k] block of a
-    weight [N, K], one float32 dequantization multiplier (`weight_scale_inv`, shape [ceil(N/block_n),
-    ceil(K/block_k)])."""
+    """Block-wise FP8 (e4m3) weights, the format of FP8 checkpoints on the hub: per [block_n, block_k] block of a weight
+    [N, K], one float32 dequantization multiplier (`weight_scale_inv`, shape [ceil(N/block_n), ceil(K/block_k)])."""
 
     method: str = "fp8"
     block_size: tuple[int, int] = (128, 128)

@@ -137,8 +137,7 @@ class CacheManager:
 
         hit (a waiting request's find_cached_prefix) first gives req its cached pages, one more reference each,
         and sets num_computed_tokens to their tokens; num_new_tokens then count from there. Returns the new page
-        ids (appended to req.block_ids), or None, changing nothing, when the pools cannot cover it.
-        """
+        ids (appended to req.block_ids), or None, changing nothing, when the pools cannot cover it."""
         if not self.can_allocate(req, num_new_tokens, hit):
             return None
         if hit is not None:

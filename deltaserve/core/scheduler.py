@@ -126,8 +126,7 @@ class Scheduler:
 
         Returns (request, new output token ids) for each request the runner sampled for; a request that
         finished this step has a finished status. Requests finished or aborted since schedule() are skipped (a request
-        given the same id since is another request).
-        """
+        given the same id since is another request)."""
         updates = []
         starts, requests = scheduler_output.start_positions(), self._take_step(scheduler_output)
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -187,8 +186,7 @@ class Scheduler:
     def _allocate_or_preempt(self, req: Request, num_tokens: int) -> tuple[list[int] | None, bool]:
         """Pages for req's next num_tokens, preempting from the tail of `running` until they fit.
 
-        Returns (new block ids or None if req itself was preempted, whether anyone was preempted).
-        """
+        Returns (new block ids or None if req itself was preempted, whether anyone was preempted)."""
         preempted = False
         while (new_block_ids := self.cache.allocate_slots(req, num_tokens)) is None:
             victim = self.running[-1]

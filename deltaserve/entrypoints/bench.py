@@ -79,8 +79,7 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, output_len: int, seed
 
     Prefill phase: until every request has its first token (steps may mix decodes in). Decode phase: from then
     on every step is decode only, so its tokens over its time are the decode throughput, and its time over the
-    tokens each request got in it the TPOT (a step may run several decode steps: lookahead).
-    """
+    tokens each request got in it the TPOT (a step may run several decode steps: lookahead)."""
     _add_requests(engine, batch, prompt_len, output_len, seed)
     start = time.perf_counter()
     finished = _prefill_phase(engine, batch)
@@ -106,8 +105,7 @@ def measure_routing(engine: Engine, batch: int, prompt_len: int, output_len: int
     padded to a captured size with rows that must not count), or several of them queued without a host sync; a
     counter would add kernels to what is timed and need the real rows' count on the device. The eager run executes
     the same model code on the real rows only. Its tokens equal the timed run's but where the graphs' rounding
-    tips a near-tie of the sampled token, which changes no routing statistic.
-    """
+    tips a near-tie of the sampled token, which changes no routing statistic."""
     _add_requests(engine, batch, prompt_len, output_len, seed)
     with engine.eager():
         _prefill_phase(engine, batch)

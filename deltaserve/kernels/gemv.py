@@ -53,9 +53,8 @@ def gemv_jit(x_ptr, w_ptr, y_ptr, x_stride, y_stride, T_BUCKET, N: tl.constexpr,
              BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y[t, rows] = x[t] . w[rows] in float32, stored in y's dtype; x and w read in their own dtypes. T_BUCKET (the
     token count rounded up to a power of two) is for an autotuner's key only. The router's logits
-    (kernels.moe.triton_routing) run this same kernel under tiles of their own. SCALED: w's element [n, k] is
-    multiplied by s[n // BN, k // BK] (FP8 block scales, S_COLS to a row); without, s_ptr is None (NO_SCALES).
-    PDL: kernels.pdl."""
+    (kernels.moe.triton_routing) run this same kernel under tiles of their own. SCALED: w's element [n, k] is multiplied
+    by s[n // BN, k // BK] (FP8 block scales, S_COLS to a row); without, s_ptr is None (NO_SCALES). PDL: kernels.pdl."""
     pdl_enter(PDL)
     pid_n, token = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

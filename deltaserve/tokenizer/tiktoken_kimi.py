@@ -48,8 +48,7 @@ class KimiTokenizer(Tokenizer):
     encode() turns special-token strings into their ids only when asked (add_special_tokens=True, which the
     engine passes for prompts, so rendered chats get their role tokens); otherwise they are plain text. No BOS
     is ever added: the Kimi tokenizer adds none. Special ids the config marks `"special": false` (the
-    tool-call markers in the published file) stay in decoded text even with skip_special_tokens.
-    """
+    tool-call markers in the published file) stay in decoded text even with skip_special_tokens."""
 
     def __init__(self, model_dir: Path):
         config = load_tokenizer_config(model_dir)

@@ -76,8 +76,7 @@ class ToolCallStreamParser:
     ones carry argument text: {"tool_calls": [{"index": i, "function": {"arguments": "..."}}]}. Content comes
     as {"content": "..."}. Text that may be the start of a marker is held until the next piece tells. Joining
     the deltas gives exactly result(), whatever the pieces were. An output cut off inside a call (max_tokens)
-    keeps the arguments written so far; a call cut off before its id ended is dropped.
-    """
+    keeps the arguments written so far; a call cut off before its id ended is dropped."""
 
     def __init__(self):
         self._state = _CONTENT

@@ -29,8 +29,7 @@ def chunk_kda(
 
     q, k, g: [N, H, K] float32 (q, k l2-normalised); v: [N, H, V] float32; beta: [N, H] float32
     state: [S, H, K, V] float32, updated in place; cu_seqlens: B+1 host offsets into N.
-    Returns o [N, H, V] float32.
-    """
+    Returns o [N, H, V] float32."""
     o = torch.empty_like(v)
     for b, slot in enumerate(state_slots):
         S = state[slot]

@@ -24,8 +24,7 @@ def fused_experts(
     cpu_threads: on the CPU, kernels.cpu_gemv's threads where it serves a product; None: PyTorch's products only.
     pdl: the GPU decode kernel's programmatic dependent launch (kernels.pdl).
 
-    Returns sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, D] in x's dtype.
-    """
+    Returns sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, D] in x's dtype."""
     if x.is_cuda and ids.numel() <= FEW_ASSIGNMENTS_GPU:
         from deltaserve.kernels.moe.triton_decode import decode_experts
 
