@@ -326,13 +326,11 @@ class EngineConfig:
     # None: weights in dtype (or as the checkpoint stores them); "fp8": linear layers and experts quantized at
     # load to float8_e4m3fn with 128 x 128 block scales (README, "FP8 weights")
     quantization: str | None = None
-    # decode steps a scheduler step may run back to back (1 + its lookahead tokens) when every running request
-    # decodes without penalties, logprobs, stop strings or a grammar (README, "Decode bursts"): the host schedules,
-    # syncs and detokenizes once per burst, not once per token; 1 turns it off
+    # decode steps a scheduler step may run back to back (1 + its lookahead tokens; README, "Decode bursts"): the
+    # host schedules, syncs and detokenizes once per burst, not once per token; 1 turns it off
     num_decode_steps: int = 8
-    # keep one step in flight: schedule and queue the next step before reading this step's tokens (core/scheduler.py,
-    # A step in flight), so the host's work between them overlaps the device's; None: on for a GPU, off on the CPU
-    # (where the host is the device, and a request that stops would cost a step computed for nothing)
+    # keep one step in flight (core/scheduler.py), so the host's work between steps overlaps the device's; None: on
+    # for a GPU, off on the CPU (where the host is the device: a request that stops costs a step for nothing)
     async_scheduling: bool | None = None
     # CPU: decode-only steps of up to runner.model_runner.COMPILED_DECODE_MAX_SEQS requests run the model's forward
     # through torch.compile (one graph a batch size, compiled at its first step: seconds). Faster at batch 1 on small
@@ -341,8 +339,8 @@ class EngineConfig:
     # CPU, float32: products of up to 4 rows through our kernel (kernels/cpu_gemv.py, where it builds), which sums in
     # its own order (the last bits differ from MKL's); False: PyTorch's products only
     cpu_gemv: bool = True
-    # GPU, half precision: a norm inside the GEMV of the projection that reads it (kernels/norm_gemv.py, a launch
-    # less a layer; the bf16 roundings may differ in the last bits); False: norm and projection apart, for an A/B
+    # GPU, half precision: a norm inside the GEMV of the projection that reads it (kernels/norm_gemv.py; the bf16
+    # roundings may differ in the last bits); False: norm and projection apart
     norm_gemv: bool = True
     # GPU, Hopper and later: programmatic dependent launch of our decode-step kernels (kernels/pdl.py: a kernel's
     # launch overlaps the one before it); changes timing only, not values. False: plain launches, for profiles

@@ -19,8 +19,7 @@ and the snapshot at its end, short of the last token, so that the step has logit
 
 The scheduler plans a step while the one before may still run, so a request can have two saves not yet made
 (`_writes`, in step order). A request that leaves before its saves are applied loses them, and with them the
-rolling snapshot whose slot one of them was overwriting.
-"""
+rolling snapshot whose slot one of them was overwriting."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ names the whole prefix (not Python's 64-bit hash(): a collision would silently g
 Pages enter the index only once full and computed, so an indexed page never changes: requests share it read-only.
 Each page has a reference count (the running requests whose block table holds it); an unreferenced cached page
 stays indexed until its id is needed: allocate() takes never-cached free pages first, then evicts unreferenced
-cached pages, least recently released first. CPU bookkeeping only.
-"""
+cached pages, least recently released first. CPU bookkeeping only."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 The layers' cache specs (deltaserve/cache_spec.py) price one page and one slot across the whole model: pages are
 shared by all MLA layers, slots by all KDA layers. For the 48B model in bf16: ~8 KB of MLA cache per token, ~43 MB
-per KDA slot.
-"""
+per KDA slot."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ usable only while all the pages of its prefix are in the page index (the lookup 
 
 Snapshot slots are their own pool. A slot is free; held (by a running request writing it: a pending save, or its
 rolling snapshot); or committed (in the index), and then pinned while a request restores from it in the current
-step. Only committed, unpinned slots are evicted, least recently used first. CPU bookkeeping only.
-"""
+step. Only committed, unpinned slots are evicted, least recently used first. CPU bookkeeping only."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 One asyncio task, the engine loop, owns the Engine. Each turn it (1) applies the adds and aborts that handlers
 queued since the last step, (2) runs engine.step() in a one-thread executor, so the event loop keeps serving HTTP
 while the model runs, and (3) routes each RequestOutput to its handler's stream. So the Engine is touched by one
-thing at a time, and an abort frees its pages and slot at a step boundary, never in the middle of a step.
-"""
+thing at a time, and an abort frees its pages and slot at a step boundary, never in the middle of a step."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ its forward pass queued then; its sampling is launched once the current step is 
 
 Structured outputs: a constrained request waits outside the scheduler until its grammar has compiled on the
 manager's thread pool, so a slow schema never stalls other steps; the runner masks its logits when it samples
-(runner.logits_processor), _apply advances its matcher, and the matcher is released when the request ends.
-"""
+(runner.logits_processor), _apply advances its matcher, and the matcher is released when the request ends."""
 
 from __future__ import annotations
 

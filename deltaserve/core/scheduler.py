@@ -38,8 +38,7 @@ Lookahead (decode bursts). When every running request decodes without logprobs, 
 num_decode_steps - 1 lookahead tokens, capped by the smallest room left (max_tokens, max_model_len): the runner
 decodes them on the device, each token the next one's input; update_from_output appends them as if they came one
 step at a time (a stop token or the length limit finishes the request there and drops the tokens after it). With
-prefix caching, the rolling snapshot is saved at the last block boundary the step reaches.
-"""
+prefix caching, the rolling snapshot is saved at the last block boundary the step reaches."""
 from __future__ import annotations
 
 from collections import deque

@@ -2,10 +2,8 @@
 
 The floor is the bytes a decode step must move (the active weights: everything but the routed experts no token
 of the step chose; the MLA latents read; the KDA states read and written) over the copy bandwidth measured in the
-same process. The experts a step chose are measured (routing_stats.py), in a second, eager run of each row's
-requests after its timed one (measure_routing), and the uniform-routing expectation is kept beside them: dummy
-weights that routed every token to a few experts once made a step look faster than a real model's could be.
-"""
+same process. The experts a step chose are measured (routing_stats.py) in a second, eager run of each row's
+requests after its timed one (measure_routing); the uniform-routing expectation is kept beside them."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 /reset forgets the conversation, /exit (or Ctrl-D) leaves. Ctrl-C during an answer stops that answer (its request
 is aborted) and returns to the prompt; the answer so far stays in the conversation. The answers go to stdout;
-the loading bar, the banner and each answer's speed go to stderr.
-"""
+the loading bar, the banner and each answer's speed go to stderr."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """make-tiny: a small random Kimi-Linear checkpoint with a trained tokenizer, for tests and first runs.
 
 Both kinds of attention, a dense first layer, grouped MoE with a shared expert; random but non-degenerate
-(decays, biases, norms and convs all random), so a bug shows in the logits.
-"""
+(decays, biases, norms and convs all random), so a bug shows in the logits."""
 
 from __future__ import annotations
 

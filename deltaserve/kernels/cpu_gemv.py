@@ -5,8 +5,7 @@ a core can. The kernel is `kernels/cpu/gemv.c` (AVX-512, or AVX2 with FMA; OpenM
 with `-march=native` at first use into the user's cache folder. Without a compiler or either instruction set,
 `available()` is False and callers keep F.linear, as they do where the engine turns it off (threads=None) and for
 products under MIN_WEIGHT weights (the ctypes call's overhead). Every row of x takes the same sums in the same
-order, so a row's result does not depend on the rows beside it. Twin: F.linear.
-"""
+order, so a row's result does not depend on the rows beside it. Twin: F.linear."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ autotuned per (N, K, rows per group) at first use; a CUDA graph's sizes are each
 
 FP8 weights (float8_e4m3fn with block scales) run the same kernel with SCALED: a tile whose rows lie in one scale
 block folds its column blocks' scales into x; any other tile scales each weight. Used by kernels.quant.fp8_linear
-for one token. Twin: kernels.quant.naive.naive_fp8_linear.
-"""
+for one token. Twin: kernels.quant.naive.naive_fp8_linear."""
 
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ operations and roundings (kernels.norm's eager functions):
 
 FP8 weights (block scales) take the scales as kernels.gemv's FP8 GEMV does. Twins: kernels.norm's add_rms_norm /
 gated_rms_norm followed by F.linear (FP8: kernels.quant.naive.naive_fp8_linear). Used where
-KernelOptions.norm_gemv allows (the CLI's --no-norm-gemv keeps the norms and projections apart).
-"""
+KernelOptions.norm_gemv allows (the CLI's --no-norm-gemv keeps the norms and projections apart)."""
 
 from __future__ import annotations
 

@@ -17,8 +17,7 @@ Order of processing, per row:
 Randomness: a row with a seed draws its q [V] from its own generator, seeded with
 row_seed(seed, num_output_tokens), so its token depends only on its logits, its seed and how many tokens it
 has generated (the same on one device whatever the batch, the row index, or a preemption and recompute).
-The rows without a seed take their row of one [B, V] draw from default_generator.
-"""
+The rows without a seed take their row of one [B, V] draw from default_generator."""
 
 from __future__ import annotations
 

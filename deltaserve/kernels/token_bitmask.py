@@ -1,8 +1,7 @@
 """Token bitmasks (structured outputs): the tokens a grammar allows next, 32 to an int32 word, applied to logits.
 
 A device op made of tensor ops (shift, and, masked_fill), so it runs where the logits are, with no host sync;
-xgrammar's apply_token_bitmask_inplace is its oracle in the tests.
-"""
+xgrammar's apply_token_bitmask_inplace is its oracle in the tests."""
 
 from __future__ import annotations
 

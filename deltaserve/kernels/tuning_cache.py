@@ -4,8 +4,7 @@ triton.autotune times every candidate the first time a kernel meets a new key, i
 keeps its choices in `.cache` ({key tuple: triton.Config}); this module writes them to one JSON file per GPU name
 and Triton version (under ~/.cache/deltaserve/autotune) and restores them into a new process's autotuners. An
 entry records the chosen candidate's index and a hash of the candidate list, so changed candidates tune again.
-Works on anything with `.configs` (a list) and `.cache` (a dict); find_autotuners() finds triton's.
-"""
+Works on anything with `.configs` (a list) and `.cache` (a dict); find_autotuners() finds triton's."""
 
 from __future__ import annotations
 

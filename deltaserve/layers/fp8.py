@@ -3,8 +3,7 @@ become Fp8Linear and the routed experts' w13 and w2 float8_e4m3fn with block sca
 
 Quantized: KDA's and MLA's in_proj and o_proj, the dense MLP, the shared and routed experts: all but ~1% of the
 weights. High precision: the embedding, lm_head, norms, the router, KDA's conv, A_log, dt_bias and its small gate
-up-projections fg_b_proj (feeding the decay exponent), and MLA's kv_b_proj (small; folded into decode's query).
-"""
+up-projections fg_b_proj (feeding the decay exponent), and MLA's kv_b_proj (small; folded into decode's query)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 Both answer the same two questions:
     greedy(prompts, max_tokens)  -> per prompt its greedy tokens and, per token, the top-2 ids and logit margin
-    teacher_forced(prompt, continuation) -> logits [M, V] float32 at the M positions that predict continuation
-"""
+    teacher_forced(prompt, continuation) -> logits [M, V] float32 at the M positions that predict continuation"""
 
 from __future__ import annotations
 

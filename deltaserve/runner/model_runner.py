@@ -7,8 +7,7 @@ any lookahead decode steps, each step's tokens the next one's inputs on the devi
 waiting (but for prompt logprobs); the host waits in PendingOutput.result(), once a step.
 
 The step before may still be in flight (asynchronous scheduling): a decode whose input token that step samples
-takes it from the device (the last tokens the runner sampled), so the host never waits between the two.
-"""
+takes it from the device (the last tokens the runner sampled), so the host never waits between the two."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 It reproduces Moonshot's published tokenization_kimi.py (which needs trust_remote_code) from the files alone:
 the n ranks of tiktoken.model are the ids 0..n-1, and the ids n..n+255 are special tokens, named by
 tokenizer_config.json's added_tokens_decoder or `<|reserved_token_ID|>` when it names none. For the published
-files n = 163584, so [BOS] = 163584, [EOS] = 163585, <|im_end|> = 163586 and the vocabulary holds 163840 ids.
-"""
+files n = 163584, so [BOS] = 163584, [EOS] = 163585, <|im_end|> = 163586 and the vocabulary holds 163840 ids."""
 
 from __future__ import annotations
 

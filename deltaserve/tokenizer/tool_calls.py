@@ -10,8 +10,7 @@ The model writes, after any plain content:
 The call id (`functions.NAME:INDEX`) is kept as the OpenAI id, NAME is the function name, and the text between
 the argument marker and the end marker (whitespace-trimmed) is the arguments string, passed on as the model
 wrote it. Text outside the section is content. The markers are special tokens the published tokenizer_config
-marks `"special": false`, so they stay in the detokenized text that this parser reads.
-"""
+marks `"special": false`, so they stay in the detokenized text that this parser reads."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 Each choice's text is read by a ChatOutputParser (entrypoints/chat_tools.py): with tools and tool_choice "auto",
 the model's tool-call section becomes OpenAI `tool_calls`, streamed as OpenAI streams them, with finish_reason
 "tool_calls"; "required" and a named function force a call (entrypoints/forced_tools.py). response_format and
-vLLM's structured_outputs constrain the output too (openai/structured.py).
-"""
+vLLM's structured_outputs constrain the output too (openai/structured.py)."""
 
 from __future__ import annotations
 

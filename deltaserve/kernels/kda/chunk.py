@@ -7,8 +7,7 @@ Inside a chunk of C tokens the delta rule's corrections u solve one unit lower-t
 with gc the in-chunk cumulative log decay; outputs and the next state then follow from matmuls. The pairwise
 decay exp(gc_i - gc_j) (j <= i, so <= 1) is formed exactly rather than factored as exp(gc_i) * exp(-gc_j),
 which overflows float32 when a chunk's total decay passes ~88. That tensor is [H, C, C, K]: its cost per token
-grows with C, so CPU chunks are short (16; BENCHMARKS.md has the measurement against 64).
-"""
+grows with C, so CPU chunks are short (16; BENCHMARKS.md has the measurement against 64)."""
 
 import torch
 

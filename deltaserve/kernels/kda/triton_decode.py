@@ -1,8 +1,7 @@
 """One fused Triton kernel for a KDA decode step on the GPU: l2norm of q and k, the gate, beta, and the delta
 rule on each sequence's pooled state, updated in place. One launch per layer instead of ~15.
 
-Twin: l2norm + KimiDeltaAttention.log_decay + sigmoid + fused_recurrent_kda (the torch path), tested against it.
-"""
+Twin: l2norm + KimiDeltaAttention.log_decay + sigmoid + fused_recurrent_kda (the torch path), tested against it."""
 
 import torch
 import triton

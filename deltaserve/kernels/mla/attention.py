@@ -3,8 +3,7 @@
 The cache holds, per token, the normalised latent c_kv [R] and the shared key k_rot [Dr] (never rotated).
 Prefill expands the latents into per-head keys and values (the reference's order of operations); decode attends
 in the latent space with kv_b_proj folded into the query and the output ("weight absorption"), so a decode step
-reads R + Dr values per cached token instead of expanding the whole history again.
-"""
+reads R + Dr values per cached token instead of expanding the whole history again."""
 
 from typing import Callable
 

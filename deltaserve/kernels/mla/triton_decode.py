@@ -6,8 +6,7 @@ every head), keeps an online softmax, and writes its partial output and log-sum-
 Work and traffic follow each sequence's context length, not the block table's width, so a CUDA graph captured with a
 table wide enough for the model's whole length costs nothing extra for short contexts.
 
-Twin: attention.mla_decode's torch path (gather every page, masked softmax), tested against it.
-"""
+Twin: attention.mla_decode's torch path (gather every page, masked softmax), tested against it."""
 
 import torch
 import triton

@@ -1,8 +1,7 @@
 """Routed expert compute on the CPU: tokens grouped by expert, one pair of matmuls per expert that was hit.
 
 Contributions are summed in ascending expert order, the order the reference uses, so float32 results match it up to
-the products' own rounding (kernels.cpu_gemv sums a row in its own order).
-"""
+the products' own rounding (kernels.cpu_gemv sums a row in its own order)."""
 
 import functools
 from collections.abc import Iterator

@@ -9,8 +9,7 @@ weights with block scales (SCALED) are scaled per element, or once per tile insi
 
 Tiles are autotuned per (D, I, pairs rounded up to a power of two) at first use; a CUDA graph's sizes are each
 run eagerly before capture. Twin: kernels.moe.naive.naive_experts (FP8: on dequantized weights) plus the shared
-expert's SwiGLU.
-"""
+expert's SwiGLU."""
 
 from __future__ import annotations
 
