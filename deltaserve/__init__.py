@@ -1,8 +1,7 @@
 """deltaserve: an inference and serving engine for Kimi-Linear.
 
 LLM and SamplingParams are imported on first use (module __getattr__), so that `import deltaserve` and the
-command line's --help do not pay for torch and the engine.
-"""
+command line's --help do not pay for torch and the engine."""
 
 import importlib
 

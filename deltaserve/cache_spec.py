@@ -4,8 +4,7 @@ The model declares them (KimiLinearForCausalLM.cache_specs), cache/sizing prices
 allocates them: one description for both. An MLA layer keeps a paged latent (a page is block_size tokens ×
 latent_dim values in the run dtype; pages are shared by all MLA layers, one block id addressing the page of each),
 a KDA layer a fixed state per request slot (the short-conv tails of q, k and v in the run dtype, and the float32
-recurrent state; slots are shared by all KDA layers).
-"""
+recurrent state; slots are shared by all KDA layers)."""
 
 from __future__ import annotations
 

@@ -45,9 +45,8 @@ QUANTIZATION_METHODS = ("fp8",)
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Block-wise FP8 (e4m3) weights, the format of FP8 checkpoints on the hub: per [block_n, block_k] block of a
-    weight [N, K], one float32 dequantization multiplier (`weight_scale_inv`, shape [ceil(N/block_n),
-    ceil(K/block_k)])."""
+    """Block-wise FP8 (e4m3) weights, the format of FP8 checkpoints on the hub: per [block_n, block_k] block of a weight
+    [N, K], one float32 dequantization multiplier (`weight_scale_inv`, shape [ceil(N/block_n), ceil(K/block_k)])."""
 
     method: str = "fp8"
     block_size: tuple[int, int] = (128, 128)
@@ -141,10 +140,6 @@ class ModelConfig:
     def latent_dim(self) -> int:
         """Values cached per token per MLA layer: the normalised c_kv and the shared k_rot."""
         return self.kv_lora_rank + self.qk_rope_head_dim
-
-    @property
-    def kda_dim(self) -> int:
-        return self.kda_num_heads * self.kda_head_dim
 
     @property
     def kda_layer_ids(self) -> list[int]:
@@ -312,8 +307,8 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    # on by default: a multi-turn chat's TTFT an order of magnitude lower (BENCHMARKS.md, Prefix caching); the cost,
-    # one extra step before the first token of a prompt that does not end on a block boundary
+    # on by default (a multi-turn chat's TTFT much lower); the cost: one extra step before the first token of a
+    # prompt that does not end on a block boundary
     enable_prefix_caching: bool = True
     dtype: str = "float32"
     device: str = "cpu"
@@ -331,24 +326,21 @@ class EngineConfig:
     # None: weights in dtype (or as the checkpoint stores them); "fp8": linear layers and experts quantized at
     # load to float8_e4m3fn with 128 x 128 block scales (README, "FP8 weights")
     quantization: str | None = None
-    # decode steps a scheduler step may run back to back (1 + its lookahead tokens) when every running request
-    # decodes without penalties, logprobs, stop strings or a grammar (README, "Decode bursts"): the host schedules,
-    # syncs and detokenizes once per burst, not once per token; 1 turns it off
+    # decode steps a scheduler step may run back to back (1 + its lookahead tokens; README, "Decode bursts"): the
+    # host schedules, syncs and detokenizes once per burst, not once per token; 1 turns it off
     num_decode_steps: int = 8
-    # keep one step in flight: schedule and queue the next step before reading this step's tokens (core/scheduler.py,
-    # A step in flight), so the host's work between them overlaps the device's; None: on for a GPU, off on the CPU
-    # (where the host is the device, and a request that stops would cost a step computed for nothing)
+    # keep one step in flight (core/scheduler.py), so the host's work between steps overlaps the device's; None: on
+    # for a GPU, off on the CPU (where the host is the device: a request that stops costs a step for nothing)
     async_scheduling: bool | None = None
     # CPU: decode-only steps of up to runner.model_runner.COMPILED_DECODE_MAX_SEQS requests run the model's forward
-    # through torch.compile (one graph a batch size, compiled at its first step: seconds). Faster a token at batch 1
-    # on small models (BENCHMARKS.md, CPU), but inductor's kernels sum in their own order: logits
-    # within ~1e-5 of eager's, not bit-exact, so off by default (float32 eager is the exact regime)
+    # through torch.compile (one graph a batch size, compiled at its first step: seconds). Faster at batch 1 on small
+    # models, but inductor sums in its own order (logits within ~1e-5 of eager's), so off by default
     compile_decode: bool = False
     # CPU, float32: products of up to 4 rows through our kernel (kernels/cpu_gemv.py, where it builds), which sums in
     # its own order (the last bits differ from MKL's); False: PyTorch's products only
     cpu_gemv: bool = True
-    # GPU, half precision: a norm inside the GEMV of the projection that reads it (kernels/norm_gemv.py, a launch
-    # less a layer; the bf16 roundings may differ in the last bits); False: norm and projection apart, for an A/B
+    # GPU, half precision: a norm inside the GEMV of the projection that reads it (kernels/norm_gemv.py; the bf16
+    # roundings may differ in the last bits); False: norm and projection apart
     norm_gemv: bool = True
     # GPU, Hopper and later: programmatic dependent launch of our decode-step kernels (kernels/pdl.py: a kernel's
     # launch overlaps the one before it); changes timing only, not values. False: plain launches, for profiles

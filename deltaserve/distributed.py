@@ -1,8 +1,7 @@
 """Tensor and expert parallel over torch.distributed: who this process is, and the few collectives the model uses.
 
 The rank and world size travel as an explicit ParallelConfig (passed to the layers, the loader and the engine);
-nothing here is a hidden global except torch.distributed's own default process group, set up once per process.
-"""
+nothing here is a hidden global except torch.distributed's own default process group, set up once per process."""
 
 from __future__ import annotations
 

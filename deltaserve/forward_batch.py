@@ -5,8 +5,7 @@ runner. It holds device tensors because it is the model's input.
 
 Sequences are ordered decodes first: the first num_decodes sequences have exactly one new token each (a decode,
 or a one-token prompt chunk), so their tokens are x[:num_decodes] and run through the batched recurrent paths;
-the rest are prefill chunks, packed, through the chunked paths.
-"""
+the rest are prefill chunks, packed, through the chunked paths."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ class PackedSeqs:
     cu_seqlens_cpu: torch.Tensor
     max_len: int
     # [tiles, 2] on the device: (sequence, first token of the tile within it) for every TOKEN_TILE tokens of every
-    # sequence, so a kernel over token tiles launches as many programs as there are tiles, however uneven the
-    # lengths (a grid of sequences x the longest's tiles was mostly empty programs beside one long chunk)
+    # sequence, so a kernel over token tiles launches as many programs as there are tiles, however uneven the lengths
     token_tiles: torch.Tensor
 
 

@@ -1,7 +1,6 @@
 """RunnerOutput: what the runner returns to the scheduler each step (runner -> core), data only, host lists.
 
-A ground-floor contract, so that the runner builds it without importing core.
-"""
+A ground-floor contract, so that the runner builds it without importing core."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """SchedulerOutput: what the scheduler sends the runner each step (core -> runner), data only, no tensors.
 
-A ground-floor contract, so that the runner reads it without importing core.
-"""
+A ground-floor contract, so that the runner reads it without importing core."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 A page (block) holds `block_size` tokens of MLA latents for every MLA layer; the runner owns the tensors and
 indexes them by the ids handed out here. Ids are 0..num_blocks-1. Freeing a page the pool did not hand out,
-or freeing one twice, is a bookkeeping bug and raises at once rather than corrupting another request's cache.
-"""
+or freeing one twice, is a bookkeeping bug and raises at once rather than corrupting another request's cache."""
 
 from __future__ import annotations
 

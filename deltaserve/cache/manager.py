@@ -1,32 +1,25 @@
 """CacheManager: gives requests MLA pages and a KDA state slot, and takes them back; CPU bookkeeping only.
 
-It writes what it hands out into the request itself (`block_ids`, the block table in order, and
-`state_slot`), so the scheduler and the runner read one source of truth. A request needs
-ceil((num_computed_tokens + num_new_tokens) / block_size) pages to hold its tokens after a step; its one state
-slot is taken on the first allocation and kept until free().
+It writes what it hands out into the request itself (`block_ids`, the block table in order, and `state_slot`), so
+the scheduler and the runner read one source of truth. A request needs ceil((num_computed_tokens + num_new_tokens)
+/ block_size) pages after a step; its state slot is taken on the first allocation and kept until free().
 
-With prefix caching (num_snapshot_slots > 0) pages are shared by reference count through a PrefixCache, and
-copies of the KDA state are kept in a SnapshotCache at two positions of each request:
-- the last block boundary before its prompt's last token (the end of its prompt's last full block, or the block
-  before it when the prompt fills whole blocks), published as soon as it is saved, so that the next turn of a chat
-  (whose prompt extends this one) and any request repeating this prompt find it (a hit leaves at least one token to
-  compute, so a snapshot at the very end of a whole-block prompt could serve no repeat of it);
-- the last full block boundary its computed tokens have reached: a rolling snapshot the request holds privately
-  (one slot, overwritten at each new boundary while it decodes), published when it finishes, is preempted or
-  aborted, so that a prompt extending prompt + output finds it.
-A chunk that would pass one of those positions is cut to end there (cut_at_snapshot); plan_snapshot_save names
-the slot and the position after which the runner copies the state (a step's end, or inside its lookahead steps).
-Pages and snapshots enter the indexes only once the step that computed them is applied (cache_computed): two
-requests admitted in the same step never share a page still being written; the second computes its own copy and
-the index keeps the first.
-A request's cached prefix (find_cached_prefix) is the longest run of whole blocks with both its pages and the
-snapshot at its end, leaving at least one token to compute so that the step produces logits to sample from.
+With prefix caching (num_snapshot_slots > 0) pages are shared by reference count through a PrefixCache, and copies
+of the KDA state are kept in a SnapshotCache at two positions of each request:
+- the last block boundary before its prompt's last token, published as soon as it is saved, for the next turn of
+  a chat and for repeats of the prompt (a hit leaves at least one token to compute, so a snapshot at the very end
+  of a whole-block prompt could serve no repeat of it);
+- the last full block boundary its computed tokens have reached: a rolling snapshot held privately (one slot,
+  overwritten at each boundary), published when the request finishes, is preempted or aborted.
+A chunk that would pass one of those positions is cut to end there (cut_at_snapshot); plan_snapshot_save names the
+slot and the position after which the runner copies the state. Pages and snapshots enter the indexes only once the
+step that computed them is applied (cache_computed), so two requests admitted in the same step never share a page
+still being written. A cached prefix (find_cached_prefix) is the longest run of whole blocks with both its pages
+and the snapshot at its end, short of the last token, so that the step has logits to sample from.
 
-The scheduler plans a step while the one before it may still run, so a request can have two saves not yet made
-(`_writes`, in step order); a rolling save overwrites the request's rolling slot in place. A request that leaves
-(a stop token, an abort, a preemption) before its saves are applied loses them, and with them the rolling snapshot
-whose slot one of them was overwriting.
-"""
+The scheduler plans a step while the one before may still run, so a request can have two saves not yet made
+(`_writes`, in step order). A request that leaves before its saves are applied loses them, and with them the
+rolling snapshot whose slot one of them was overwriting."""
 
 from __future__ import annotations
 
@@ -143,8 +136,7 @@ class CacheManager:
 
         hit (a waiting request's find_cached_prefix) first gives req its cached pages, one more reference each,
         and sets num_computed_tokens to their tokens; num_new_tokens then count from there. Returns the new page
-        ids (appended to req.block_ids), or None, changing nothing, when the pools cannot cover it.
-        """
+        ids (appended to req.block_ids), or None, changing nothing, when the pools cannot cover it."""
         if not self.can_allocate(req, num_new_tokens, hit):
             return None
         if hit is not None:
@@ -208,9 +200,7 @@ class CacheManager:
         if position < chunk_end:
             return None  # no boundary at the chunk's end nor in its lookahead (most decode steps)
         shared = position == self._prompt_end(req)
-        if not (shared or position >= self._last_boundary(req)):
-            return None
-        if not self._wants_snapshot(req, position):
+        if not (shared or position >= self._last_boundary(req)) or not self._wants_snapshot(req, position):
             return None
         slot = None if shared else self._rolling_slot(req.req_id)
         if slot is None:
@@ -240,8 +230,7 @@ class CacheManager:
             self._writes.pop(req.req_id, None)
 
     def end_step(self) -> None:
-        """After a step's outputs are applied: unpin the snapshots restored from (the runner has queued their
-        copies)."""
+        """After a step is applied: unpin the snapshots restored from (the runner has queued their copies)."""
         if self.snapshots is None:
             return
         for slot in self._pinned:

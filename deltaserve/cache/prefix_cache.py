@@ -1,16 +1,12 @@
 """PrefixCache: MLA pages indexed by content, shared by reference count, kept after their requests finish.
 
-A full page (block_size tokens) is named by a chained hash: SHA-256 of the parent block's hash and the block's
-token ids, so one hash names the whole prefix up to the end of that block. SHA-256 rather than Python's 64-bit
-hash(): a collision would silently give a request another prompt's cache, and exactness is the point.
+A full page is named by a chained hash: SHA-256 of the parent block's hash and the block's token ids, so one hash
+names the whole prefix (not Python's 64-bit hash(): a collision would silently give a request another's cache).
 
-Pages enter the index only once they are full and computed (the scheduler registers them after the step that
-wrote them), so a page in the index never changes again: requests share it read-only. Each page has a
-reference count (the running requests whose block table holds it); a cached page no request holds stays in the
-index, unreferenced, until its id is needed for new tokens: allocate() takes never-cached free pages first,
-then evicts unreferenced cached pages, least recently released first. A referenced page is never evicted.
-CPU bookkeeping only.
-"""
+Pages enter the index only once full and computed, so an indexed page never changes: requests share it read-only.
+Each page has a reference count (the running requests whose block table holds it); an unreferenced cached page
+stays indexed until its id is needed: allocate() takes never-cached free pages first, then evicts unreferenced
+cached pages, least recently released first. CPU bookkeeping only."""
 
 from __future__ import annotations
 
@@ -125,8 +121,7 @@ class PrefixCache:
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference to each page; an unreferenced page stays cached if it is in the index, else is freed.
 
-        Pages are released last first, so a sequence's tail is evicted before its head, which more requests share.
-        """
+        Pages are released last first, so a sequence's tail is evicted before its head, which more requests share."""
         for block_id in reversed(block_ids):
             if self._ref_counts[block_id] <= 0:
                 raise ValueError(f"PrefixCache.release: page {block_id} has no reference to drop (double free); "

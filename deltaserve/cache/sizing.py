@@ -2,8 +2,7 @@
 
 The layers' cache specs (deltaserve/cache_spec.py) price one page and one slot across the whole model: pages are
 shared by all MLA layers, slots by all KDA layers. For the 48B model in bf16: ~8 KB of MLA cache per token, ~43 MB
-per KDA slot.
-"""
+per KDA slot."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, max_model_len: int,
     budget leaves after the slots and snapshots.
 
     The budget is `budget_bytes` (the runner's measurement of free device memory), else engine.cache_bytes,
-    else on CPU the bytes of max_num_seqs sequences of max_model_len tokens (plus the snapshots), capped at 1 GiB.
-    """
+    else on CPU the bytes of max_num_seqs sequences of max_model_len tokens (plus the snapshots), capped at 1 GiB."""
     specs, dtype_bytes = layer_cache_specs(model), _dtype_bytes(engine.dtype)
     bytes_per_block = sum(s.page_bytes(engine.block_size, dtype_bytes) for s in specs if isinstance(s, MLAPageSpec))
     bytes_per_slot = sum(s.slot_bytes(dtype_bytes) for s in specs if isinstance(s, KDAStateSpec))

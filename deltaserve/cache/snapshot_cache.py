@@ -1,16 +1,12 @@
 """SnapshotCache: copies of the KDA state (conv tails + recurrent state) at exact block boundaries.
 
-A KDA state summarises every token before it, so it can only be reused at exactly the position where it was
-saved. A snapshot is keyed by the chained hash of the block that ends at its position (prefix_cache.hash_block),
-which names every token before that position. It is usable only while all the pages of its prefix are in the
-page index; the lookup checks that, so a snapshot whose pages were evicted is simply not found (and becomes
-usable again if the same pages are computed and cached again: same hashes, same tokens).
+A KDA state summarises every token before it, so it is reusable only at exactly the position where it was saved.
+A snapshot is keyed by the chained hash of the block that ends at its position (prefix_cache.hash_block), and is
+usable only while all the pages of its prefix are in the page index (the lookup checks that).
 
-Snapshot slots are their own pool (each the size of a KDA state slot, with its own budget). A slot is one of:
-free; held (by a running request that is writing it: a pending save, or its rolling decode snapshot); committed
-(in the index); a committed slot is pinned while a request restores from it in the current step. Only committed,
-unpinned slots are evicted, least recently used first. CPU bookkeeping only: the runner owns the tensors.
-"""
+Snapshot slots are their own pool. A slot is free; held (by a running request writing it: a pending save, or its
+rolling snapshot); or committed (in the index), and then pinned while a request restores from it in the current
+step. Only committed, unpinned slots are evicted, least recently used first. CPU bookkeeping only."""
 
 from __future__ import annotations
 

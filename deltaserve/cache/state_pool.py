@@ -3,8 +3,7 @@
 A slot holds a request's whole KDA state (the short-conv tails and the float32 recurrent state of every KDA
 layer). Its size does not grow with the sequence, so a request takes one slot when admitted and returns it
 when it finishes or is preempted. Slot ids are 0..num_slots-1; the runner zeroes a slot's state when a new
-request (num_computed_tokens == 0) arrives in it.
-"""
+request (num_computed_tokens == 0) arrives in it."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """AsyncEngine: the synchronous Engine driven from asyncio, for the HTTP server.
 
 One asyncio task, the engine loop, owns the Engine. Each turn it (1) applies the adds and aborts that handlers
-queued since the last step, (2) runs engine.step() in a one-thread executor, so the event loop keeps serving
-HTTP while the model runs, and (3) routes each RequestOutput to the stream of the handler that asked for it.
-The Engine is touched by one thing at a time: adds and aborts run on the loop thread only between steps,
-step() runs in the executor thread only while the loop task awaits it. An abort (a client that went away)
-therefore frees its pages and state slot at the next step boundary, never in the middle of a step.
-"""
+queued since the last step, (2) runs engine.step() in a one-thread executor, so the event loop keeps serving HTTP
+while the model runs, and (3) routes each RequestOutput to its handler's stream. So the Engine is touched by one
+thing at a time, and an abort frees its pages and slot at a step boundary, never in the middle of a step."""
 
 from __future__ import annotations
 
@@ -61,8 +58,7 @@ class RequestStream:
 
     Iterating yields (index into the inputs, cumulative RequestOutput) until every request has finished, the
     latest output of each request only when several wait (the consumer lagged); abort() ends the iteration and
-    stops the unfinished requests. Both are for the event loop's thread.
-    """
+    stops the unfinished requests. Both are for the event loop's thread."""
 
     def __init__(self, owner: AsyncEngine, req_ids: list[str]):
         self._owner = owner
@@ -153,8 +149,7 @@ class AsyncEngine:
         """Queue inputs as engine requests `{request_id}-{i}`, all or none.
 
         Raises QueueFullError when they do not fit the bound, ValueError (nothing queued) when the engine
-        rejects any of them, EngineStoppedError when the loop is not running.
-        """
+        rejects any of them, EngineStoppedError when the loop is not running."""
         if self._stopped or not self.is_running:
             raise EngineStoppedError("the engine is not running (the server is shutting down or failed)")
         if self.num_reserved + len(inputs) > self.capacity:

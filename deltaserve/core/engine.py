@@ -4,17 +4,14 @@ add_request() queues; step() runs one scheduler step for every unfinished reques
 RequestOutput for each request that progressed. Stop strings are found by each request's incremental
 detokenizer and finish the request through the scheduler.
 
-With asynchronous scheduling (EngineConfig.async_scheduling), one step stays in flight: step() schedules and queues
-the next step before waiting for the current one's tokens (core/scheduler.py, A step in flight), so the device
-computes it while the host applies, detokenizes and returns the current step's. Where that next step samples a
-request whose sampling reads its outputs (penalties, a grammar), only its forward pass is queued then; its sampling
-is launched once the current step is applied (PendingOutput.launch), its tokens counted and its grammars advanced.
+With asynchronous scheduling (EngineConfig.async_scheduling) one step stays in flight: step() queues the next step
+before waiting for the current one's tokens (core/scheduler.py), so the device computes while the host applies the
+current step. A next step that samples a request whose sampling reads its outputs (penalties, a grammar) has only
+its forward pass queued then; its sampling is launched once the current step is applied (PendingOutput.launch).
 
-Structured outputs (deltaserve.structured): a constrained request waits outside the scheduler until its grammar has
-compiled on the manager's thread pool, so a slow schema never stalls the others' steps; the runner masks its logits
-each time it samples (runner.logits_processor), _apply advances its matcher with the tokens the scheduler accepted,
-and its matcher is released when it finishes or is aborted.
-"""
+Structured outputs: a constrained request waits outside the scheduler until its grammar has compiled on the
+manager's thread pool, so a slow schema never stalls other steps; the runner masks its logits when it samples
+(runner.logits_processor), _apply advances its matcher, and the matcher is released when the request ends."""
 
 from __future__ import annotations
 
@@ -116,8 +113,7 @@ class Engine:
         bar = ProgressBar("loading weights", "tensor") if progress is None else None
         try:
             with phase("weights") as info:
-                weights = ModelRunner.load_model(model, self.model_config, self.config, progress or bar,
-                                                 self.parallel)
+                weights = ModelRunner.load_model(model, self.model_config, self.config, progress or bar, self.parallel)
                 size = sum(p.numel() * p.element_size() for p in weights.parameters())
                 info["detail"] = f"{size / 2**30:.2f} GiB" + (" (dummy)" if self.config.load_format == "dummy" else "")
         finally:
@@ -154,8 +150,7 @@ class Engine:
     def structured_outputs(self) -> StructuredOutputManager:
         """The structured-outputs manager (made now if this is the first use; xgrammar loads on its pool)."""
         if self.structured is None:
-            self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                                      self.eos_token_ids)
+            self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
             self.runner.logits_processor = self.structured
         return self.structured
 

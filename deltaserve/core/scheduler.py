@@ -1,54 +1,44 @@
 """Scheduler: which requests run this step and how many tokens each computes, under a token budget.
 
-Each step has a budget of max_num_batched_tokens tokens. Running requests are served first, in admission
-order: each gets min(tokens it has left to compute, budget left), that is one token for a decode and a
-chunk for an unfinished prompt, so prefill chunks and decodes share one step and a long prompt is split
-across steps. Then waiting requests are admitted first come, first served while budget, a KDA state slot
-(max_num_seqs) and MLA pages remain; the head of the queue is never skipped, so no request starves behind
-later ones, and no waiting request is admitted in a step that preempted (it would only thrash).
+Each step has a budget of max_num_batched_tokens tokens. Running requests are served first, in admission order,
+each min(tokens it has left, budget left): one token for a decode, a chunk of an unfinished prompt, so prefill
+chunks and decodes share a step and a long prompt spans steps. Then waiting requests are admitted first come,
+first served while budget, a KDA state slot (max_num_seqs) and MLA pages remain; the head of the queue is never
+skipped (no starvation), and nothing is admitted in a step that preempted (it would only thrash).
 
-Preemption (recompute). When a running request cannot get the pages for its tokens, the most recently
-admitted running request (the tail of `running`) is preempted: its pages and slot are freed, its
-num_computed_tokens goes back to 0, it goes to the FRONT of the waiting queue, and later it is re-sent to
-the runner as a new request whose tokens are prompt + outputs so far. This repeats until the request fits
-or is itself the tail and is preempted. Victims are always later in `running` than the request being
-served, so they have not been scheduled in this step. Progress is guaranteed: the oldest running request
-is never a victim of another, and alone it fits, because add_request rejects any request whose longest
-possible sequence needs more pages than the cache holds; a preempted request is first in line once pages
-free up.
+Preemption (recompute). When a running request cannot get the pages for its tokens, the most recently admitted
+running request (the tail of `running`) is preempted: its pages and slot freed, num_computed_tokens back to 0, it
+goes to the FRONT of the waiting queue and is later re-sent as a new request of prompt + outputs so far. This
+repeats until the request fits or is itself the tail. Victims are later in `running` than the request served, so
+not yet scheduled this step. Progress is guaranteed: the oldest running request is never another's victim, and
+alone it fits, since add_request rejects a request whose longest sequence needs more pages than the cache holds.
 
 Prefix caching (CacheManager's docstring has the rules). A waiting request is admitted with its longest cached
 prefix: its pages (shared, ref counted) and num_computed_tokens = the prefix's tokens; NewRequestData names the
 KDA snapshot the runner restores into its slot. A chunk that would pass one of a request's snapshot positions is
 cut to end there, and SchedulerOutput.snapshot_saves asks the runner to copy the state after that step (or after
-the lookahead step that reaches a rolling snapshot's position). A
-preempted request's full pages stay cached, so its recompute usually starts from a cached prefix.
+the lookahead step that reaches a rolling snapshot's position). A preempted request's full pages stay cached.
 
-Length limits (as vLLM): a prompt of max_model_len tokens or more is rejected; generation is capped by
-finishing with 'length' when the request reaches max_model_len tokens (or max_tokens outputs).
+Length limits (as vLLM): a prompt of max_model_len tokens or more is rejected; generation finishes with 'length'
+at max_model_len tokens (or max_tokens outputs).
 
 A step in flight (asynchronous scheduling, vLLM v1's). schedule() may run while the step before it still computes:
-num_computed_tokens counts the tokens of every step scheduled, and num_pending_outputs the tokens those steps will
-sample, not yet appended. A request whose chunk reaches the end of its tokens and pending ones samples; its next
-decode's input is then the token the step in flight samples, which the runner takes from the device. A request whose
-steps in flight bring it to max_tokens or max_model_len is not scheduled again (it will finish by length). A request
-whose sampling reads its earlier outputs (penalties, a grammar) is scheduled ahead too: the runner queues that step's
-forward pass at once and its sampling once the step before is applied. update_from_output applies the steps in
-order; a request that a stop token ends has its next step, already queued, computed for nothing and skipped here, as
-aborted requests are; its pages and slot, freed meanwhile, are written again only by steps queued after that one. A
-request preempted while its step ran gets that step's tokens when it is applied, and is admitted again only after
-(no pending outputs).
+num_computed_tokens counts the tokens of every step scheduled, num_pending_outputs those the steps will sample, not
+yet appended. A request whose chunk reaches the end of its tokens and pending ones samples; its next decode's
+input is the token the step in flight samples, which the runner takes from the device. A request whose steps in
+flight bring it to a length limit is not scheduled again. One whose sampling reads its outputs (penalties, a
+grammar) is scheduled ahead too: the runner queues its forward pass at once, its sampling once the step before is
+applied. update_from_output applies the steps in order; a request that a stop token ends has its next, already
+queued step computed for nothing and skipped, as aborted requests are (its freed pages and slot are written again
+only by steps queued after it). A request preempted while its step ran gets that step's tokens when it is applied,
+and is admitted again only after (no pending outputs).
 
 Lookahead (decode bursts). When every running request decodes without logprobs, stop strings, penalties or a grammar
-(SamplingParams.host_between_tokens), nothing waits, and the pages of all the steps are free, every request gets the
-same count of lookahead tokens, num_decode_steps - 1 capped by the smallest room left (max_tokens, max_model_len): the
-runner decodes that many more steps on the device, each step's token the next one's input, and returns them all;
-their pages are allocated now and update_from_output appends them as if they came one step at a time (a stop token
-or the length limit finishes the request there; the tokens computed after it are dropped with its cache). With
-prefix caching, the rolling snapshot is saved at the last block boundary the step reaches, where single steps would
-have saved it last.
-"""
-
+(SamplingParams.host_between_tokens), nothing waits, and the pages of all the steps are free, every request gets
+num_decode_steps - 1 lookahead tokens, capped by the smallest room left (max_tokens, max_model_len): the runner
+decodes them on the device, each token the next one's input; update_from_output appends them as if they came one
+step at a time (a stop token or the length limit finishes the request there and drops the tokens after it). With
+prefix caching, the rolling snapshot is saved at the last block boundary the step reaches."""
 from __future__ import annotations
 
 from collections import deque
@@ -135,8 +125,7 @@ class Scheduler:
 
         Returns (request, new output token ids) for each request the runner sampled for; a request that
         finished this step has a finished status. Requests finished or aborted since schedule() are skipped (a request
-        given the same id since is another request).
-        """
+        given the same id since is another request)."""
         updates = []
         starts, requests = scheduler_output.start_positions(), self._take_step(scheduler_output)
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -196,8 +185,7 @@ class Scheduler:
     def _allocate_or_preempt(self, req: Request, num_tokens: int) -> tuple[list[int] | None, bool]:
         """Pages for req's next num_tokens, preempting from the tail of `running` until they fit.
 
-        Returns (new block ids or None if req itself was preempted, whether anyone was preempted).
-        """
+        Returns (new block ids or None if req itself was preempted, whether anyone was preempted)."""
         preempted = False
         while (new_block_ids := self.cache.allocate_slots(req, num_tokens)) is None:
             victim = self.running[-1]

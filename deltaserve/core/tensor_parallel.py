@@ -4,8 +4,7 @@ and runs the same forward pass. After the all-reduces every rank holds the same 
 tokens (same seeds), so only rank 0's outputs are used.
 
 Two ways in: `start_group` spawns ranks 1..N-1 from the calling process (rank 0), or under torchrun every process
-calls it and the ranks other than 0 run the worker loop and exit there.
-"""
+calls it and the ranks other than 0 run the worker loop and exit there."""
 
 from __future__ import annotations
 

@@ -2,10 +2,8 @@
 
 The floor is the bytes a decode step must move (the active weights: everything but the routed experts no token
 of the step chose; the MLA latents read; the KDA states read and written) over the copy bandwidth measured in the
-same process. The experts a step chose are measured (routing_stats.py), in a second, eager run of each row's
-requests after its timed one (measure_routing), and the uniform-routing expectation is kept beside them: dummy
-weights that routed every token to a few experts once made a step look faster than a real model's could be.
-"""
+same process. The experts a step chose are measured (routing_stats.py) in a second, eager run of each row's
+requests after its timed one (measure_routing); the uniform-routing expectation is kept beside them."""
 
 from __future__ import annotations
 
@@ -79,8 +77,7 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, output_len: int, seed
 
     Prefill phase: until every request has its first token (steps may mix decodes in). Decode phase: from then
     on every step is decode only, so its tokens over its time are the decode throughput, and its time over the
-    tokens each request got in it the TPOT (a step may run several decode steps: lookahead).
-    """
+    tokens each request got in it the TPOT (a step may run several decode steps: lookahead)."""
     _add_requests(engine, batch, prompt_len, output_len, seed)
     start = time.perf_counter()
     finished = _prefill_phase(engine, batch)
@@ -106,8 +103,7 @@ def measure_routing(engine: Engine, batch: int, prompt_len: int, output_len: int
     padded to a captured size with rows that must not count), or several of them queued without a host sync; a
     counter would add kernels to what is timed and need the real rows' count on the device. The eager run executes
     the same model code on the real rows only. Its tokens equal the timed run's but where the graphs' rounding
-    tips a near-tie of the sampled token, which changes no routing statistic.
-    """
+    tips a near-tie of the sampled token, which changes no routing statistic."""
     _add_requests(engine, batch, prompt_len, output_len, seed)
     with engine.eager():
         _prefill_phase(engine, batch)
@@ -174,8 +170,7 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
     runs += [(1, n, min(output_len, LONG_OUTPUT_LEN)) for n in long_prompt_lens]
     for batch, prompt, output in runs:
         # warm-up at the row's shape: a batch's prefill chunks (and their token-expert pairs) are shapes of their
-        # own, and the kernels compile and autotune on a shape's first call (measured: 16 prompts of 512 tokens,
-        # 10.3 s TTFT unwarmed on an H200, where batch 1 took 0.1 s)
+        # own, and the kernels compile and autotune on a shape's first call
         warmup = prompt if prompt <= LONG_WARMUP_TOKENS or batch > 1 else LONG_WARMUP_TOKENS
         run_batch(engine, batch, warmup, 2, seed=2**31 + batch + prompt)  # not a measured row's prompts (cached)
         row = {"prompt_len": prompt, **run_batch(engine, batch, prompt, output, seed=batch + prompt)}

@@ -2,8 +2,7 @@
 
 /reset forgets the conversation, /exit (or Ctrl-D) leaves. Ctrl-C during an answer stops that answer (its request
 is aborted) and returns to the prompt; the answer so far stays in the conversation. The answers go to stdout;
-the loading bar, the banner and each answer's speed go to stderr.
-"""
+the loading bar, the banner and each answer's speed go to stderr."""
 
 from __future__ import annotations
 
@@ -86,8 +85,7 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": reply})
         rate = num_tokens / seconds if seconds > 0 else 0.0
         print(flush=True)  # the answer's own line ends
-        print(f"[{num_tokens} tokens, {rate:.1f} tok/s{', stopped' if stopped else ''}]",
-              file=sys.stderr, flush=True)
+        print(f"[{num_tokens} tokens, {rate:.1f} tok/s{', stopped' if stopped else ''}]", file=sys.stderr, flush=True)
         return reply
 
     def _stream(self, stream, interrupted: threading.Event) -> tuple[str, int, float, bool]:

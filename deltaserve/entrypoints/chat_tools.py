@@ -11,8 +11,7 @@
 tool_choice "auto" (the default when tools are given) parses the model's tool calls out of its output;
 "none" leaves the output as content; "required" and a named function force a call: the output is constrained to
 JSON (prompt.forced.schema, through structured outputs) and read by forced_tools.ForcedToolCallParser. The tools
-are declared in the prompt either way, as vLLM does.
-"""
+are declared in the prompt either way, as vLLM does."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The `deltaserve` command (DESIGN.md section 5). Errors: one line on stderr, exit code 2 for a bad input (a
 ValueError or OSError), 1 for anything else; DELTASERVE_DEBUG=1 prints the traceback instead.
 
-Arguments are parsed before torch or the engine is imported, so --help and a mistyped option answer at once.
-"""
+Arguments are parsed before torch or the engine is imported, so --help and a mistyped option answer at once."""
 
 from __future__ import annotations
 

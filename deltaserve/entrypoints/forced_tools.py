@@ -4,8 +4,7 @@ The output is constrained (structured outputs) to JSON instead of the model's ow
 parses: for a named function, the output is the call's arguments, matching the tool's parameter schema; for
 "required", a non-empty JSON array of {"name": ..., "parameters": {...}}, each item matching one tool's schema
 (one item only with parallel_tool_calls false).
-ForcedToolCallParser turns that output into OpenAI tool_calls (whole at the end, also when streamed).
-"""
+ForcedToolCallParser turns that output into OpenAI tool_calls (whole at the end, also when streamed)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """make-tiny: a small random Kimi-Linear checkpoint with a trained tokenizer, for tests and first runs.
 
 Both kinds of attention, a dense first layer, grouped MoE with a shared expert; random but non-degenerate
-(decays, biases, norms and convs all random), so a bug shows in the logits.
-"""
+(decays, biases, norms and convs all random), so a bug shows in the logits."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ TINY_LAYERS = "KKMKM"  # K = KDA, M = MLA
 def kimi_raw_config(ids, layers: str, *, vocab: int, hidden: int, intermediate: int, moe_intermediate: int,
                     heads: int, kv_lora_rank: int, nope: int, rope: int, v: int, kda_head_dim: int, experts: int = 8,
                     top_k: int = 2, expert_groups: int = 1, layout: str = "moonshot") -> dict:
-    """A small Kimi-Linear config.json: `layers` spells the attention of each layer (K = KDA, M = MLA), the first
-    MLP is dense; Moonshot's spelling, or the one transformers' save_pretrained writes (layout 'saved' and
-    'transformers')."""
+    """A small Kimi-Linear config.json: `layers` spells the attention of each layer (K = KDA, M = MLA), the first MLP is
+    dense; Moonshot's spelling, or the one transformers' save_pretrained writes (layout 'saved' and 'transformers')."""
     raw = {
         "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "torch_dtype": "float32",
         "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": intermediate,

@@ -2,8 +2,7 @@
 
 bench sizes a decode step's floor from these (the routed experts a step reads are the distinct ones its tokens
 chose), so a model whose router picks a few experts for every token (as badly initialised dummy weights do) gets
-the lower floor it earns instead of one that assumes uniform routing.
-"""
+the lower floor it earns instead of one that assumes uniform routing."""
 
 from __future__ import annotations
 

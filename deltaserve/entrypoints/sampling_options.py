@@ -14,8 +14,7 @@ def add_sampling_options(parser: argparse.ArgumentParser, fallback: dict) -> Non
     none (shown in --help)."""
     g = parser.add_argument_group("sampling")
     where = "default: the model folder's generation_config.json, else"
-    g.add_argument("--temperature", type=float, default=None,
-                   help=f"0 = greedy ({where} {fallback['temperature']:g})")
+    g.add_argument("--temperature", type=float, default=None, help=f"0 = greedy ({where} {fallback['temperature']:g})")
     g.add_argument("--top-p", type=float, default=None,
                    help=f"sample from the likeliest tokens that together reach this probability; 1 = off "
                         f"({where} {fallback['top_p']:g})")

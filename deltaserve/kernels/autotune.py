@@ -3,8 +3,7 @@
 tile_configs: the candidates as triton.Configs. Under the CPU interpreter (CI), which checks values and not
 speed, only the default: tuning there would run every candidate for nothing.
 with_tile: the autotuned kernel, or with a tile given the kernel under the autotuner (its heuristics still apply)
-and that tile's arguments; tests check every candidate's values this way, benchmarks time them.
-"""
+and that tile's arguments; tests check every candidate's values this way, benchmarks time them."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
     """One new token per sequence (pdl: the GPU kernel's programmatic dependent launch, kernels.pdl).
 
     x: [B, D]; weight: [D, W]; conv_state: [S, D, W-1] (the last W-1 inputs), updated in place at state_slots [B].
-    Returns silu(conv) [B, D].
-    """
+    Returns silu(conv) [B, D]."""
     if x.is_cuda:
         from deltaserve.kernels.conv1d_triton import conv1d_update
 
@@ -38,8 +37,7 @@ def causal_conv1d_varlen(
 
     x: [N, D]; weight: [D, W]; conv_state: [S, D, W-1]; cu_seqlens: B+1 host offsets. Returns silu(conv) [N, D].
     On a GPU, two Triton kernels (kernels.conv1d_triton.conv1d_varlen) over `packed`, the same sequences as tensors
-    (made here when not given).
-    """
+    (made here when not given)."""
     if x.is_cuda:
         from deltaserve.kernels.conv1d_triton import conv1d_varlen
 

@@ -1,16 +1,11 @@
 """A CPU matrix-vector product for decode steps: y = x W^T for 1 to 4 float32 rows against an output-major weight.
 
-A decode step on the CPU is bound by reading its weights, and PyTorch's float32 product at one row (MKL) streams
-them well below what a core can, on one core whatever the thread setting (BENCHMARKS.md, CPU, has the timings).
-
-The kernel is `kernels/cpu/gemv.c` (AVX-512, or AVX2 with FMA; each output row a dot product in four vector
-accumulators; OpenMP over the output rows), compiled with the machine's C compiler at first use into the user's
-cache folder (`-march=native`: the library is built for the machine that runs it). Where no compiler or neither
-instruction set is there, `available()` is False and callers keep F.linear, as they do where the engine turns
-it off (KernelOptions.cpu_gemv: callers pass threads=None) and for products of fewer than MIN_WEIGHT weights
-(where the ctypes call's overhead outweighs the faster sums). Every row of x takes the same sums in the same order,
-so a row's result does not depend on the rows beside it. Twin: F.linear.
-"""
+A CPU decode step is bound by reading its weights, which MKL's float32 product at one row streams well below what
+a core can. The kernel is `kernels/cpu/gemv.c` (AVX-512, or AVX2 with FMA; OpenMP over the output rows), compiled
+with `-march=native` at first use into the user's cache folder. Without a compiler or either instruction set,
+`available()` is False and callers keep F.linear, as they do where the engine turns it off (threads=None) and for
+products under MIN_WEIGHT weights (the ctypes call's overhead). Every row of x takes the same sums in the same
+order, so a row's result does not depend on the rows beside it. Twin: F.linear."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Elementwise chains fused into one GPU kernel by torch.compile; the same function runs eagerly on the CPU.
 
 A decode step on a GPU is bound by launches, not bytes: an RMSNorm written in torch ops is six kernels, compiled
-it is one. The eager function stays the spec (it is what runs on the CPU and in the tests' float32 runs).
-"""
+it is one. The eager function stays the spec (it is what runs on the CPU and in the tests' float32 runs)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,17 @@
 """A dense projection for one token on the GPU: y = x W^T in one GEMV kernel, autotuned per weight shape.
 
-At batch 1 cuBLAS splits some projections over two kernels (a split-K GEMM and its reduce) and streams the others
-below the card's bandwidth (BENCHMARKS.md, "Figures behind the kernels' choices"). This kernel gives each program
-BLOCK_N output rows of a token (grid: row blocks x tokens; each token's programs read the weights again, so it
-serves single tokens: batch-1 decode) and sums over the input in BLOCK_K steps, in float32, rounding once to x's
-dtype like cuBLAS. Used by layers.linear.Linear for bf16/fp16 weights of at least GEMV_MIN_WEIGHT elements and at
-most GEMV_MAX_TOKENS tokens; the caller keeps lm_head (and KDA's in_proj) on cuBLAS, which streams them faster.
-Twin: F.linear.
+At batch 1 cuBLAS splits some projections over two kernels (a split-K GEMM and its reduce) and streams others
+below the card's bandwidth. Each program takes BLOCK_N output rows of a token (grid: row blocks x tokens, so
+batch-1 decode) and sums over the input in BLOCK_K steps in float32, rounding once to x's dtype like cuBLAS. Used by
+layers.linear.Linear for bf16/fp16 weights of at least GEMV_MIN_WEIGHT elements and at most GEMV_MAX_TOKENS
+tokens; lm_head (and KDA's in_proj) stay on cuBLAS, which streams them faster. Twin: F.linear.
 
 With groups, one launch serves several projections of their own inputs (KDA's two gate up-projections). Tiles are
-autotuned per (N, K, rows per group) at first use; a CUDA graph's sizes are each run eagerly before capture, so
-tuning never runs inside one.
+autotuned per (N, K, rows per group) at first use; a CUDA graph's sizes are each run eagerly before capture.
 
-FP8 weights (float8_e4m3fn with block scales, kernels.quant) run the same kernel with SCALED: a tile whose rows lie in
-one scale block (BN a multiple of BLOCK_N) folds its column blocks' scales into x, one vector load a step; any other
-tile multiplies each weight by its own scale. Used by kernels.quant.fp8_linear for one token (fp8_gemv). Twin:
-kernels.quant.naive.naive_fp8_linear.
-"""
+FP8 weights (float8_e4m3fn with block scales) run the same kernel with SCALED: a tile whose rows lie in one scale
+block folds its column blocks' scales into x; any other tile scales each weight. Used by kernels.quant.fp8_linear
+for one token. Twin: kernels.quant.naive.naive_fp8_linear."""
 
 from __future__ import annotations
 
@@ -57,9 +52,8 @@ def gemv_jit(x_ptr, w_ptr, y_ptr, x_stride, y_stride, T_BUCKET, N: tl.constexpr,
              BK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y[t, rows] = x[t] . w[rows] in float32, stored in y's dtype; x and w read in their own dtypes. T_BUCKET (the
     token count rounded up to a power of two) is for an autotuner's key only. The router's logits
-    (kernels.moe.triton_routing) run this same kernel under tiles of their own. SCALED: w's element [n, k] is
-    multiplied by s[n // BN, k // BK] (FP8 block scales, S_COLS to a row); without, s_ptr is None (NO_SCALES).
-    PDL: kernels.pdl."""
+    (kernels.moe.triton_routing) run this same kernel under tiles of their own. SCALED: w's element [n, k] is multiplied
+    by s[n // BN, k // BK] (FP8 block scales, S_COLS to a row); without, s_ptr is None (NO_SCALES). PDL: kernels.pdl."""
     pdl_enter(PDL)
     pid_n, token = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -1,7 +1,6 @@
 """RMSNorm and the gated RMSNorm of KDA's output, with the reference's order of operations.
 
-Both keep the statistics in float32 whatever the input dtype (the bfloat16 regime of DESIGN.md section 4).
-"""
+Both keep the statistics in float32 whatever the input dtype (the bfloat16 regime of DESIGN.md section 4)."""
 
 import torch
 import torch.nn.functional as F

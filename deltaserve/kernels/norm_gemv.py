@@ -1,28 +1,19 @@
 """A norm and the projection that reads it, in one GEMV kernel: a batch-1 decode step saves the norm's launch.
 
-At batch 1 a decode step of the 48B shape is ~390 kernels and each costs its run plus a boundary (the GPU drains
-one kernel and ramps up the next), so removing the norms' launches shortens the step (BENCHMARKS.md, sixth lease).
 A norm's output feeds one projection, read whole by each of the projection's programs: each program can as well
 normalise its input itself (a few KB from L2) and sum its rows against it. Two norms, with the reference's order of
 operations and roundings (kernels.norm's eager functions):
 
 - add_norm_gemv: (x + residual) rounded to x's dtype is the new residual stream s; h = weight * (s * rsqrt(mean(s^2)
-  + eps)) rounded like add_rms_norm; y = h W^T. The program of the first row block of each token stores s (and h,
-  when another consumer needs it: the MoE's experts read the h their router was given). Serves the attention's
-  in_proj after the input norm (one token) and the router's logits after the post-attention norm (float32 weights:
-  y in float32, kernels.moe.triton_routing's contract; up to 16 tokens, the float32 weights re-read from L2).
+  + eps)) rounded like add_rms_norm; y = h W^T. The first row block's program of each token stores s (and h, for
+  the MoE's experts, which read the h their router was given). Serves the attention's in_proj after the input norm
+  (one token) and the router's logits after the post-attention norm (float32 weights: y in float32, up to 16 tokens).
 - gated_norm_gemv: KDA's output o [T, H, K] normalised per head, scaled by the norm weight and sigmoid(gate),
-  rounded to o's dtype, then o_proj. A program's column tile holds whole heads, so each head's statistics come from
-  one load.
+  rounded to o's dtype, then o_proj. A program's column tile holds whole heads.
 
-Both take FP8 weights (float8_e4m3fn with block scales, layers.fp8.Fp8Linear's in_proj and o_proj) and apply the
-scales as kernels.gemv's FP8 GEMV does: folded into the normalised input where a tile's rows share a row of scale
-blocks, else one per weight.
-
-Twins: kernels.norm's add_rms_norm / gated_rms_norm (eager) followed by F.linear (FP8: by the dequantizing twin,
-kernels.quant.naive.naive_fp8_linear). The layers call them where KernelOptions.norm_gemv allows (EngineConfig
-.norm_gemv; the CLI's --no-norm-gemv keeps the norms and projections apart, for an A/B).
-"""
+FP8 weights (block scales) take the scales as kernels.gemv's FP8 GEMV does. Twins: kernels.norm's add_rms_norm /
+gated_rms_norm followed by F.linear (FP8: kernels.quant.naive.naive_fp8_linear). Used where
+KernelOptions.norm_gemv allows (the CLI's --no-norm-gemv keeps the norms and projections apart)."""
 
 from __future__ import annotations
 

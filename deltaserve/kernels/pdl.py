@@ -1,12 +1,10 @@
 """Programmatic dependent launch (PDL, Hopper and later) for our decode-step kernels.
 
-A decode step at batch 1 is ~390 kernels of a few microseconds each, and each pays its launch and ramp-up while
-the GPU drains the previous one. A kernel launched with PDL may be scheduled while the kernel before it in the
-stream still runs: it starts with `pdl_enter`, which waits for that kernel to complete (its writes visible) and then
-lets the next kernel be scheduled in turn, so no memory access moves ahead of its dependency and only the launch
-overlaps. A kernel before ours that is not PDL-aware simply completes first, as without PDL; CUDA graphs keep the
-edges. Off on older GPUs, in Triton's CPU interpreter, and where the engine turns it off (KernelOptions.pdl: the
-CLI's --no-pdl; the launchers take it as their `pdl` argument)."""
+A kernel launched with PDL may be scheduled while the kernel before it still runs: it starts with `pdl_enter`, which
+waits for that kernel to complete (its writes visible) and then lets the next kernel be scheduled, so only the
+launch overlaps, never a memory access. A kernel before ours that is not PDL-aware simply completes first; CUDA
+graphs keep the edges. Off on older GPUs, in Triton's interpreter, and where the engine turns it off
+(KernelOptions.pdl, the CLI's --no-pdl; the launchers' `pdl` argument)."""
 
 from __future__ import annotations
 

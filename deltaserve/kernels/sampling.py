@@ -17,8 +17,7 @@ Order of processing, per row:
 Randomness: a row with a seed draws its q [V] from its own generator, seeded with
 row_seed(seed, num_output_tokens), so its token depends only on its logits, its seed and how many tokens it
 has generated (the same on one device whatever the batch, the row index, or a preemption and recompute).
-The rows without a seed take their row of one [B, V] draw from default_generator.
-"""
+The rows without a seed take their row of one [B, V] draw from default_generator."""
 
 from __future__ import annotations
 
@@ -97,8 +96,7 @@ def build_sampling_metadata(
     prompt_token_ids, output_token_ids: per row, the prompt and the tokens generated so far.
     default_generator: on `device`, the random source of the rows that sample without a seed.
     num_output_tokens: per row, the outputs before the token sampled now, for seeded rows' generators (default: the
-    lengths of output_token_ids; more when some are still being computed).
-    """
+    lengths of output_token_ids; more when some are still being computed)."""
     _check_rows(params, prompt_token_ids, output_token_ids)
     sampling = [p for p in params if not p.greedy]
     needs_counts = any(p.presence_penalty != 0 or p.frequency_penalty != 0 for p in params)
@@ -133,8 +131,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     """Pick one token per row, in the order of the module docstring.
 
     logits: [B, V] float32, left unchanged. Returns token_ids [B] int64 and, when any row asked, the raw
-    logprobs: top n [B, n] (n = meta.max_num_logprobs, at most V) and the chosen token's logprob and rank [B].
-    """
+    logprobs: top n [B, n] (n = meta.max_num_logprobs, at most V) and the chosen token's logprob and rank [B]."""
     _check_logits(logits, meta)
     penalised = logits if meta.no_penalties else apply_penalties(logits, meta)
     token_ids = penalised.argmax(dim=-1)

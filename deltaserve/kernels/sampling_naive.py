@@ -1,8 +1,7 @@
 """The sampler one row at a time, token by token where that is clearer: the spec and test oracle of sampling.py.
 
 Same order of processing and the same random source as sampling.py (see its docstring); the arithmetic on
-logits is float32, as there, so both pick the same tokens from the same generators.
-"""
+logits is float32, as there, so both pick the same tokens from the same generators."""
 
 from __future__ import annotations
 

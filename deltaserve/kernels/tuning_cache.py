@@ -1,15 +1,10 @@
 """Triton autotuning decisions kept on disk, so that a machine tunes each kernel and shape once.
 
-triton.autotune times every candidate tile the first time a kernel meets a new key (its shape arguments and
-dtypes), in every new process: tens of seconds of a GPU's cold start over our GEMV, router and MoE kernels and
-fla-core's KDA kernels. Each autotuner keeps its choices in `.cache` ({key tuple: the chosen triton.Config}); this
-module writes them to one JSON file per GPU name and Triton version (under ~/.cache/deltaserve/autotune) and puts
-them back into the autotuners of a new process before its first launch.
-
-A kernel's entry records which of its candidates was chosen (an index) and a hash of the candidate list, so a
-kernel whose candidates changed tunes again rather than take a stale index. Works on anything with `.configs`
-(a list) and `.cache` (a dict): the tests use a fake tuner; find_autotuners() finds triton's.
-"""
+triton.autotune times every candidate the first time a kernel meets a new key, in every process. Each autotuner
+keeps its choices in `.cache` ({key tuple: triton.Config}); this module writes them to one JSON file per GPU name
+and Triton version (under ~/.cache/deltaserve/autotune) and restores them into a new process's autotuners. An
+entry records the chosen candidate's index and a hash of the candidate list, so changed candidates tune again.
+Works on anything with `.configs` (a list) and `.cache` (a dict); find_autotuners() finds triton's."""
 
 from __future__ import annotations
 

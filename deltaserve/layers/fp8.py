@@ -1,13 +1,9 @@
-"""FP8 weights, applied to a built model: the chosen Linear layers become Fp8Linear and the routed experts' w13 and
-w2 become float8_e4m3fn with block scales (gpt-fast's habit: quantization after the model is built, so the model
-file stays clean).
+"""FP8 weights, applied to a built model (gpt-fast's habit, so the model file stays clean): the chosen Linear layers
+become Fp8Linear and the routed experts' w13 and w2 float8_e4m3fn with block scales.
 
-Quantized: the projections of KDA (in_proj: q, k, v, f_a, g_a, b; o_proj) and MLA (in_proj: q and kv_a; o_proj),
-the dense MLP, the shared experts and the routed experts: all but ~1% of the weights. High precision: the
-embedding, lm_head, norms, the router, KDA's conv, A_log, dt_bias and its gate up-projections fg_b_proj (the
-checkpoint's f_b_proj and g_b_proj, K x HK each, small, feeding the decay exponent), and MLA's kv_b_proj (small;
-its decode folds the matrix into the query and output: "weight absorption").
-"""
+Quantized: KDA's and MLA's in_proj and o_proj, the dense MLP, the shared and routed experts: all but ~1% of the
+weights. High precision: the embedding, lm_head, norms, the router, KDA's conv, A_log, dt_bias and its small gate
+up-projections fg_b_proj (feeding the decay exponent), and MLA's kv_b_proj (small; folded into decode's query)."""
 
 from __future__ import annotations
 

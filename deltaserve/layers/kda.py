@@ -74,8 +74,7 @@ class KimiDeltaAttention(nn.Module):
         """[N, 2K] (f_a, g_a) -> (f_b_proj(f_a), g_b_proj(g_a)), each [N, HK]. batched (GPU decode steps, bound by
         launches): one launch, our GEMV with two groups for one half-precision token (faster than cuBLAS's batched
         matmul), else one batched matmul. Otherwise two products (kernels.cpu_gemv's for a few float32 tokens on the
-        CPU, else F.linear, the reference's); steps with prefill keep the code they ran before (an A/B left prefill's
-        slowdown with the decode-step changes unexplained: BENCHMARKS.md)."""
+        CPU, else F.linear, the reference's), which steps with prefill take too (BENCHMARKS.md)."""
         N, K = fg_a.shape[0], self.head_dim
         w = self.fg_b_proj.weight.view(2, -1, K)
         if batched:

@@ -22,8 +22,7 @@ from deltaserve.kernels.norm import rms_norm
 from deltaserve.layers.linear import Linear
 
 # Prefill expands the context's latents into per-head keys and values: ~28 KB a token a layer at the 48B shape in
-# bf16 (kv_b_proj's 256 values a head and the 192-wide keys, 32 heads): 256k keys (~7 GB) fit beside the weights and
-# the cache, 1M (~29 GB) would not. Longer contexts expand and attend a block of keys at a time.
+# bf16, so 256k keys fit beside the weights and the cache, 1M would not. Longer contexts go a block of keys at a time.
 EXPANDED_PREFILL_MAX_KEYS = 262_144
 PREFILL_KEY_BLOCK = 2048  # keys a block: its float32 scores are [H, T, block], 2 GB for a chunk of 8k at 32 heads
 # Half precision on a GPU runs fused kernels that keep no scores: a block of cached keys is then bounded by its

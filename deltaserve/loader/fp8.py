@@ -4,8 +4,7 @@
 A quantized parameter is assembled whole (float8_e4m3fn values and float32 block scales, on its device), then
 this rank's part is taken (sharding.shard_fp8). From an FP8 checkpoint whose tensors each fill whole blocks of the
 parameter, values and scales are copied as stored; otherwise the parameter is built in float32 (FP8 tensors
-dequantized) and quantized in its own block grid.
-"""
+dequantized) and quantized in its own block grid."""
 
 from __future__ import annotations
 

@@ -126,10 +126,8 @@ def init_dummy_weights(model: KimiLinearForCausalLM, seed: int = 0, std: float =
 
     Routers route like a trained model's, spread over the experts: weights N(0, 1 / hidden), so that a logit
     of an RMS-normed input has std ~1 and the sigmoid scores spread over (0, 1), and a correction bias (std 1e-3)
-    that chooses only between near-equal scores. Routers of std 0.1 at hidden 2304 (logit std ~4.8) saturated the
-    sigmoid: a token's ~40 best experts all scored within 0.01 of 1, so a fixed bias of std 0.01 chose among them,
-    the same way for every token (measured: 74-94 distinct experts per MoE layer in a step of 64 tokens, where
-    balanced routing gives ~222)."""
+    that chooses only between near-equal scores (larger weights saturate the sigmoid, and a larger bias then
+    chooses the same experts for every token)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
         if seed_per_parameter:

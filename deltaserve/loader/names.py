@@ -7,8 +7,7 @@ present; the layouts are told apart by name alone:
 - Moonshot's published layout: q/k/v_proj, q/k/v_conv1d, f_a/f_b/dt_bias/A_log on self_attn,
   block_sparse_moe.experts.N.{w1,w2,w3}, dense layers under mlp.
 - what transformers' save_pretrained writes: the same, except dense layers under block_sparse_moe.
-- transformers' in-memory names: conv1d, forget_gate.*, mlp.experts.{gate_up_proj,down_proj}, mlp.gate.*.
-"""
+- transformers' in-memory names: conv1d, forget_gate.*, mlp.experts.{gate_up_proj,down_proj}, mlp.gate.*."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 A sharded parameter keeps, along one dim, some ranges of the full parameter's indices, concatenated in order
 (KDA's in_proj keeps this rank's q, k, v rows, all of f_a and g_a, and this rank's b rows). Parameters not named
-here are replicated.
-"""
+here are replicated."""
 
 from __future__ import annotations
 

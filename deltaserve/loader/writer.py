@@ -1,8 +1,7 @@
 """Write a model's parameters as a checkpoint in one of the three layouts of DESIGN.md section 2.
 
 The inverse of the loader, driven by the same name table (loader/names.py): per parameter, the option whose
-tensor names belong to the layout is chosen and each piece is cut out of the parameter.
-"""
+tensor names belong to the layout is chosen and each piece is cut out of the parameter."""
 
 from __future__ import annotations
 

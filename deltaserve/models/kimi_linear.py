@@ -2,8 +2,7 @@
 
     x = embed(input_ids)                        # [N, D], N = new tokens of all sequences in the step
     for each layer:  x += attn(rms(x));  x += mlp(rms(x))
-    logits = lm_head(rms(x))                    # only at the positions the sampler needs
-"""
+    logits = lm_head(rms(x))                    # only at the positions the sampler needs"""
 
 from __future__ import annotations
 

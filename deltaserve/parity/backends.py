@@ -2,8 +2,7 @@
 
 Both answer the same two questions:
     greedy(prompts, max_tokens)  -> per prompt its greedy tokens and, per token, the top-2 ids and logit margin
-    teacher_forced(prompt, continuation) -> logits [M, V] float32 at the M positions that predict continuation
-"""
+    teacher_forced(prompt, continuation) -> logits [M, V] float32 at the M positions that predict continuation"""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class DeltaserveBackend:
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [Greedy(o.outputs[0].token_ids, [_top2_of(entry) for entry in o.outputs[0].logprobs])
-                for o in outputs]
+        return [Greedy(o.outputs[0].token_ids, [_top2_of(entry) for entry in o.outputs[0].logprobs]) for o in outputs]
 
     def teacher_forced(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
         from deltaserve.parity.sequence import sequence_logits
@@ -114,8 +112,7 @@ def _equal_length_groups(lengths: list[int]) -> list[list[int]]:
     return [ids[s: s + _MAX_BATCH] for ids in by_length.values() for s in range(0, len(ids), _MAX_BATCH)]
 
 
-def open_backend(name: str, model_dir: str, dtype: str, device: str | None, max_model_len: int,
-                 num_prompts: int):
+def open_backend(name: str, model_dir: str, dtype: str, device: str | None, max_model_len: int, num_prompts: int):
     if name == "transformers":
         return TransformersBackend(model_dir, dtype, device)
     if name == "deltaserve":

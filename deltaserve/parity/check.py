@@ -6,8 +6,7 @@ greedy decode; tokens equal to the golden's up to each prompt's first divergence
 
 A divergence (a free-running first divergence, or a teacher-forced top-1 disagreement) is a near-tie when the
 reference's logit gap between its token and ours is under the tie margin: numerics of the size the regime
-allows can flip it. Otherwise it is real: something computes a different model.
-"""
+allows can flip it. Otherwise it is real: something computes a different model."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """`deltaserve parity capture` and `deltaserve parity check` (DESIGN.md section 5).
 
 Errors are ValueErrors, printed by the CLI as one line with exit code 2; `check` returns 1 when it finds a
-divergence that fails the run (any with --strict, else any real one) and prints `match X/Y` last.
-"""
+divergence that fails the run (any with --strict, else any real one) and prints `match X/Y` last."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ JSON, the minimum every golden holds:
      "prompts": [{"prompt_token_ids": [...], "output_token_ids": [...], "top2": [[id1, id2, margin], ...]}]}
 with one top2 entry per output token: the reference's best token, its runner-up and their logit gap.
 `capture` adds "vocab_size", "device", "seed", "topk" and, per prompt, "ref_topk_ids" / "ref_topk_logprobs":
-per output token the reference's top-k teacher-forced log-probabilities, from which `check` computes the KL.
-"""
+per output token the reference's top-k teacher-forced log-probabilities, from which `check` computes the KL."""
 
 from __future__ import annotations
 

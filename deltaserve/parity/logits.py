@@ -22,8 +22,7 @@ def coarse_kl(ref_ids: list[list[int]], ref_logprobs: list[list[float]], logits:
     """Per row, KL(reference || ours) over the reference's top-k tokens plus one bucket for all the others.
 
     ref_ids / ref_logprobs: M rows of k; logits [M, V] (ours). Exact when k = V; otherwise a lower bound of
-    the full KL that misses only how the tail's mass is spread. Computed in float64.
-    """
+    the full KL that misses only how the tail's mass is spread. Computed in float64."""
     ours = logits.double().log_softmax(dim=-1)  # [M, V]
     ids = torch.tensor(ref_ids, device=logits.device)
     p_log = torch.tensor(ref_logprobs, dtype=torch.float64, device=logits.device)  # [M, k]

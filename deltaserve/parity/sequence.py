@@ -3,8 +3,7 @@
 Teacher forcing needs the logits at every position of prompt + golden continuation; the engine only computes
 the ones it samples from. SequenceRunner builds the ForwardBatch the runner builds for a single sequence: one
 page holding all its tokens, one zeroed KDA state slot; a piece of n > 1 tokens is a prefill chunk, a single
-token takes the decode path.
-"""
+token takes the decode path."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ captured size replays as one launch. Inputs live in static buffers; a batch is p
 size with rows that write only to a scratch state slot and a scratch page, which the cache manager never
 hands out. The block-table width is part of the shape: graph_width() makes it the model's whole length where
 the table stays small (MLA decode on the GPU reads only each sequence's context, whatever the width); decodes past
-it, prefill and mixed steps run eagerly.
-"""
+it, prefill and mixed steps run eagerly."""
 
 from __future__ import annotations
 

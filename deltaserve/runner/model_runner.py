@@ -1,17 +1,13 @@
 """ModelRunner: the only holder of device tensors. Turns a SchedulerOutput into one forward pass and samples.
 
-Per step: drop the requests the scheduler let go, take in new ones (their KDA state slot zeroed, or restored from
-a prefix-cache snapshot), build a ForwardBatch (decodes first, then prefill chunks), run the model once over all
-new tokens, compute logits only where a token is sampled (or prompt logprobs were asked for), sample, remember the
-sampled tokens, and copy the KDA states the scheduler asked to keep into their snapshot slots. A step with lookahead
-tokens (all decodes) then runs that many more decode steps, each step's sampled tokens the next one's inputs on the
-device. submit() queues all of it and returns without waiting for the device (but for a step with prompt logprobs,
-which reads them in submit); the host waits in PendingOutput.result(), once a step.
+Per step: update the requests (a new one's KDA slot zeroed, or restored from a prefix-cache snapshot), run the model
+once over all new tokens (decodes first, then prefill chunks), compute logits only where a token is sampled or
+prompt logprobs are asked for, sample, and copy the KDA states the scheduler asked to keep into snapshot slots; then
+any lookahead decode steps, each step's tokens the next one's inputs on the device. submit() queues it all without
+waiting (but for prompt logprobs); the host waits in PendingOutput.result(), once a step.
 
-The step before may still be in flight when a step is submitted (asynchronous scheduling): a decode whose input
-token that step samples finds it missing from its request's tokens, and takes it from the device (the last tokens
-the runner sampled), so the host never waits between the two.
-"""
+The step before may still be in flight (asynchronous scheduling): a decode whose input token that step samples
+takes it from the device (the last tokens the runner sampled), so the host never waits between the two."""
 
 from __future__ import annotations
 
@@ -44,8 +40,6 @@ from deltaserve.scheduler_output import SchedulerOutput
 
 log = logging.getLogger("deltaserve")
 ACTIVATION_RESERVE_BYTES = 4 << 30  # left free on a GPU for a step's activations and the CUDA graphs
-
-
 _COPY_CHUNK_BYTES = 256 << 20  # KDA states gathered at once by a snapshot copy (ACTIVATION_RESERVE_BYTES covers it)
 _ONE_THREAD_MAX_TOKENS = 4  # steps of up to this many tokens run on one thread (more add overhead, not bandwidth)
 # compile_decode: decode steps of up to this many requests (bound by per-op costs; larger ones by their matrix
@@ -178,16 +172,14 @@ class ModelRunner:
             logits_at = self._run(step_host, input_ids, step, side)
             if step == 0:
                 sampling = self._advance(order, host.query_lens, logits_at, out)
-                if not sampling or self._waits_for_outputs(sampling):
-                    if num_steps > 1:
-                        raise ValueError("lookahead steps for a request whose sampling waits for the step before "
-                                         "(penalties, a grammar): the scheduler gives such a step no lookahead")
-                    if saves:
-                        self._copy_states(saves[0], to_snapshots=True)
-                    break  # nothing to sample, or a sampling that waits (and no lookahead: the scheduler's rule)
-                sampler = self._step_sampler(sampling)
-            input_ids = sampler.sample(logits_at, step)
-            tokens.append(input_ids)
+                if sampling and not self._waits_for_outputs(sampling):
+                    sampler = self._step_sampler(sampling)
+                elif num_steps > 1:
+                    raise ValueError("lookahead steps for a request whose sampling waits for the step before "
+                                     "(penalties, a grammar): the scheduler gives such a step no lookahead")
+            if sampler is not None:
+                input_ids = sampler.sample(logits_at, step)
+                tokens.append(input_ids)
             if saves:
                 self._copy_states(saves[step], to_snapshots=True)
         if self.cpu_threads is not None:
@@ -326,10 +318,8 @@ class ModelRunner:
     def _copy_states(self, pairs: list[tuple[int, int]], to_snapshots: bool) -> None:
         """Copy whole KDA states (conv tails and recurrent state of every layer): pairs of (state slot, snapshot
         slot) into the snapshots, or pairs of (snapshot slot, state slot) into the state slots. Two ops a state
-        name, whatever the layer count, and no wait for the device (the indices go over from pinned memory), so a save
-        inside lookahead steps does not stall their queue.
-        The gathered states are a temporary: at most _COPY_CHUNK_BYTES of them at a time (a whole state of the 48B
-        model is ~40 MiB, and 256 requests may cross a block boundary in the same step)."""
+        name, whatever the layer count, and no wait for the device, so a save inside lookahead steps does not stall
+        their queue. At most _COPY_CHUNK_BYTES of gathered states at a time (~40 MiB a request on the 48B model)."""
         if not pairs:
             return
         src = to_device([a for a, _ in pairs], torch.int64, self.device)
@@ -424,8 +414,7 @@ class ModelRunner:
 
 # of the guards dynamo puts on the model's modules, those that tell one model's shape from another's (layer counts,
 # config constants, parameter shapes and dtypes): compiled graphs are cached per code object, so a second engine in
-# the process, on another model, must not match the first's. The rest (hooks dicts, types, attribute absence: ~70%
-# of them) check that nothing changed the modules after loading, which nothing does.
+# the process, on another model, must not match the first's. The rest check that nothing changed the modules.
 _MODEL_SHAPE_GUARDS = ("SEQUENCE_LENGTH", "CONSTANT_MATCH", "EQUALS_MATCH", "TENSOR_MATCH")
 
 
@@ -464,8 +453,7 @@ def kernel_options(engine: EngineConfig, parallel: ParallelConfig = SINGLE) -> K
 def _input_major_weights(model: torch.nn.Module) -> None:
     """For float32 on the CPU where kernels.cpu_gemv is off (or compile_decode: its graph calls MKL), store the
     projection and expert weights input-major ([in, out] in memory; the logical shape and values unchanged): MKL's
-    matrix-vector products then stream whole rows, faster on every projection. Not for half precision, which decodes
-    faster output-major (BENCHMARKS.md has both A/Bs).
+    matrix-vector products then stream whole rows. Not for half precision, which decodes faster output-major.
     Skipped: kv_b_proj (MLA decode views it per head), an lm_head tied to the embedding (looked up by row), FP8."""
     params = [m.weight for name, m in model.named_modules() if isinstance(m, Linear) and not name.endswith("kv_b_proj")]
     params += [w for m in model.modules() if isinstance(m, MoE) for w in (m.w13, m.w2)]

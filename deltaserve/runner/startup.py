@@ -2,8 +2,7 @@
 
 A first start on a GPU spends most of a minute loading weights, compiling and tuning kernels and capturing CUDA
 graphs; these lines say which. Bars appear only on a terminal and only once a phase has run PHASE_BAR_DELAY
-seconds, so a quick start (the CPU, the demo model) prints the lines alone.
-"""
+seconds, so a quick start (the CPU, the demo model) prints the lines alone."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ xgrammar (the optional extra `deltaserve[structured]`) compiles the constraint a
 it; it is imported only when the first constrained request arrives (it loads transformers), never at start-up.
 schema_check refuses what xgrammar would silently ignore; backend turns a StructuredOutputsParams into a compiled
 grammar; manager compiles off the engine's step, keeps one matcher per running request and fills the token
-bitmask that kernels.token_bitmask applies to the logits before sampling.
-"""
+bitmask that kernels.token_bitmask applies to the logits before sampling."""
 
 from deltaserve.structured.errors import CompilesBusy, CompileTimeout, GrammarError, StructuredOutputsUnavailable
 

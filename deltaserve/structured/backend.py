@@ -7,8 +7,7 @@ extra ids get empty bytes, which xgrammar never allows), with the engine's stop 
 empty bytes (passed as their text, '<|im_end|>' was allowed inside a JSON string); JSON is compiled with
 any_whitespace off (by default a model could emit hundreds of spaces after '{'), so separators are exactly ', '
 and ': '; and xgrammar's JSON strings admit raw control characters (U+0000-U+001F, which JSON forbids: a parser
-refuses the output), so JSON constraints also never allow a token holding such a byte (json_safe_bitmask).
-"""
+refuses the output), so JSON constraints also never allow a token holding such a byte (json_safe_bitmask)."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ class GrammarBackend:
         xgr = import_xgrammar()
         special = tokenizer.all_special_ids
         vocab = [b"" if i in special else tokenizer.id_to_bytes(i) for i in range(vocab_size)]
-        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size,
-                                 stop_token_ids=list(stop_token_ids))
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self.xgr = xgr
         self.vocab_size = vocab_size
         self.json_safe_bitmask = pack_bitmask([not any(b < 0x20 for b in token) for token in vocab])

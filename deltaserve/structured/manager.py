@@ -5,8 +5,7 @@ constraint, so a repeated schema compiles once), and a request waits for it outs
 step. Once compiled, a request gets a GrammarMatcher; at each step where it samples, the runner calls this object
 (its logits processor) with the step's logits, and the rows of constrained requests get their disallowed tokens
 set to -inf (kernels.token_bitmask, on the logits' device). The engine advances a matcher with every token the
-scheduler accepts and releases it when the request finishes or is aborted.
-"""
+scheduler accepts and releases it when the request finishes or is aborted."""
 
 from __future__ import annotations
 

@@ -20,8 +20,7 @@ class Tokenizer(ABC):
     and sets bos_token_id, eos_token_ids (eos_token plus the chat template's end-of-turn tokens),
     all_special_ids and chat_template (None when the folder has none).
     Special-token strings in encoded text become their ids (the Kimi tiktoken back end: only with
-    add_special_tokens=True, which the engine passes for prompts): the chat template's output relies on it.
-    """
+    add_special_tokens=True, which the engine passes for prompts): the chat template's output relies on it."""
 
     def __init__(self, config: TokenizerConfig, config_origin: str):
         self.config = config
@@ -82,9 +81,7 @@ class Tokenizer(ABC):
                 f"the tokenizer in {self._config_origin} has no chat template; send a prompt or token ids, "
                 f"or add a chat_template to tokenizer_config.json"
             )
-        return self.chat_template.render(
-            messages, add_generation_prompt, tools, **self.config.special_token_strings()
-        )
+        return self.chat_template.render(messages, add_generation_prompt, tools, **self.config.special_token_strings())
 
     def _eos_token_ids(self, eos_token_id: int | None) -> tuple[int, ...]:
         """The config's eos_token plus the end-of-turn tokens that the chat template uses."""

@@ -118,8 +118,7 @@ class _Undefined(jinja2.Undefined):
     """Lenient like transformers' (a missing key is empty and false) but an unsafe attribute fails at once.
 
     The sandbox answers `''.__class__` with an undefined value that fails only when used; failing at once
-    turns a probe that prints nothing into an error the user sees.
-    """
+    turns a probe that prints nothing into an error the user sees."""
 
     def __init__(self, hint=None, obj=jinja2.utils.missing, name=None, exc=jinja2.UndefinedError):
         super().__init__(hint, obj, name, exc)

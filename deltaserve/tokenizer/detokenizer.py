@@ -18,8 +18,7 @@ class IncrementalDetokenizer:
     It works on token bytes, so a character split over several byte-level tokens comes out once, whole, and
     the deltas add up to exactly what a full decode gives. Text that could be the start of a stop string is
     held back (at most len(longest stop) - 1 characters) until it is known not to be. A character begun by
-    the prompt's last bytes and ended by the output counts as output.
-    """
+    the prompt's last bytes and ended by the output counts as output."""
 
     def __init__(
         self,

@@ -3,8 +3,7 @@
 It reproduces Moonshot's published tokenization_kimi.py (which needs trust_remote_code) from the files alone:
 the n ranks of tiktoken.model are the ids 0..n-1, and the ids n..n+255 are special tokens, named by
 tokenizer_config.json's added_tokens_decoder or `<|reserved_token_ID|>` when it names none. For the published
-files n = 163584, so [BOS] = 163584, [EOS] = 163585, <|im_end|> = 163586 and the vocabulary holds 163840 ids.
-"""
+files n = 163584, so [BOS] = 163584, [EOS] = 163585, <|im_end|> = 163586 and the vocabulary holds 163840 ids."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ class KimiTokenizer(Tokenizer):
     encode() turns special-token strings into their ids only when asked (add_special_tokens=True, which the
     engine passes for prompts, so rendered chats get their role tokens); otherwise they are plain text. No BOS
     is ever added: the Kimi tokenizer adds none. Special ids the config marks `"special": false` (the
-    tool-call markers in the published file) stay in decoded text even with skip_special_tokens.
-    """
+    tool-call markers in the published file) stay in decoded text even with skip_special_tokens."""
 
     def __init__(self, model_dir: Path):
         config = load_tokenizer_config(model_dir)

@@ -10,8 +10,7 @@ The model writes, after any plain content:
 The call id (`functions.NAME:INDEX`) is kept as the OpenAI id, NAME is the function name, and the text between
 the argument marker and the end marker (whitespace-trimmed) is the arguments string, passed on as the model
 wrote it. Text outside the section is content. The markers are special tokens the published tokenizer_config
-marks `"special": false`, so they stay in the detokenized text that this parser reads.
-"""
+marks `"special": false`, so they stay in the detokenized text that this parser reads."""
 
 from __future__ import annotations
 
@@ -76,8 +75,7 @@ class ToolCallStreamParser:
     ones carry argument text: {"tool_calls": [{"index": i, "function": {"arguments": "..."}}]}. Content comes
     as {"content": "..."}. Text that may be the start of a marker is held until the next piece tells. Joining
     the deltas gives exactly result(), whatever the pieces were. An output cut off inside a call (max_tokens)
-    keeps the arguments written so far; a call cut off before its id ended is dropped.
-    """
+    keeps the arguments written so far; a call cut off before its id ended is dropped."""
 
     def __init__(self):
         self._state = _CONTENT

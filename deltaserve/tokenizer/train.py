@@ -55,8 +55,7 @@ def train_tiny_tokenizer(out_dir: str | Path, vocab_size: int, texts: Sequence[s
     """Train on texts (default: a built-in English sample), write tokenizer.json and tokenizer_config.json.
 
     Deterministic for fixed arguments. The special tokens take the ids right after the trained vocabulary,
-    which is smaller than vocab_size when the texts run out of merges.
-    """
+    which is smaller than vocab_size when the texts run out of merges."""
     min_size = _NUM_BYTES + len(SPECIAL_TOKENS)
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < min_size:
         raise TokenizerError(

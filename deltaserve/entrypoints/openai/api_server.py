@@ -2,8 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models[/{id}] (API key when one is set),
 GET /health and GET /metrics (open). uvicorn's graceful shutdown is the drain: on SIGTERM it stops accepting,
-lets every in-flight response (streams included) finish, then the lifespan stops the engine loop.
-"""
+lets every in-flight response (streams included) finish, then the lifespan stops the engine loop."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """`deltaserve serve`: its options (beside the engine options that generate has) and the command itself.
 
-Nothing heavy is imported here at module level, so `deltaserve --help` stays fast.
-"""
+Nothing heavy is imported here at module level, so `deltaserve --help` stays fast."""
 
 from __future__ import annotations
 

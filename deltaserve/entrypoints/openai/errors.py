@@ -1,8 +1,7 @@
 """Errors in OpenAI's shape and with OpenAI's statuses: {"error": {"message", "type", "param", "code"}}.
 
 Handlers turn every failure into that shape: our own OpenAIError, pydantic's validation errors (400, not
-FastAPI's 422), routing errors (404, 405) and anything unexpected (500, logged with its traceback).
-"""
+FastAPI's 422), routing errors (404, 405) and anything unexpected (500, logged with its traceback)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 In order: the API key on /v1 routes (401), the body size, from Content-Length and again while reading a
 chunked body (413), and UTF-8 (400). The body it read is replayed to the app, and later receive() calls go
-to the server, so a handler still hears the client disconnect.
-"""
+to the server, so a handler still hears the client disconnect."""
 
 from __future__ import annotations
 

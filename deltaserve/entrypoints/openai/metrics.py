@@ -1,7 +1,6 @@
 """Prometheus metrics of one server, fed by the engine loop (EngineObserver) and read at GET /metrics.
 
-Each server has its own CollectorRegistry, so several servers in one process (tests) do not collide.
-"""
+Each server has its own CollectorRegistry, so several servers in one process (tests) do not collide."""
 
 from __future__ import annotations
 

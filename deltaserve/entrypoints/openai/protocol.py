@@ -1,8 +1,7 @@
 """Request bodies of the OpenAI API as pydantic models: the types and static ranges of every field.
 
 Strict types (a string is never coerced to a number), unknown fields ignored as OpenAI's SDK may add new
-ones. Checks that need the model (context length, tokenizer) are in the serving modules.
-"""
+ones. Checks that need the model (context length, tokenizer) are in the serving modules."""
 
 from __future__ import annotations
 

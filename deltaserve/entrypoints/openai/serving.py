@@ -1,6 +1,5 @@
 """What the completions and chat endpoints share: limits checked before tokenizing, sampling parameters,
-handing requests to the AsyncEngine, watching for a client that leaves, and server-sent events.
-"""
+handing requests to the AsyncEngine, watching for a client that leaves, and server-sent events."""
 
 from __future__ import annotations
 
@@ -98,8 +97,7 @@ class ServingContext:
         """The prompt text, and whether to read tool calls out of the output (tools with tool_choice "auto")."""
         tokenizer = self.need_tokenizer("chat")
         try:
-            return render_chat_prompt(tokenizer, messages, tools, tool_choice,
-                                      parallel_tool_calls=parallel_tool_calls)
+            return render_chat_prompt(tokenizer, messages, tools, tool_choice, parallel_tool_calls=parallel_tool_calls)
         except ToolRequestError as e:
             raise bad_request(str(e), e.param) from e
         except ChatTemplateError as e:

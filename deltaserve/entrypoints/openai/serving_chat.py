@@ -1,13 +1,9 @@
 """POST /v1/chat/completions: messages through the model's chat template, n choices, whole or streamed.
 
-Each choice's text is read by a ChatOutputParser. With tools and tool_choice "auto" (the default when tools are
-given) the model's Kimi tool-call section becomes OpenAI `tool_calls`, streamed as OpenAI streams them (a call's
-first delta carries id, type and name, later ones argument text), with finish_reason "tool_calls"; text before
-the section stays content. tool_choice "none" declares the tools to the model but leaves its output as content;
-"required" and a named function force a call: the output is constrained to the tools' parameter schemas
-(entrypoints/forced_tools.py) and returned as tool_calls. response_format and vLLM's structured_outputs constrain
-the output too (openai/structured.py).
-"""
+Each choice's text is read by a ChatOutputParser (entrypoints/chat_tools.py): with tools and tool_choice "auto",
+the model's tool-call section becomes OpenAI `tool_calls`, streamed as OpenAI streams them, with finish_reason
+"tool_calls"; "required" and a named function force a call (entrypoints/forced_tools.py). response_format and
+vLLM's structured_outputs constrain the output too (openai/structured.py)."""
 
 from __future__ import annotations
 

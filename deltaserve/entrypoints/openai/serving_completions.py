@@ -2,8 +2,7 @@
 
 Choice index = prompt index * n + choice, as OpenAI numbers them. echo puts the prompt before the text and,
 with logprobs, the prompt's logprobs before the completion's (the first prompt token has none): with
-max_tokens 0 that is the prompt-scoring request that lm-eval's loglikelihood tasks send.
-"""
+max_tokens 0 that is the prompt-scoring request that lm-eval's loglikelihood tasks send."""
 
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ from deltaserve.kernels.varlen import pack_seqs
 __all__ = ["chunk_kda", "fused_recurrent_kda", "kda_decode", "kda_gate", "kda_prefill", "l2norm"]
 
 
-def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: torch.Tensor, scale: float,
-               pdl: bool = True):
+def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: torch.Tensor, scale: float, pdl: bool = True):
     """One token per sequence. q, k, v: [B, H, K] (post conv + SiLU); g_raw [B, H*K] (f_b_proj output);
     b_raw [B, H] (before sigmoid); state [S, H, K, V] float32 updated in place at state_slots [B].
     Returns o [B, H, V]: float32 from the torch path, v's dtype from the GPU kernel (which rounds it)."""

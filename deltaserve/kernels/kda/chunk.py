@@ -7,8 +7,7 @@ Inside a chunk of C tokens the delta rule's corrections u solve one unit lower-t
 with gc the in-chunk cumulative log decay; outputs and the next state then follow from matmuls. The pairwise
 decay exp(gc_i - gc_j) (j <= i, so <= 1) is formed exactly rather than factored as exp(gc_i) * exp(-gc_j),
 which overflows float32 when a chunk's total decay passes ~88. That tensor is [H, C, C, K]: its cost per token
-grows with C, so CPU chunks are short (16; BENCHMARKS.md has the measurement against 64).
-"""
+grows with C, so CPU chunks are short (16; BENCHMARKS.md has the measurement against 64)."""
 
 import torch
 
@@ -29,8 +28,7 @@ def chunk_kda(
 
     q, k, g: [N, H, K] float32 (q, k l2-normalised); v: [N, H, V] float32; beta: [N, H] float32
     state: [S, H, K, V] float32, updated in place; cu_seqlens: B+1 host offsets into N.
-    Returns o [N, H, V] float32.
-    """
+    Returns o [N, H, V] float32."""
     o = torch.empty_like(v)
     for b, slot in enumerate(state_slots):
         S = state[slot]

@@ -17,8 +17,7 @@ def fused_recurrent_kda(
 
     q, k, g: [B, H, K] float32 (q, k l2-normalised); v: [B, H, V] float32; beta: [B, H] float32
     state: [S, H, K, V] float32; state_slots: [B] int64 (distinct). Returns o [B, H, V] float32.
-    The batched form (the GPU's, and the CPU's under torch.compile) gathers the states, updates and scatters them.
-    """
+    The batched form (the GPU's, and the CPU's under torch.compile) gathers the states, updates and scatters them."""
     if not state.is_cuda and not torch.compiler.is_compiling():  # traced (compile_decode): the batched form below
         return _in_place(q * scale, k, v, g.exp(), beta, state, state_slots.tolist())
     S = state.index_select(0, state_slots) * g.exp()[..., None]  # [B, H, K, V]

@@ -17,8 +17,7 @@ def naive_recurrent_kda(
 
     q, k, g: [B, T, H, K] (q, k already l2-normalised; g is the per-channel log decay, <= 0)
     v: [B, T, H, V]; beta: [B, T, H]; initial_state: [B, H, K, V] or None (zeros)
-    Returns o [B, T, H, V] (float32) and the final state [B, H, K, V] (float32).
-    """
+    Returns o [B, T, H, V] (float32) and the final state [B, H, K, V] (float32)."""
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     B, T, H, K = k.shape
     S = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state.float().clone()
@@ -35,8 +34,7 @@ def naive_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, initial_state: to
     """Depthwise causal conv + SiLU over one sequence.
 
     x: [T, D]; weight: [D, W]; initial_state: [D, W-1] (the W-1 inputs before x) or None (zeros).
-    Returns y [T, D] and the new state [D, W-1] (the last W-1 inputs).
-    """
+    Returns y [T, D] and the new state [D, W-1] (the last W-1 inputs)."""
     D, W = weight.shape
     state = x.new_zeros(D, W - 1) if initial_state is None else initial_state
     xx = torch.cat([state, x.t()], dim=1)  # [D, W-1+T]

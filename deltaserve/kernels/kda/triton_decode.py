@@ -1,8 +1,7 @@
 """One fused Triton kernel for a KDA decode step on the GPU: l2norm of q and k, the gate, beta, and the delta
 rule on each sequence's pooled state, updated in place. One launch per layer instead of ~15.
 
-Twin: l2norm + KimiDeltaAttention.log_decay + sigmoid + fused_recurrent_kda (the torch path), tested against it.
-"""
+Twin: l2norm + KimiDeltaAttention.log_decay + sigmoid + fused_recurrent_kda (the torch path), tested against it."""
 
 import torch
 import triton
@@ -48,12 +47,11 @@ def _kda_decode_kernel(
 
 def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots, scale: float,
                pdl: bool = True) -> torch.Tensor:
-    """q, k, v: [B, H*K] views (after conv + SiLU, any float dtype; rows may be strided);
-    g_raw: [B, H*K] (f_b_proj output, before dt_bias); b_raw: [B, H] (b_proj output, before sigmoid);
-    dt_bias [H*K] f32; a_log [H] f32; state [S, H, K, V] f32 (in place); state_slots [B] int64.
-    Returns o [B, H, V] in v's dtype: rounded in the kernel, as the reference's kernel rounds its output (a cast
-    of a float32 result was a launch of its own, and torch.compile may drop a round-trip cast fused into the next
-    kernel)."""
+    """q, k, v: [B, H*K] views (after conv + SiLU, any float dtype; rows may be strided); g_raw: [B, H*K] (f_b_proj
+    output, before dt_bias); b_raw: [B, H] (b_proj output, before sigmoid); dt_bias [H*K] f32; a_log [H] f32; state [S,
+    H, K, V] f32 (in place); state_slots [B] int64. Returns o [B, H, V] in v's dtype: rounded in the kernel, as the
+    reference's kernel rounds its output (a cast of a float32 result was a launch of its own, and torch.compile may drop
+    a round-trip cast fused into the next kernel)."""
     B = q.shape[0]
     S_, H, K, V = state.shape
     BV = min(triton.next_power_of_2(V), 32)

@@ -3,8 +3,7 @@
 The cache holds, per token, the normalised latent c_kv [R] and the shared key k_rot [Dr] (never rotated).
 Prefill expands the latents into per-head keys and values (the reference's order of operations); decode attends
 in the latent space with kv_b_proj folded into the query and the output ("weight absorption"), so a decode step
-reads R + Dr values per cached token instead of expanding the whole history again.
-"""
+reads R + Dr values per cached token instead of expanding the whole history again."""
 
 from typing import Callable
 
@@ -35,8 +34,7 @@ def mla_prefill(
     """Causal attention of T new queries at positions start_pos.. over L = start_pos + T keys.
 
     q_nope [T, H, Dn], q_rope [T, H, Dr], k_nope [L, H, Dn], k_rope [L, Dr], v [L, H, Dv] -> [T, H, Dv]
-    (scores in float32, probabilities cast back to v's dtype as the reference does).
-    """
+    (scores in float32, probabilities cast back to v's dtype as the reference does)."""
     if q_nope.is_cuda:
         return _sdpa_prefill(q_nope, q_rope, k_nope, k_rope, v, scale, start_pos)
     probs = torch.softmax(_causal_scores(q_nope, q_rope, k_nope, k_rope, scale, start_pos, 0), dim=-1)
@@ -94,8 +92,7 @@ def mla_prefill_fused(
 
     q_nope [T, H, Dn], q_rope [T, H, Dr], expand(lo, hi): the keys [hi - lo, H, Dn+Dr] and values [hi - lo, H, Dv]
     of the sequence's positions lo..hi-1 (expanded from their latents on demand, so no more than key_block of the
-    context is ever expanded or copied at once) -> [T, H, Dv]. attend: prefill.attention_lse or its naive twin.
-    """
+    context is ever expanded or copied at once) -> [T, H, Dv]. attend: prefill.attention_lse or its naive twin."""
     q = torch.cat([q_nope, q_rope], dim=-1)
     out, lse = attend(q, *expand(start_pos, start_pos + q.shape[0]), scale, causal=True)
     out = out.float()
@@ -130,8 +127,7 @@ def mla_decode(
     included). Returns the attention-weighted latent [B, H, R]; the caller applies the value half of kv_b_proj.
     On a GPU in half precision, the paged Triton kernel (reads only each sequence's context); float32 keeps
     torch_mla_decode (the exact regime), which gathers the table's whole width and masks past each context. pdl:
-    the GPU kernels' programmatic dependent launch (kernels.pdl).
-    """
+    the GPU kernels' programmatic dependent launch (kernels.pdl)."""
     if q_latent.is_cuda and cache.dtype != torch.float32:
         from deltaserve.kernels.mla.triton_decode import triton_mla_decode
 

@@ -12,8 +12,7 @@ the first one that runs these shapes is kept:
   flash       FlashAttention-2, with the values zero-padded to the keys' width (it needs one head size)
   efficient   the memory-efficient kernel (any widths; the slowest of the three on Hopper)
 
-Twin: attention_lse_naive (float32 scores, plain softmax), the spec the tests hold each backend to.
-"""
+Twin: attention_lse_naive (float32 scores, plain softmax), the spec the tests hold each backend to."""
 
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
 """Paged MLA decode on the GPU in the latent space, split along the context (flash-decoding).
 
-Each program takes one block of heads of one sequence and one slice of its context; it reads that slice's
-latents [c_kv R | k_rot Dr] straight from the pages named by the block table (once for the whole head block: the
-latent is shared by every head), keeps an online softmax, and writes its partial output and log-sum-exp. A second
-kernel merges the slices. Work and traffic follow each sequence's context length, not the block table's width, so
-a CUDA graph captured with a table wide enough for the model's whole length costs nothing extra for short
-contexts.
+Each program takes one block of heads of one sequence and one slice of its context; it reads that slice's latents [c_kv
+R | k_rot Dr] straight from the pages named by the block table (once for the whole head block: the latent is shared by
+every head), keeps an online softmax, and writes its partial output and log-sum-exp. A second kernel merges the slices.
+Work and traffic follow each sequence's context length, not the block table's width, so a CUDA graph captured with a
+table wide enough for the model's whole length costs nothing extra for short contexts.
 
-Twin: attention.mla_decode's torch path (gather every page, masked softmax), tested against it.
-"""
+Twin: attention.mla_decode's torch path (gather every page, masked softmax), tested against it."""
 
 import torch
 import triton

@@ -1,8 +1,7 @@
 """Routed expert compute on the CPU: tokens grouped by expert, one pair of matmuls per expert that was hit.
 
 Contributions are summed in ascending expert order, the order the reference uses, so float32 results match it up to
-the products' own rounding (kernels.cpu_gemv sums a row in its own order).
-"""
+the products' own rounding (kernels.cpu_gemv sums a row in its own order)."""
 
 import functools
 from collections.abc import Iterator
@@ -24,8 +23,7 @@ def fused_experts(
     cpu_threads: on the CPU, kernels.cpu_gemv's threads where it serves a product; None: PyTorch's products only.
     pdl: the GPU decode kernel's programmatic dependent launch (kernels.pdl).
 
-    Returns sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, D] in x's dtype.
-    """
+    Returns sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) -> [T, D] in x's dtype."""
     if x.is_cuda and ids.numel() <= FEW_ASSIGNMENTS_GPU:
         from deltaserve.kernels.moe.triton_decode import decode_experts
 

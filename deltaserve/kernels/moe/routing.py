@@ -18,8 +18,7 @@ def grouped_topk(
     """router_logits [T, E] float32, correction_bias [E] float32 -> weights [T, top_k] float32, ids [T, top_k] int64.
 
     The bias only chooses: a group scores the sum of its top-2 biased scores, the best topk_group groups stay,
-    the top_k biased scores among them are picked, and their *unbiased* sigmoid scores become the weights.
-    """
+    the top_k biased scores among them are picked, and their *unbiased* sigmoid scores become the weights."""
     scores = router_logits.sigmoid()
     biased = scores + correction_bias
     T, E = biased.shape

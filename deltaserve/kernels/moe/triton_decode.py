@@ -1,21 +1,15 @@
 """Routed experts (and the shared expert) for a few tokens on the GPU: one GEMV kernel per projection reading only
 the chosen experts.
 
-For a decode step of T tokens with k experts each, fused_experts' grouped GEMM path spends ~20 launches on
-sorting and gathering; here it is three: (1) per (token, slot) pair, silu(x W1^T) * (x W3^T); (2) per pair, the
-weighted down projection; (3) the sum of each token's slots, in x's dtype. Given the MoE's shared expert (same
-intermediate size), each token gets one more slot, weight 1, in the same launches: the shared expert as its own
-SwiGLU was four more launches and an add a layer. Each pair reads its expert's weights, so this pays off only
-while pairs rarely share an expert (small T): the caller picks.
+Three launches where fused_experts' grouped GEMM spends ~20 on sorting and gathering: (1) per (token, slot) pair,
+silu(x W1^T) * (x W3^T); (2) per pair, the weighted down projection; (3) the sum of each token's slots, in x's
+dtype. The shared expert (same intermediate size) is one more slot per token, weight 1. Each pair reads its
+expert's weights, so this pays off only while pairs rarely share an expert (small T): the caller picks. FP8
+weights with block scales (SCALED) are scaled per element, or once per tile inside one scale block (ALIGNED).
 
-The same kernels read FP8 weights with block scales (SCALED): each weight element is multiplied by its block's
-scale, one scalar per tile where the tile lies inside one scale block (ALIGNED).
-
-Tile shapes are autotuned per (D, I, pairs rounded up to a power of two) at first use, so a server tunes a handful
-of sizes (~1.5 s each), not every batch size; a CUDA graph's sizes are each run eagerly before their capture, so
-tuning never runs inside one. Twin: kernels.moe.naive.naive_experts (on the dequantized weights for
-FP8), plus the shared expert's SwiGLU.
-"""
+Tiles are autotuned per (D, I, pairs rounded up to a power of two) at first use; a CUDA graph's sizes are each
+run eagerly before capture. Twin: kernels.moe.naive.naive_experts (FP8: on dequantized weights) plus the shared
+expert's SwiGLU."""
 
 from __future__ import annotations
 

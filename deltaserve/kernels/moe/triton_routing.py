@@ -62,9 +62,7 @@ def triton_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_
 
 
 ROUTER_GEMV_MAX_TOKENS = 16  # beyond this many tokens cuBLAS's matmul (after a float32 copy of x) is the better fit
-# (experts, columns) of a program's tile, autotuned per shape: a fixed narrow tile (4 x 256, 64 programs for 256
-# experts) was slower than the float32 copy and cuBLAS GEMV it replaced. A program reads a row of 2304 float32 in
-# K / BLOCK_K loop steps; the wide tiles (one step) are candidates too
+# (experts, columns) of a program's tile, autotuned per shape; the wide tiles (the row in one step) are candidates too
 _ROUTER_TILES = ((1, 1024), (1, 2048), (1, 4096), (2, 512), (2, 1024), (2, 4096), (4, 512), (8, 256))
 # the shared GEMV kernel (kernels.gemv.gemv_jit) under these tiles, keyed on the token count too
 _router_logits_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, _ROUTER_TILES, (2, 512), warps=(2, 4)),
@@ -74,9 +72,8 @@ _router_logits_kernel = triton.autotune(configs=tile_configs(GEMV_NAMES, _ROUTER
 def router_logits(x: torch.Tensor, weight: torch.Tensor, tile: tuple[int, int] | None = None,
                   pdl: bool = True) -> torch.Tensor:
     """x [T, D] (any float dtype), weight [E, D] float32 -> x @ weight^T [T, E] float32, x read in its own dtype
-    and widened in registers: a decode step's router in one launch (it was a float32 copy of x, then cuBLAS's
-    GEMV). Twin: F.linear(x.float(), weight). tile: (experts, columns) of a program instead of the autotuned
-    choice."""
+    and widened in registers: a decode step's router in one launch. Twin: F.linear(x.float(), weight). tile:
+    (experts, columns) of a program instead of the autotuned choice."""
     T, D = x.shape
     E = weight.shape[0]
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)

@@ -1,10 +1,9 @@
 """Routed experts whose weights are block-wise FP8. On a GPU: few (token, expert) pairs run one GEMV per pair
-(kernels.moe.triton_decode, multiplying in the block scales), more run grouped by expert
-(kernels.quant.triton_grouped); both read the FP8 weights directly and neither syncs with the host, so decode
-steps capture in CUDA graphs. Prefill-sized bf16 steps (_MIN_PAIRS_TO_DEQUANTIZE pairs and up, outside decode
-graphs) dequantize the experts a chunk at a time and run bf16 grouped GEMMs, as FP8 linear layers do above a few
-rows. On the CPU: the chosen experts' weights are dequantized, then kernels.moe.fused_experts runs as for any
-dtype."""
+(kernels.moe.triton_decode, multiplying in the block scales), more run grouped by expert (kernels.quant.triton_grouped);
+both read the FP8 weights directly and neither syncs with the host, so decode steps capture in CUDA graphs.
+Prefill-sized bf16 steps (_MIN_PAIRS_TO_DEQUANTIZE pairs and up, outside decode graphs) dequantize the experts a chunk
+at a time and run bf16 grouped GEMMs, as FP8 linear layers do above a few rows. On the CPU: the chosen experts' weights
+are dequantized, then kernels.moe.fused_experts runs as for any dtype."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""FP8 weights on a GPU: a weight-only matmul for decode (FP8 loads, block scale, x's dtype in, float32
-accumulation) and a dequantize kernel for prefill. Twins: kernels.quant.naive (naive_fp8_linear,
-naive_dequantize); the dequantize kernel equals kernels.quant.fp8.dequantize_fp8 bit for bit (the same float32
-product, rounded once).
+"""FP8 weights on a GPU: a weight-only matmul for decode (FP8 loads, block scale, x's dtype in, float32 accumulation)
+and a dequantize kernel for prefill. Twins: kernels.quant.naive (naive_fp8_linear, naive_dequantize); the dequantize
+kernel equals kernels.quant.fp8.dequantize_fp8 bit for bit (the same float32 product, rounded once).
 
 Any block size works: each weight element finds its scale at [row // BN, col // BK], so tiles need not align with
 blocks."""
