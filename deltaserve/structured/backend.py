@@ -60,7 +60,8 @@ class GrammarBackend:
         self.json_safe_bitmask = pack_bitmask([not any(b < 0x20 for b in token) for token in vocab])
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
         # a step's bitmasks filled by C++ threads (one row a matcher); half the cores: the host has other work
-        self._batch = xgr.BatchGrammarMatcher(max(1, min(8, (os.cpu_count() or 2) // 2)))
+        self.fill_threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._batch = xgr.BatchGrammarMatcher(self.fill_threads)
 
     def compile(self, spec: StructuredOutputsParams):
         """spec's CompiledGrammar; GrammarError (naming the field) when xgrammar refuses it, or when no token can

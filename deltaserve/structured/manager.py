@@ -27,7 +27,8 @@ log = logging.getLogger("deltaserve")
 MAX_CACHED_GRAMMARS = 256
 COMPILE_THREADS = 2
 # A request whose mask took longer than FILL_LIMIT_S at FILL_STRIKES of its steps is ended: its fill holds up the
-# sampling of every request in the batch (xgrammar's fill can take ~1 s a token for an ambiguous grammar).
+# sampling of every request in the batch (an ambiguous grammar's can take many decode steps' time: BENCHMARKS.md).
+# Rows are timed alone only after a step whose fill took longer than FILL_LIMIT_S for each row a fill thread had.
 FILL_LIMIT_S = 0.05
 FILL_STRIKES = 4
 
@@ -106,7 +107,8 @@ class StructuredOutputManager:
         matchers = [self._matchers[req_ids[i]] for i in rows]
         start = time.perf_counter()
         self._backend.fill(matchers, bitmask)
-        if time.perf_counter() - start > FILL_LIMIT_S:
+        rows_a_thread = -(-len(rows) // self._backend.fill_threads)
+        if time.perf_counter() - start > FILL_LIMIT_S * rows_a_thread:  # some row may be slow: find which
             self._time_rows([req_ids[i] for i in rows], matchers, bitmask)
         json_rows = [j for j, i in enumerate(rows) if req_ids[i] in self._json]
         if json_rows:

@@ -58,7 +58,7 @@ def test_norms_inside_the_projections_match_them_apart_up_to_near_ties(tiny, mon
     llm = LLM(tiny, device="cuda", dtype="bfloat16", max_model_len=512, enable_prefix_caching=False,
               max_num_seqs=1, quantization=quantization, gpu_memory_utilization=0.3)
     llm.engine.runner.graphs = None
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=8)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     fused = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert {"add_norm_gemv", "gated_norm_gemv"} <= set(calls)
@@ -90,7 +90,7 @@ def test_cuda_graphs_cover_contexts_up_to_the_model_length(tmp_path):
 
 
 def assert_graphs_match_eager(llm, prompts, max_tokens=24, TIE=0.1):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=2)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=8)
     prompts = [{"prompt_token_ids": p} for p in prompts]
     with_graphs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.engine.runner.graphs = None
@@ -100,13 +100,16 @@ def assert_graphs_match_eager(llm, prompts, max_tokens=24, TIE=0.1):
 
 
 def assert_same_up_to_near_ties(got, expected, TIE=0.1):
-    """The same tokens, or up to the first difference, where `expected`'s own top two are within TIE logprob of each
-    other and `got` took the second."""
+    """The same tokens, or up to the first difference, where the token `got` took is one of `expected`'s returned
+    logprobs within TIE of its top one: a near-tie of expected's own distribution (a random bf16 model's logits are
+    flat, so the token taken may be the third or fourth, not only the second)."""
     i = next((i for i, (a, b) in enumerate(zip(got.token_ids, expected.token_ids)) if a != b), None)
     if i is None:
         return
-    top = sorted(expected.logprobs[i].items(), key=lambda kv: -kv[1].logprob)[:2]
-    assert got.token_ids[i] == top[1][0] and top[0][1].logprob - top[1][1].logprob < TIE, (i, top)
+    scores = {t: p.logprob for t, p in expected.logprobs[i].items()}
+    took = got.token_ids[i]
+    ranked = sorted(scores.items(), key=lambda kv: -kv[1])
+    assert took in scores and ranked[0][1] - scores[took] < TIE, (i, took, ranked)
 
 
 def test_steps_in_flight_replay_the_graphs_of_synchronous_steps_exactly(tiny):
