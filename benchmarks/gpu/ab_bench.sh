@@ -6,7 +6,8 @@
 #   on the GPU:  bash benchmarks/gpu/ab_bench.sh run              # writes $OUT/bench_{head,before}.{txt,json}
 # BATCHES (default 1,64,256), LONG (default 8192; empty for none) and T_BENCH (seconds per side, default 175) as
 # in run_h200.sh; T_FIRST (default T_BENCH) for the call's first process, which compiles fla-core's kernels on a fresh
-# machine. CONFIG (default the 48B shape): another config.json, e.g. benchmarks/configs/kimi-linear-48b-a3b-12layers.json
+# machine; T_BEFORE (default T_BENCH) for the before side's processes (a commit without kernels/tuning_cache.py, e.g.
+# eff5dd2, autotunes in every process: ~100 s on an H100, so give it ~220 s). CONFIG (default the 48B shape): another config.json, e.g. benchmarks/configs/kimi-linear-48b-a3b-12layers.json
 # (the 48B layer shapes in 12 layers, ~45 GB in bf16: fits an 80 GB H100).
 # ROUNDS (default 1): rounds of both sides, the side that runs first swapped each round (ABBA; the first process
 # measured ~6% more copy bandwidth), each round's files suffixed _rN. FIRST_ROUND (default 0) numbers the rounds from
@@ -31,9 +32,11 @@ for ((round = ${FIRST_ROUND:-0}; round < ${FIRST_ROUND:-0} + ${ROUNDS:-1}; round
   for side in $order; do
     echo "== bench $side round $round $(date +%T)"
     dir=$ROOT; [ $side = before ] && dir=$ROOT/ab/before
-    limit=${T_BENCH:-175}; [ -z "${started:-}" ] && limit=${T_FIRST:-$limit}; started=1
+    limit=${T_BENCH:-175}; [ $side = before ] && limit=${T_BEFORE:-$limit}
+    [ -z "${started:-}" ] && limit=${T_FIRST:-$limit}; started=1
     (cd "$dir" && PYTHONPATH=$ROOT/.gpu/site:$dir timeout $limit $B \
         --json-out "$OUT/bench_$side$suffix.json" > "$OUT/bench_$side$suffix.txt" 2>&1)
     grep -A6 "batch  " "$OUT/bench_$side$suffix.txt" | cut -c1-130; echo "ended $(date +%T)"
   done
 done
+cp ~/.cache/deltaserve/autotune/*.json "$OUT/" 2>/dev/null  # the card's tuning decisions, to ship as a table (issue 26)

@@ -176,4 +176,5 @@ if has structured; then
 fi
 wait
 [ "${TESTS_BACKGROUND:-}" = 1 ] && tail -4 "$OUT/gpu_tests.txt"
+cp ~/.cache/deltaserve/autotune/*.json "$OUT/" 2>/dev/null  # the card's tuning decisions, to ship as a table (issue 26)
 exit 0
