@@ -109,19 +109,34 @@ def _decode_inputs(B, H, R, DR, page, ctx, model_len, dtype, device):
     return q, qr, cache, tables, lens, 192 ** -0.5
 
 
-DECODE_KNOBS = [(32, 16, 4, 2), (64, 16, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2), (256, 32, 4, 2), (1024, 32, 4, 2),
-                (64, 32, 4, 3), (64, 32, 8, 2)]  # (shortest slice, heads a program, warps, stages)
+# launch knobs around the defaults: the first eight (shortest slice / heads a program / warps / stages) as timed
+# since 08f3ee5; then more programs than num_splits' ~2 an SM, and other context tokens an inner step (block_n)
+DECODE_KNOBS = [dict(min_split=m, max_head_block=h, num_warps=w, num_stages=st) for m, h, w, st in [
+    (32, 16, 4, 2), (64, 16, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2), (256, 32, 4, 2), (1024, 32, 4, 2), (64, 32, 4, 3),
+    (64, 32, 8, 2)]] + [dict(max_head_block=32, splits=n) for n in (528, 1056)] + [
+    dict(max_head_block=16, splits=528), dict(max_head_block=32, block_n=16), dict(max_head_block=32, block_n=64),
+    dict(max_head_block=32, block_n=64, num_warps=8)]
+
+
+def _knob_name(knobs: dict) -> str:
+    """"slice/heads/warps/stages" for the first eight (the key of earlier rows), else the knobs as k=v pairs."""
+    if set(knobs) == {"min_split", "max_head_block", "num_warps", "num_stages"}:
+        return "/".join(str(knobs[k]) for k in ("min_split", "max_head_block", "num_warps", "num_stages"))
+    return ",".join(f"{k}={v}" for k, v in knobs.items())
 
 
 def _decode_sweep(args, device: str, bytes_read: int) -> dict:
-    """GB/s of the launch knobs (DECODE_KNOBS) around the defaults, keyed "slice/heads/warps/stages"."""
+    """GB/s of the launch knobs (DECODE_KNOBS) around the defaults, keyed by _knob_name; a launch that fails (e.g.
+    too much shared memory for its tile) is recorded as its error."""
     from deltaserve.kernels.mla.triton_decode import triton_mla_decode
 
     out = {}
-    for min_split, head_block, warps, stages in DECODE_KNOBS:
-        knobs = dict(min_split=min_split, max_head_block=head_block, num_warps=warps, num_stages=stages)
-        us = timed(lambda: triton_mla_decode(*args, **knobs), device)
-        out[f"{min_split}/{head_block}/{warps}/{stages}"] = round(bytes_read / us / 1e3)
+    for knobs in DECODE_KNOBS:
+        try:
+            us = timed(lambda: triton_mla_decode(*args, **knobs), device)
+            out[_knob_name(knobs)] = round(bytes_read / us / 1e3)
+        except Exception as e:  # noqa: BLE001 -- a knob the card cannot run is a result, not the end of the sweep
+            out[_knob_name(knobs)] = f"{type(e).__name__}: {str(e)[:80]}"
     return out
 
 

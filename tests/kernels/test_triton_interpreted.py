@@ -161,10 +161,12 @@ def test_routing_kernel_gives_distinct_valid_ids_for_a_nan_row():
     ([5, 1, 70, 33], 20, 48, 8, 8, None),  # two head blocks, the second ragged; R and Dr not powers of two
     ([40, 2], 16, 64, 16, 16, 64),  # a table far wider than the contexts, as a CUDA graph's: entries past unread
 ])
-@pytest.mark.parametrize("min_split,max_head_block", [(256, 32), (32, 16), (33, 32), (64, None)])
-def test_mla_decode_kernel_matches_torch_twin(lengths, H, R, DR, page, width, min_split, max_head_block):
+@pytest.mark.parametrize("min_split,max_head_block,block_n", [(256, 32, 32), (32, 16, 32), (33, 32, 16),
+                                                               (64, None, 32), (16, 16, 64)])
+def test_mla_decode_kernel_matches_torch_twin(lengths, H, R, DR, page, width, min_split, max_head_block, block_n):
     """Paged, split-context MLA decode against the torch path (gather every page, masked softmax); slices of at
-    least min_split tokens (a context of one slice, of many, of slices past its end), heads one or more blocks."""
+    least min_split tokens (a context of one slice, of many, of slices past its end), heads one or more blocks,
+    block_n context tokens an inner step (a slice rounds up to whole steps)."""
     gen = torch.Generator().manual_seed(sum(lengths) * H)
     paged = PagedLatents(lengths, R + DR, page, 64, gen)
     tables = paged.block_tables(width)
@@ -173,7 +175,8 @@ def test_mla_decode_kernel_matches_torch_twin(lengths, H, R, DR, page, width, mi
     q_rope = torch.randn(B, H, 2 * DR, generator=gen)[..., DR:]
     lens = torch.tensor(lengths)
     twin = torch_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
-    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3, min_split, max_head_block)
+    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3, min_split, max_head_block,
+                            block_n=block_n)
     assert rel_err(out, twin) < 1e-5
 
 

@@ -123,12 +123,13 @@ def num_splits(batch: int, head_blocks: int, max_tokens: int, min_split: int = M
 def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, min_split: int = MIN_SPLIT_TOKENS,
                       max_head_block: int | None = None, num_warps: int = 4, num_stages: int = NUM_STAGES,
-                      splits: int | None = None, pdl: bool = True) -> torch.Tensor:
+                      splits: int | None = None, pdl: bool = True, block_n: int = _BLOCK_N) -> torch.Tensor:
     """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr],
     block_tables [B, max_blocks], context_lens [B] (>= 1 each). Returns [B, H, R] in q_latent's dtype. Only the
     first context_lens[b] tokens of each table are read; entries past them may hold anything. The launch knobs
-    (shortest long-context slice, heads a program, warps, pipeline stages, slices at most: num_splits' by default)
-    have the defaults the benchmark chose; kernels_bench sweeps them. Heads a program: 16 for one sequence (twice
+    (shortest long-context slice, heads a program, warps, pipeline stages, slices at most: num_splits' by default,
+    context tokens an inner step: a power of two >= 16) have the defaults the benchmark chose; kernels_bench sweeps
+    them. Heads a program: 16 for one sequence (twice
     the programs: a short context's step is latency), 32 for a batch (the latents read once for all heads)."""
     B, H, R = q_latent.shape
     DR = q_rope.shape[-1]
@@ -147,11 +148,11 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
         cache.stride(0), cache.stride(1), scale, page, splits, min_split,
         H=H, R=R, DR=DR, BR=triton.next_power_of_2(R), BDR=max(16, triton.next_power_of_2(DR)), BLOCK_H=block_h,
-        BLOCK_N=_BLOCK_N, IEEE=q_latent.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, IEEE=q_latent.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
         **pdl_args(q_latent.device, pdl),
     )
     out = torch.empty(B, H, R, dtype=q_latent.dtype, device=q_latent.device)
     _mla_decode_merge_kernel[(B * H,)](mid_o, mid_lse, context_lens, out, splits, min_split, H=H, R=R,
-                                       BR=triton.next_power_of_2(R), BLOCK_N=_BLOCK_N, num_warps=4,
+                                       BR=triton.next_power_of_2(R), BLOCK_N=block_n, num_warps=4,
                                        **pdl_args(q_latent.device, pdl))
     return out
