@@ -296,6 +296,7 @@ def _mlp_types(raw: dict, num_layers: int) -> tuple[str, ...]:
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8")  # the MLA latent cache's: "auto" the run dtype, "fp8" float8_e4m3fn
 MAX_DECODE_STEPS = 64
 
 
@@ -326,6 +327,10 @@ class EngineConfig:
     # None: weights in dtype (or as the checkpoint stores them); "fp8": linear layers and experts quantized at
     # load to float8_e4m3fn with 128 x 128 block scales (README, "FP8 weights")
     quantization: str | None = None
+    # the MLA latent cache: "auto" in dtype; "fp8" in float8_e4m3fn, unscaled (values clamped to +-448), half the
+    # bytes of bf16 (twice the tokens a budget holds, half the bytes a long-context decode step reads), rounded to
+    # 3 mantissa bits (README, "FP8 latent cache")
+    kv_cache_dtype: str = "auto"
     # decode steps a scheduler step may run back to back (1 + its lookahead tokens; README, "Decode bursts"): the
     # host schedules, syncs and detokenizes once per burst, not once per token; 1 turns it off
     num_decode_steps: int = 8
@@ -345,6 +350,11 @@ class EngineConfig:
     # GPU, Hopper and later: programmatic dependent launch of our decode-step kernels (kernels/pdl.py: a kernel's
     # launch overlaps the one before it); changes timing only, not values. False: plain launches, for profiles
     pdl: bool = True
+
+    @property
+    def latent_dtype(self) -> str:
+        """The MLA latent cache's dtype name (kv_cache_dtype resolved)."""
+        return "float8_e4m3fn" if self.kv_cache_dtype == "fp8" else self.dtype
 
     def __post_init__(self):
         def bad(name, value, expectation):
@@ -368,6 +378,8 @@ class EngineConfig:
             bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be in (0, 1]")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             bad("quantization", self.quantization, f"must be None or one of {', '.join(QUANTIZATION_METHODS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", self.kv_cache_dtype, f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.load_format not in ("auto", "dummy"):
             bad("load_format", self.load_format, "must be 'auto' or 'dummy'")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from deltaserve.cache_spec import KDAStateSpec, MLAPageSpec, layer_cache_specs
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 DEFAULT_CPU_CACHE_BYTES = 1 << 30  # cap of the CPU default: enough for small models, cheap to zero on a laptop
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
 
@@ -27,6 +27,7 @@ class CachePlan:
     bytes_per_block: int  # one page across all MLA layers
     bytes_per_slot: int  # one request's state across all KDA layers
     num_snapshot_slots: int = 0  # prefix caching's KDA state snapshots (bytes_per_slot each); 0: caching off
+    latent_dtype: str | None = None  # the MLA pages' dtype (EngineConfig.latent_dtype); None: the run dtype
 
 
 def plan_cache(model: ModelConfig, engine: EngineConfig, max_model_len: int,
@@ -37,8 +38,9 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, max_model_len: int,
 
     The budget is `budget_bytes` (the runner's measurement of free device memory), else engine.cache_bytes,
     else on CPU the bytes of max_num_seqs sequences of max_model_len tokens (plus the snapshots), capped at 1 GiB."""
-    specs, dtype_bytes = layer_cache_specs(model), _dtype_bytes(engine.dtype)
-    bytes_per_block = sum(s.page_bytes(engine.block_size, dtype_bytes) for s in specs if isinstance(s, MLAPageSpec))
+    specs, dtype_bytes, latent_bytes = layer_cache_specs(model), _dtype_bytes(engine.dtype), _dtype_bytes(
+        engine.latent_dtype)
+    bytes_per_block = sum(s.page_bytes(engine.block_size, latent_bytes) for s in specs if isinstance(s, MLAPageSpec))
     bytes_per_slot = sum(s.slot_bytes(dtype_bytes) for s in specs if isinstance(s, KDAStateSpec))
     num_slots = engine.max_num_seqs
     num_snapshots = (engine.num_snapshot_slots or 2 * num_slots) if engine.enable_prefix_caching else 0
@@ -56,7 +58,8 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, max_model_len: int,
             # (many slots of a large model: 512 snapshots of the 48B model's 41 MiB states would be 21 GiB)
             num_snapshots = max(1, min(num_snapshots, budget // 4 // bytes_per_slot))
         num_blocks = _blocks_in_budget(budget, num_slots, num_snapshots, bytes_per_slot, bytes_per_block)
-    return CachePlan(num_blocks, num_slots, engine.block_size, bytes_per_block, bytes_per_slot, num_snapshots)
+    return CachePlan(num_blocks, num_slots, engine.block_size, bytes_per_block, bytes_per_slot, num_snapshots,
+                     engine.latent_dtype)
 
 
 def describe_plan(plan: CachePlan) -> str:

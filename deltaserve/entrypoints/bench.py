@@ -30,16 +30,17 @@ def _pdl_on(device: str, pdl: bool) -> bool:
 
 
 def decode_step_bytes(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int,
-                      distinct_experts: float | None = None) -> int:
+                      distinct_experts: float | None = None, latent_bytes: int | None = None) -> int:
     """Bytes one decode step of `batch` sequences at `context` tokens must read or write at least (weights as
     stored: FP8 ones and their scales with cfg.quantization). distinct_experts: the routed experts a step reads per
-    MoE layer (measured); by default the expectation under uniform routing."""
+    MoE layer (measured); by default the expectation under uniform routing. latent_bytes: a cached latent value's
+    (1 with a float8 latent cache; default dtype_bytes)."""
     E, k = cfg.num_experts, cfg.num_experts_per_token
     hit = uniform_distinct_experts(E, k, batch) if distinct_experts is None else distinct_experts
     num_moe = sum(t == MOE for t in cfg.mlp_types)
     other, routed = _weight_bytes(cfg, torch.float32 if dtype_bytes == 4 else torch.bfloat16)
     weights = other + num_moe * hit * routed / max(num_moe * E, 1)
-    latents = batch * context * cfg.latent_dim * sum(t == MLA for t in cfg.layer_types) * dtype_bytes
+    latents = batch * context * cfg.latent_dim * sum(t == MLA for t in cfg.layer_types) * (latent_bytes or dtype_bytes)
     kda_state = 2 * batch * len(cfg.kda_layer_ids) * cfg.kda_num_heads * cfg.kda_head_dim ** 2 * 4
     return int(weights + latents + kda_state)
 
@@ -162,6 +163,7 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
     engine_config, cfg = engine.config, engine.model_config
     device, world = engine_config.device, engine_config.tensor_parallel_size
     dtype_bytes = 4 if engine_config.dtype == "float32" else 2
+    latent_bytes = 1 if engine_config.kv_cache_dtype == "fp8" else dtype_bytes
     bandwidth = copy_bandwidth(device)
     if device != "cpu":
         torch.cuda.reset_peak_memory_stats(device)
@@ -176,7 +178,8 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
         row = {"prompt_len": prompt, **run_batch(engine, batch, prompt, output, seed=batch + prompt)}
         # a single token's k experts are k distinct ones: batch 1 needs no second run (nor a long prompt's prefill)
         routing = measure_routing(engine, batch, prompt, output, seed=batch + prompt) if batch > 1 else None
-        row.update(floor_fields(cfg, row, routing, prompt + output // 2, dtype_bytes, bandwidth * world))
+        row.update(floor_fields(cfg, row, routing, prompt + output // 2, dtype_bytes, bandwidth * world,
+                                latent_bytes))
         rows.append(row)
         print(f"row {json.dumps(row)}", file=sys.stderr, flush=True)  # kept if a later row runs past a time limit
         if row["faster_than_floor"]:
@@ -184,7 +187,8 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
     peak = torch.cuda.max_memory_allocated(device) if device != "cpu" else None
     return {"device": torch.cuda.get_device_name(device) if device != "cpu" else "cpu", "dtype": engine_config.dtype,
             "quantization": cfg.quantization.method if cfg.quantization else None,
-            "load_format": engine_config.load_format, "tensor_parallel_size": world,
+            "kv_cache_dtype": engine_config.latent_dtype, "load_format": engine_config.load_format,
+            "tensor_parallel_size": world,
             "expert_parallel": engine_config.enable_expert_parallel,
             "programmatic_dependent_launch": _pdl_on(device, engine_config.pdl),
             "async_scheduling": engine.async_scheduling,
@@ -194,15 +198,15 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
 
 
 def floor_fields(cfg: ModelConfig, row: dict, routing: RoutingStats | None, context: int, dtype_bytes: int,
-                 bandwidth: float) -> dict:
+                 bandwidth: float, latent_bytes: int | None = None) -> dict:
     """The row's routing and floor fields: the floor from the distinct experts measured (exactly k at batch 1),
     the uniform-routing floor beside it, and whether the row ran faster than its floor (then the floor, the
     timing or the routing measurement is wrong). bandwidth: of all ranks together (tensor parallel: each GPU reads
     about 1 / world of the bytes; the embedding and lm_head are replicated)."""
     batch, k = row["batch"], cfg.num_experts_per_token
     distinct = routing.distinct_experts if routing else (float(k) if batch == 1 else None)  # None: no MoE layer
-    floor = decode_step_bytes(cfg, batch, context, dtype_bytes, distinct) / bandwidth
-    uniform = decode_step_bytes(cfg, batch, context, dtype_bytes) / bandwidth
+    floor = decode_step_bytes(cfg, batch, context, dtype_bytes, distinct, latent_bytes) / bandwidth
+    uniform = decode_step_bytes(cfg, batch, context, dtype_bytes, latent_bytes=latent_bytes) / bandwidth
     return {"distinct_experts": distinct,
             "distinct_experts_uniform": uniform_distinct_experts(cfg.num_experts, k, batch),
             "busiest_expert_load": routing.busiest_expert_load if routing else None,
@@ -235,6 +239,7 @@ def print_report(result: dict) -> None:
     weights = f" ({result['quantization']} weights)" if result.get("quantization") else ""
     pdl = ", programmatic dependent launch" if result.get("programmatic_dependent_launch") else ""
     ahead = ", asynchronous scheduling" if result.get("async_scheduling") else ""
+    ahead += ", float8 latent cache" if result.get("kv_cache_dtype") == "float8_e4m3fn" else ""
     print(f"device {result['device']}, {result['dtype']}{weights}{pdl}{ahead}, copy {result['copy_GBps']:.0f} GB/s, "
           f"peak memory {result['peak_memory_GiB'] or 0:.1f} GiB, prompt {result['prompt_len']}, "
           f"output {result['output_len']}")

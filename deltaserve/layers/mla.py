@@ -9,7 +9,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
 from deltaserve.forward_batch import ForwardBatch
 from deltaserve.kernel_options import KernelOptions
-from deltaserve.kernels.cache_ops import write_latents
+from deltaserve.kernels.cache_ops import to_latent_cache, write_latents
 from deltaserve.kernels.mla import (
     gather_latents,
     merge_blocks,
@@ -89,12 +89,15 @@ class MultiheadLatentAttention(nn.Module):
         operations) one softmax over all keys, or past EXPANDED_PREFILL_MAX_KEYS of context, the keys expanded and
         attended PREFILL_KEY_BLOCK at a time."""
         if q_nope.is_cuda and q_nope.dtype != torch.float32:
+            if cache.dtype == torch.float8_e4m3fn:  # the chunk's own keys as the cache keeps them, as every later
+                new_latents = to_latent_cache(new_latents).to(q_nope.dtype)  # step and the CPU path read them
+
             def expand(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-                part = new_latents if lo == start else gather_latents(cache, block_table, hi, lo)
+                part = new_latents if lo == start else gather_latents(cache, block_table, hi, lo, q_nope.dtype)
                 return self._expand_keys(part)
 
             return mla_prefill_fused(q_nope, q_rope, expand, self.scale, start, FUSED_PREFILL_KEY_BLOCK)
-        latents = gather_latents(cache, block_table, start + q_nope.shape[0])
+        latents = gather_latents(cache, block_table, start + q_nope.shape[0], dtype=q_nope.dtype)
         if latents.shape[0] > EXPANDED_PREFILL_MAX_KEYS:
             return self._prefill_blockwise(q_nope, q_rope, latents, start)
         k_nope, k_rope, v = self._expand(latents)

@@ -28,12 +28,14 @@ class DeltaserveBackend:
     name = "deltaserve"
 
     def __init__(self, model_dir: str, dtype: str, device: str | None, max_model_len: int, max_num_seqs: int,
-                 quantization: str | None = None):
+                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
         from deltaserve.entrypoints.llm import LLM
 
         self.llm = LLM(model_dir, dtype=dtype, device=device, max_model_len=max_model_len,
-                       max_num_seqs=max(1, min(max_num_seqs, 32)), quantization=quantization)
+                       max_num_seqs=max(1, min(max_num_seqs, 32)), quantization=quantization,
+                       kv_cache_dtype=kv_cache_dtype)
         self.model = self.llm.engine.model
+        self.latent_dtype = getattr(torch, self.llm.engine.cache_plan.latent_dtype)
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[Greedy]:
         from deltaserve.sampling_params import SamplingParams
@@ -45,7 +47,7 @@ class DeltaserveBackend:
     def teacher_forced(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
         from deltaserve.parity.sequence import sequence_logits
 
-        return sequence_logits(self.model, prompt + continuation[:-1], first_row=len(prompt) - 1)
+        return sequence_logits(self.model, prompt + continuation[:-1], len(prompt) - 1, self.latent_dtype)
 
 
 def _top2_of(entry: dict) -> tuple[int, int, float]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from deltaserve.config import QUANTIZATION_METHODS
+from deltaserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from deltaserve.parity.defaults import DEFAULT_TIE_MARGINS, DEFAULT_TOPK, REFERENCES
 
 REGIMES = ("float32", "bfloat16")
@@ -58,6 +58,8 @@ def add_parity_parser(sub) -> None:
     chk.add_argument("--plot", help="write a PNG of the golden's margins with the divergences marked")
     chk.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
                      help="check deltaserve with FP8 weights (quantized at load) against the golden")
+    chk.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                     help="check deltaserve with this MLA latent cache (fp8: float8_e4m3fn) against the golden")
 
 
 def cmd_parity(args) -> int:
@@ -96,10 +98,12 @@ def cmd_check(args) -> int:
     check_vocab(golden, cfg.vocab_size, args.golden, model_dir)
     max_model_len = max(len(p.prompt_token_ids) + len(p.output_token_ids) for p in golden.prompts)
     backend = DeltaserveBackend(model_dir, args.dtype, args.device, max_model_len, len(golden.prompts),
-                                args.quantization)
+                                args.quantization, args.kv_cache_dtype)
     result = check(golden, backend, tie_margin)
     device = next(backend.model.parameters()).device
-    weights = " with fp8 weights" if backend.llm.engine.model_config.quantization else ""
+    extras = [name for name, on in (("fp8 weights", backend.llm.engine.model_config.quantization),
+                                    ("a float8 latent cache", args.kv_cache_dtype == "fp8")) if on]
+    weights = f" with {' and '.join(extras)}" if extras else ""
     for line in report_lines(golden, result, f"deltaserve {args.dtype}{weights} on {device}"):
         print(line, flush=True)
     if args.plot:

@@ -17,12 +17,12 @@ from deltaserve.runner.caches import allocate_caches
 class SequenceRunner:
     """One sequence fed in pieces, as the engine feeds it: a prefill chunk, then one token a step."""
 
-    def __init__(self, model, max_tokens: int):
+    def __init__(self, model, max_tokens: int, latent_dtype: torch.dtype | None = None):
         self.model, self.num_computed = model, 0
         weight = model.embed_tokens.weight
         self.device = weight.device
-        # one page, one slot
-        self.caches = allocate_caches(model.cache_specs(), 1, max_tokens, 1, weight.dtype, weight.device)
+        # one page, one slot; the latents in latent_dtype (the engine's, e.g. a float8 cache), default the weights'
+        self.caches = allocate_caches(model.cache_specs(), 1, max_tokens, 1, weight.dtype, weight.device, latent_dtype)
 
     @torch.inference_mode()
     def extend(self, token_ids: list[int], first_row: int = 0) -> torch.Tensor:
@@ -39,9 +39,10 @@ class SequenceRunner:
         return self.model.compute_logits(hidden[first_row:])
 
 
-def sequence_logits(model, token_ids: list[int], first_row: int = 0) -> torch.Tensor:
+def sequence_logits(model, token_ids: list[int], first_row: int = 0,
+                    latent_dtype: torch.dtype | None = None) -> torch.Tensor:
     """token_ids [T] in one pass -> logits [T - first_row, V] float32 (position p predicts token p + 1)."""
-    return SequenceRunner(model, len(token_ids)).extend(token_ids, first_row)
+    return SequenceRunner(model, len(token_ids), latent_dtype).extend(token_ids, first_row)
 
 
 def decode_logits(model, prompt: list[int], continuation: list[int]) -> torch.Tensor:

@@ -18,10 +18,10 @@ class LayerCaches(list):
 
 
 def allocate_caches(specs: list[MLAPageSpec | KDAStateSpec], num_pages: int, page_size: int, num_slots: int,
-                    dtype: torch.dtype, device: torch.device) -> LayerCaches:
+                    dtype: torch.dtype, device: torch.device, latent_dtype: torch.dtype | None = None) -> LayerCaches:
     """Zeroed cache tensors, per layer (specs: the model's cache_specs()): MLA pages [num_pages, page_size,
-    latent_dim] in dtype; KDA conv tails [num_slots, ...] in dtype and recurrent states [num_slots, ...] float32, both
-    rows of LayerCaches.stacks."""
+    latent_dim] in latent_dtype (default: dtype); KDA conv tails [num_slots, ...] in dtype and recurrent states
+    [num_slots, ...] float32, both rows of LayerCaches.stacks."""
     kda = [spec for spec in specs if isinstance(spec, KDAStateSpec)]
     assert len(set(kda)) <= 1, f"the KDA layers' states differ in shape: {sorted(set(kda), key=str)}"
     stacks = {}
@@ -35,5 +35,6 @@ def allocate_caches(specs: list[MLAPageSpec | KDAStateSpec], num_pages: int, pag
             layers.append({name: stack[row] for name, stack in stacks.items()})
             row += 1
         else:
-            layers.append({"latent": torch.zeros(num_pages, page_size, spec.latent_dim, dtype=dtype, device=device)})
+            layers.append({"latent": torch.zeros(num_pages, page_size, spec.latent_dim, dtype=latent_dtype or dtype,
+                                                 device=device)})
     return LayerCaches(layers, stacks)

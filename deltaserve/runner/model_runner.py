@@ -59,8 +59,9 @@ class ModelRunner:
             torch.backends.cudnn.allow_tf32 = False
         # the last page and slot are scratch space for the padding rows of CUDA graphs; never handed out
         with phase("cache allocation"):
+            latent_dtype = getattr(torch, plan.latent_dtype) if plan.latent_dtype else dtype
             self.caches = allocate_caches(model.cache_specs(), plan.num_blocks + 1, plan.block_size,
-                                          plan.num_slots + 1, dtype, self.device)
+                                          plan.num_slots + 1, dtype, self.device, latent_dtype)
             self.snapshots = self._allocate_snapshots()
         # kernels tuned by an earlier run on this GPU (and Triton) skip their tuning
         tuning = restore_tuning(self.device) if self.device.type == "cuda" else None

@@ -47,6 +47,19 @@ def test_conv_state_follows_the_run_dtype_recurrent_state_stays_f32(model_48b):
     assert f32.bytes_per_block == 2 * bf16.bytes_per_block
 
 
+def test_a_float8_latent_cache_prices_a_page_at_one_byte_a_value(model_48b):
+    """--kv-cache-dtype fp8: MLA pages half their bf16 bytes (so a budget holds twice the tokens); KDA slots keep
+    the run dtype's."""
+    bf16 = plan_cache(model_48b, EngineConfig(dtype="bfloat16", cache_bytes=8 << 30), 4096)
+    fp8 = plan_cache(model_48b, EngineConfig(dtype="bfloat16", kv_cache_dtype="fp8", cache_bytes=8 << 30), 4096)
+    assert fp8.bytes_per_block == 16 * 7 * 576 and 2 * fp8.bytes_per_block == bf16.bytes_per_block
+    assert fp8.bytes_per_slot == bf16.bytes_per_slot and (fp8.latent_dtype, bf16.latent_dtype) == (
+        "float8_e4m3fn", "bfloat16")
+    assert fp8.num_blocks > 1.9 * bf16.num_blocks
+    with pytest.raises(ConfigError, match="engine option kv_cache_dtype = 'int8': must be one of auto, fp8"):
+        EngineConfig(kv_cache_dtype="int8")
+
+
 @pytest.mark.parametrize("caching, num_snapshots", [(False, 0), (True, 8)])
 def test_budget_minus_slots_and_snapshots_divided_into_pages(model_48b, caching, num_snapshots):
     """Prefix caching's snapshots (default 2 x max_num_seqs, a state slot's bytes each) come out of the budget."""

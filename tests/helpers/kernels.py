@@ -56,11 +56,13 @@ def fp8_expert_case(T: int, E: int, k: int, D: int, I: int, block: tuple[int, in
 class PagedLatents:
     """A paged MLA cache [num_pages, page_size, latent_dim] holding random latents of sequences of `lengths`, their
     pages in a random order. Pages no sequence owns (page 0 among them, which pads the block tables, as the runner
-    pads) hold huge finite garbage, so a read past a sequence's context shows in the output."""
+    pads) hold huge finite garbage, so a read past a sequence's context shows in the output. A float8 dtype stores
+    the latents as a float8 latent cache does (write_latents)."""
 
     def __init__(self, lengths: list[int], latent_dim: int, page_size: int, num_pages: int, gen: torch.Generator,
                  dtype: torch.dtype = torch.float32, device: str = "cpu"):
-        self.cache = torch.full((num_pages, page_size, latent_dim), 1e30, dtype=dtype)
+        garbage = 1e30 if dtype.itemsize > 1 else torch.finfo(dtype).max  # float8: its largest
+        self.cache = torch.full((num_pages, page_size, latent_dim), garbage, dtype=dtype)
         free = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()  # page 0 stays garbage
         self.latents, self.tables = [], []
         for n in lengths:

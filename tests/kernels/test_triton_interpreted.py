@@ -257,3 +257,18 @@ def test_norm_gemv_wrappers_refuse_inputs_of_another_dtype():
     gated = norm_gemv_inputs(1, 16, 8, torch.bfloat16, seed=2, gated_heads=2)
     with pytest.raises(AssertionError, match="share one dtype"):
         gated_norm_gemv(gated["o"], gated["gate"].float(), gated["norm_weight"], gated["eps"], gated["weight"])
+
+
+def test_mla_decode_kernel_reads_a_float8_cache_as_its_twin_does():
+    """A float8_e4m3fn latent cache (--kv-cache-dtype fp8): the kernel widens each tile as it reads it, the torch
+    twin the gathered pages; float32 queries (bf16 ones: tests/gpu)."""
+    gen = torch.Generator().manual_seed(8)
+    lengths, H, R, DR, page = [37, 1, 90], 8, 64, 16, 8
+    paged = PagedLatents(lengths, R + DR, page, 40, gen, dtype=torch.float8_e4m3fn)
+    tables = paged.block_tables(16)
+    q_latent = torch.randn(len(lengths), H, R, generator=gen)
+    q_rope = torch.randn(len(lengths), H, DR, generator=gen)
+    lens = torch.tensor(lengths)
+    twin = torch_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
+    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
+    assert out.dtype == torch.float32 and rel_err(out, twin) < 1e-5

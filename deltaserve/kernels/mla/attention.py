@@ -13,13 +13,16 @@ import torch.nn.functional as F
 from deltaserve.kernels.mla.prefill import attention_lse
 
 
-def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, end: int, start: int = 0) -> torch.Tensor:
+def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, end: int, start: int = 0,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """cache [P, bs, R+Dr], block_table [num_blocks] -> the latents of one sequence at positions start..end-1
-    [end - start, R+Dr] (only the pages holding them are copied)."""
+    [end - start, R+Dr] in dtype (default the cache's: a float8 cache's are widened), only the pages holding them
+    copied."""
     block_size = cache.shape[1]
     first, last = start // block_size, (end + block_size - 1) // block_size
     offset = start - first * block_size
-    return cache.index_select(0, block_table[first:last]).flatten(0, 1)[offset: offset + end - start]
+    return cache.index_select(0, block_table[first:last]).flatten(0, 1)[offset: offset + end - start].to(
+        dtype or cache.dtype)
 
 
 def mla_prefill(
@@ -123,12 +126,13 @@ def mla_decode(
     """One query per sequence against its cached latents, in the latent space.
 
     q_latent [B, H, R] (q_nope already multiplied by the key half of kv_b_proj), q_rope [B, H, Dr],
-    cache [P, bs, R+Dr], block_tables [B, max_blocks] int64, context_lens [B] int64 (tokens cached, this one
-    included). Returns the attention-weighted latent [B, H, R]; the caller applies the value half of kv_b_proj.
+    cache [P, bs, R+Dr] (in q_latent's dtype, or float8: widened to it as read), block_tables [B, max_blocks] int64,
+    context_lens [B] int64 (tokens cached, this one included). Returns the attention-weighted latent [B, H, R]; the
+    caller applies the value half of kv_b_proj.
     On a GPU in half precision, the paged Triton kernel (reads only each sequence's context); float32 keeps
     torch_mla_decode (the exact regime), which gathers the table's whole width and masks past each context. pdl:
     the GPU kernels' programmatic dependent launch (kernels.pdl)."""
-    if q_latent.is_cuda and cache.dtype != torch.float32:
+    if q_latent.is_cuda and q_latent.dtype != torch.float32:
         from deltaserve.kernels.mla.triton_decode import triton_mla_decode
 
         return triton_mla_decode(q_latent, q_rope, cache, block_tables, context_lens, scale, pdl=pdl)
@@ -141,7 +145,7 @@ def torch_mla_decode(q_latent, q_rope, cache, block_tables, context_lens, scale:
     B, _, R = q_latent.shape
     # [B, L, R+Dr], L = max_blocks * block_size: no host sync; index_select, not cache[block_tables] (on the CPU
     # the advanced index is several times slower)
-    latents = cache.index_select(0, block_tables.flatten()).view(B, -1, cache.shape[-1])
+    latents = cache.index_select(0, block_tables.flatten()).view(B, -1, cache.shape[-1]).to(q_latent.dtype)
     max_len = latents.shape[1]
     c_kv, k_rope = latents[..., :R], latents[..., R:]  # [B, L, R], [B, L, Dr]
     scores = q_latent @ c_kv.transpose(1, 2) + q_rope @ k_rope.transpose(1, 2)  # [B, H, L]

@@ -68,6 +68,7 @@ def _mla_decode_split_kernel(
             row = page * page_stride + (toks % page_size).to(tl.int64) * token_stride  # [BLOCK_N]
             kv = tl.load(cache_ptr + row[:, None] + offs_r[None, :], mask=mt[:, None] & mr[None, :], other=0.0)
             kr = tl.load(cache_ptr + row[:, None] + R + offs_dr[None, :], mask=mt[:, None] & mdr[None, :], other=0.0)
+            kv, kr = kv.to(q.dtype), kr.to(q.dtype)  # a float8 cache widened as read (no-ops otherwise)
             if IEEE:
                 s = tl.dot(q, tl.trans(kv), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
             else:
@@ -124,13 +125,13 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
                       context_lens: torch.Tensor, scale: float, min_split: int = MIN_SPLIT_TOKENS,
                       max_head_block: int | None = None, num_warps: int = 4, num_stages: int = NUM_STAGES,
                       splits: int | None = None, pdl: bool = True, block_n: int = _BLOCK_N) -> torch.Tensor:
-    """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr],
-    block_tables [B, max_blocks], context_lens [B] (>= 1 each). Returns [B, H, R] in q_latent's dtype. Only the
-    first context_lens[b] tokens of each table are read; entries past them may hold anything. The launch knobs
-    (shortest long-context slice, heads a program, warps, pipeline stages, slices at most: num_splits' by default,
-    context tokens an inner step: a power of two >= 16) have the defaults the benchmark chose; kernels_bench sweeps
-    them. Heads a program: 16 for one sequence (twice
-    the programs: a short context's step is latency), 32 for a batch (the latents read once for all heads)."""
+    """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr] (in
+    q_latent's dtype or float8_e4m3fn), block_tables [B, max_blocks], context_lens [B] (>= 1 each). Returns [B, H, R]
+    in q_latent's dtype. Only the first context_lens[b] tokens of each table are read; entries past them may hold
+    anything. The launch knobs (shortest long-context slice, heads a program, warps, pipeline stages, slices at most:
+    num_splits' by default, context tokens an inner step: a power of two >= 16) have the defaults the benchmark
+    chose; kernels_bench sweeps them. Heads a program: 16 for one sequence (twice the programs: a short context's
+    step is latency), 32 for a batch (the latents read once for all heads)."""
     B, H, R = q_latent.shape
     DR = q_rope.shape[-1]
     page = cache.shape[1]
