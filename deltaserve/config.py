@@ -362,7 +362,7 @@ class EngineConfig:
 
         if not isinstance(self.num_decode_steps, int) or not 1 <= self.num_decode_steps <= MAX_DECODE_STEPS:
             bad("num_decode_steps", self.num_decode_steps, f"must be an integer in [1, {MAX_DECODE_STEPS}]")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 bad(name, value, "must be a positive integer")
@@ -384,8 +384,6 @@ class EngineConfig:
             bad("load_format", self.load_format, "must be 'auto' or 'dummy'")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             bad("threads", self.threads, "must be a positive integer")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            bad("tensor_parallel_size", self.tensor_parallel_size, "must be a positive integer")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             bad("enable_expert_parallel", True, "needs tensor_parallel_size > 1 (experts are split over its ranks)")
         if self.num_cache_blocks is not None and self.num_cache_blocks < 1:

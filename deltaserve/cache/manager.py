@@ -122,8 +122,7 @@ class CacheManager:
 
     def can_allocate(self, req: Request, num_new_tokens: int, hit: CachedPrefix | None = None) -> bool:
         """Whether allocate_slots(req, num_new_tokens, hit) would succeed; num_new_tokens counts from the hit."""
-        needs_slot = req.state_slot is None
-        if needs_slot and self.state_pool.num_free_slots == 0:
+        if req.state_slot is None and self.state_pool.num_free_slots == 0:
             return False
         if hit is None or not hit.block_ids:
             return self.blocks_needed(req, num_new_tokens) <= self.num_free_blocks
@@ -143,9 +142,7 @@ class CacheManager:
             self._take_hit(req, hit)
         if req.state_slot is None:
             req.state_slot = self.state_pool.allocate()
-        num_needed = self.blocks_needed(req, num_new_tokens)
-        new_block_ids = self.prefix_cache.allocate(num_needed) if self.prefix_cache else self.block_pool.allocate(
-            num_needed)
+        new_block_ids = (self.prefix_cache or self.block_pool).allocate(self.blocks_needed(req, num_new_tokens))
         req.block_ids.extend(new_block_ids)
         return new_block_ids
 

@@ -38,8 +38,8 @@ def plan_cache(model: ModelConfig, engine: EngineConfig, max_model_len: int,
 
     The budget is `budget_bytes` (the runner's measurement of free device memory), else engine.cache_bytes,
     else on CPU the bytes of max_num_seqs sequences of max_model_len tokens (plus the snapshots), capped at 1 GiB."""
-    specs, dtype_bytes, latent_bytes = layer_cache_specs(model), _dtype_bytes(engine.dtype), _dtype_bytes(
-        engine.latent_dtype)
+    specs, dtype_bytes = layer_cache_specs(model), DTYPE_BYTES[engine.dtype]
+    latent_bytes = DTYPE_BYTES[engine.latent_dtype]
     bytes_per_block = sum(s.page_bytes(engine.block_size, latent_bytes) for s in specs if isinstance(s, MLAPageSpec))
     bytes_per_slot = sum(s.slot_bytes(dtype_bytes) for s in specs if isinstance(s, KDAStateSpec))
     num_slots = engine.max_num_seqs
@@ -80,12 +80,6 @@ def format_bytes(num_bytes: int) -> str:
         if abs(num_bytes) >= size:
             return f"{num_bytes / size:.1f} {unit}"
     return f"{num_bytes} B"
-
-
-def _dtype_bytes(dtype: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"cache dtype {dtype!r}: must be one of {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[dtype]
 
 
 def _budget(engine: EngineConfig, budget_bytes: int | None, full_length_bytes: int) -> int:

@@ -92,9 +92,7 @@ class Scheduler:
 
     def abort_request(self, req_id: str) -> None:
         """Finish req_id as aborted and free its cache; unknown or already finished ids are ignored."""
-        req = self.requests.get(req_id)
-        if req is not None:
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
+        self.finish_requests([req_id], RequestStatus.FINISHED_ABORTED)
 
     def finish_requests(self, req_ids: Iterable[str], status: RequestStatus) -> None:
         """Finish requests stopped outside the scheduler (a stop string found by the detokenizer)."""
@@ -331,7 +329,8 @@ class Scheduler:
             raise ValueError(f"request {req.req_id!r}: prompt of {prompt_len} tokens must be shorter than "
                              f"max_model_len={self.max_model_len} to leave room for one generated token; "
                              "shorten the prompt or raise --max-model-len")
-        max_cached = self._max_cached_tokens(req)
+        # all but its last output token, which is never computed
+        max_cached = max(prompt_len, min(prompt_len + req.sampling_params.max_tokens, self.max_model_len) - 1)
         if self.cache.blocks_for_tokens(max_cached) > self.cache.num_blocks:
             raise ValueError(
                 f"request {req.req_id!r} may cache up to {max_cached} tokens (prompt {prompt_len} + max_tokens "
@@ -340,8 +339,3 @@ class Scheduler:
                 f"{self.cache.num_blocks} pages ({self.cache.num_blocks * self.cache.block_size} tokens); "
                 "lower max_tokens or shorten the prompt, or give the cache more pages (raise cache_bytes or "
                 "lower --max-num-seqs)")
-
-    def _max_cached_tokens(self, req: Request) -> int:
-        """Most tokens req can hold in the cache: all but its last output token, which is never computed."""
-        max_len = min(req.num_prompt_tokens + req.sampling_params.max_tokens, self.max_model_len)
-        return max(req.num_prompt_tokens, max_len - 1)

@@ -58,10 +58,7 @@ def _weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
 
 def copy_bandwidth(device: str) -> float:
     """Bytes/s of a large device-to-device copy (read + write), median of 10."""
-    if device == "cpu":
-        src = torch.randn(64 << 20)
-    else:
-        src = torch.randn(256 << 20, device=device)
+    src = torch.randn((64 if device == "cpu" else 256) << 20, device=device)
     dst = torch.empty_like(src)
     times = []
     for _ in range(12):

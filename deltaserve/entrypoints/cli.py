@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from deltaserve.config import QUANTIZATION_METHODS, EngineConfig
+from deltaserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
 from deltaserve.entrypoints.chat import add_chat_options, cmd_chat
 from deltaserve.entrypoints.openai.command import add_serve_options, cmd_serve
 from deltaserve.entrypoints.sampling_options import add_sampling_options, sampling_defaults
@@ -47,6 +47,9 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
                    help="fp8: linear layers and experts quantized at load to float8_e4m3fn with 128x128 block "
                         "scales (an FP8 checkpoint runs in FP8 without it)")
+    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=EngineConfig.kv_cache_dtype,
+                   help="the MLA latent cache: auto (the run dtype) or fp8 (float8_e4m3fn: half of bf16's bytes, "
+                        "twice the tokens in the same memory)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
     g.add_argument("--num-decode-steps", type=int, default=EngineConfig.num_decode_steps,
                    help="decode steps run back to back, one sync a burst, while no request asks for penalties, "
@@ -74,9 +77,16 @@ def _env_switch(name: str) -> bool:
     return os.environ.get(name, "1") != "0"
 
 
-def _kernel_switches(args) -> dict:
-    return {"compile_decode": args.compile_decode, "cpu_gemv": args.cpu_gemv, "norm_gemv": args.norm_gemv,
-            "pdl": args.pdl}
+# the engine options that pass to EngineConfig as they are (dtype and device have defaults that depend on the machine)
+_ENGINE_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "gpu_memory_utilization",
+                  "threads", "load_format", "enable_prefix_caching", "tensor_parallel_size", "enable_expert_parallel",
+                  "quantization", "kv_cache_dtype", "num_decode_steps", "async_scheduling", "compile_decode",
+                  "cpu_gemv", "norm_gemv", "pdl")
+
+
+def _engine_fields(args, **overrides) -> dict:
+    """EngineConfig's keywords from the engine options, with overrides over them."""
+    return {**{name: getattr(args, name) for name in _ENGINE_FIELDS}, **overrides}
 
 
 def _token_ids(text: str) -> list[int]:
@@ -129,14 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _make_llm(args):
     from deltaserve.entrypoints.llm import LLM
 
-    return LLM(args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-               threads=args.threads, load_format=args.load_format,
-               enable_prefix_caching=args.enable_prefix_caching, tensor_parallel_size=args.tensor_parallel_size,
-               enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-               num_decode_steps=args.num_decode_steps, async_scheduling=args.async_scheduling,
-               **_kernel_switches(args))
+    return LLM(args.model, dtype=args.dtype, device=args.device, **_engine_fields(args))
 
 
 def cmd_generate(args) -> None:
@@ -169,7 +172,6 @@ def cmd_generate(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from deltaserve.config import EngineConfig
     from deltaserve.entrypoints.bench import LONG_OUTPUT_LEN, bench, print_report
     from deltaserve.entrypoints.llm import BUNDLED_MODEL, default_device
 
@@ -185,15 +187,8 @@ def cmd_bench(args) -> None:
     device = args.device or default_device()
     longest = max([args.prompt_len + args.output_len] + [n + long_output for n in args.long_prompt_len])
     engine = EngineConfig(dtype=args.dtype or ("float32" if device == "cpu" else "bfloat16"), device=device,
-                          max_model_len=args.max_model_len or longest,
-                          max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=args.max_num_batched_tokens,
-                          block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                          threads=args.threads, load_format=args.load_format,
-                          enable_prefix_caching=args.enable_prefix_caching,
-                          tensor_parallel_size=args.tensor_parallel_size,
-                          enable_expert_parallel=args.enable_expert_parallel, quantization=args.quantization,
-                          num_decode_steps=args.num_decode_steps, async_scheduling=args.async_scheduling,
-                          **_kernel_switches(args))
+                          **_engine_fields(args, max_model_len=args.max_model_len or longest,
+                                           max_num_seqs=max(args.batch_sizes)))
     result = bench(args.config or args.model or str(BUNDLED_MODEL), engine, args.batch_sizes, args.prompt_len,
                    args.output_len, args.long_prompt_len)
     print_report(result)

@@ -166,7 +166,7 @@ class ModelRunner:
             torch.set_num_threads(1 if few else self.cpu_threads)
         saves = self._saves_by_step(sched, order, num_steps)
         out = RunnerOutput(req_ids=list(order), sampled_token_ids={r: [] for r in order})
-        side = self._next_side()
+        side, self._staging_side = self._staging_side, 1 - self._staging_side
         input_ids, tokens, sampling, sampler = self._missing_inputs(host, missing, last), [], [], None
         for step in range(num_steps):
             step_host = host if step == 0 else host.advanced(step, self.plan.block_size)
@@ -301,7 +301,8 @@ class ModelRunner:
             if new.restore_snapshot_slot is not None:
                 restores.append((new.restore_snapshot_slot, new.state_slot))
             elif new.num_computed_tokens == 0:
-                self._reset_state(new.state_slot)
+                for stack in self.caches.stacks.values():
+                    stack[:, new.state_slot].zero_()
         self._copy_states(restores, to_snapshots=False)
         for cached in sched.cached_reqs:
             state = self.requests[cached.req_id]
@@ -333,10 +334,6 @@ class ModelRunner:
             for i in range(0, len(pairs), chunk):
                 target[:, dst[i:i + chunk]] = source[:, src[i:i + chunk]]
 
-    def _reset_state(self, slot: int) -> None:
-        for stack in self.caches.stacks.values():
-            stack[:, slot].zero_()
-
     def _host_batch(self, order: list[str], num_tokens: dict[str, int]) -> tuple[HostBatch, list[tuple[int, str]]]:
         """The step's inputs, and (row, req_id) of each input id the host does not have yet (0 in the batch): the
         last token of a request whose step in flight samples it."""
@@ -360,10 +357,6 @@ class ModelRunner:
         states = [self.requests[r] for r in order]
         return HostBatch(ids, positions, slots, query_lens, starts, [s.state_slot for s in states],
                          [s.block_ids for s in states]), missing
-
-    def _next_side(self) -> int:
-        side, self._staging_side = self._staging_side, 1 - self._staging_side
-        return side
 
     def _step_done(self) -> torch.cuda.Event | None:
         """An event that completes with the work queued so far (None on the CPU, where it has run already)."""

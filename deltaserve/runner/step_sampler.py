@@ -31,11 +31,6 @@ class RequestState:
         return self.token_ids[self.num_prompt_tokens:]
 
 
-def astuple_shallow(record) -> tuple:
-    """A dataclass's fields in order, not copied (dataclasses.astuple deep-copies tensors)."""
-    return tuple(getattr(record, f.name) for f in fields(record))
-
-
 class StepSampler:
     """Samples one step's tokens for the requests whose chunk reaches their end (`states`), step after step of a
     lookahead: penalties and a grammar's mask read the outputs the host has, which the scheduler guarantees are all
@@ -85,7 +80,8 @@ class StepSampler:
             state.num_computed_tokens += num_steps - 1
         logprobs = None
         if self.result is not None and self.result.logprobs is not None:  # to the host with the tokens, no wait
-            logprobs = SampledLogprobs(*(to_host(x)[0] for x in astuple_shallow(self.result.logprobs)))
+            found = self.result.logprobs  # field by field: dataclasses.astuple would deep-copy the tensors
+            logprobs = SampledLogprobs(*(to_host(getattr(found, f.name))[0] for f in fields(found)))
         sampled, copied = to_host(tokens[0] if num_steps == 1 else torch.stack(tokens, dim=1))
 
         def finish() -> RunnerOutput:

@@ -66,22 +66,14 @@ def _chat_template(raw: dict, config_path: Path, template_path: Path) -> tuple[s
     if template_path.is_file():
         return read_text(template_path), str(template_path)
     value = raw.get("chat_template")
-    if isinstance(value, list):
-        value = _named_default(value)
+    if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]: the "default" one; the list (an error) if none
+        value = next((e.get("template") for e in value if isinstance(e, dict) and e.get("name") == "default"), value)
     if value is not None and not isinstance(value, str):
         raise TokenizerError(
             f"{config_path}: chat_template = {raw['chat_template']!r:.80}, expected a string or a list with a "
             f"{{\"name\": \"default\", \"template\": string}} entry; fix the entry or remove it"
         )
     return value, str(config_path)
-
-
-def _named_default(templates: list):
-    """The "default" one of [{"name": ..., "template": ...}, ...]; the list itself (an error) when none is."""
-    for entry in templates:
-        if isinstance(entry, dict) and entry.get("name") == "default":
-            return entry.get("template")
-    return templates
 
 
 def _model_max_length(value, path: Path) -> int | None:

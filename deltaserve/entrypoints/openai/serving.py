@@ -133,9 +133,9 @@ class ServingContext:
             max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
             min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0, stop_token_ids=body.stop_token_ids or [],
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            stop=_stop_list(body.stop), stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
+            stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or ()), ignore_eos=body.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured)
         try:
             return [SamplingParams(seed=None if seed is None else seed + i, **fields) for i in range(body.n)]
@@ -220,12 +220,6 @@ def usage(outputs: list[RequestOutput], n: int) -> dict:
 def json_logprob(value: float) -> float:
     """A logprob JSON can carry: -inf (a masked token) and NaN become -9999.0, as vLLM sends them."""
     return value if value > -9999.0 else -9999.0
-
-
-def _stop_list(stop) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
 
 
 def _longest_token_bytes(tokenizer) -> int:
