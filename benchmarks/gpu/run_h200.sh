@@ -21,6 +21,8 @@
 #   profile   kernel time of a batch-1 decode step, bf16 (and fp8)
 #   prefill   one 8k-token prompt, bf16, alone
 #   baseline  4 layers (3 KDA + 1 MLA) of the 48B shape: deltaserve and transformers + fla-core, same call
+#   kvfp8     (not in the default list) batch-1 decode at KVFP8_LENS (default 262144) with the bf16 latent cache,
+#             then with --kv-cache-dtype fp8, one process each (issue 24: TPOT at long context)
 #   structured (not in the default list) the 48B shape, 64 concurrent requests, half constrained by a JSON schema
 #             against none (benchmarks/structured_outputs.py), once per maxLength in SO_MAX_LENGTHS (default 0:
 #             unbounded strings); needs the xgrammar and apache_tvm_ffi wheels in wheels/
@@ -165,6 +167,13 @@ PY
       --json-out "$OUT/bench_4layers.json" > "$OUT/bench_4layers.txt" 2>&1; tail -4 "$OUT/bench_4layers.txt" | cut -c1-200
   timeout 200 python3 benchmarks/gpu/transformers_baseline.py --config $CFG --layers 4 --prompt-len 2048 2>&1 \
       | tail -1 | tee "$OUT/baseline_4layers.json"
+fi
+if has kvfp8; then
+  for kv in auto fp8; do
+    timeout ${T_KVFP8:-280} $B --config $CFG --batch-sizes 1 --prompt-len 512 --output-len 32 --kv-cache-dtype $kv \
+        --long-prompt-len ${KVFP8_LENS:-262144} --json-out "$OUT/bench_kv_$kv.json" > "$OUT/bench_kv_$kv.txt" 2>&1
+    echo "--kv-cache-dtype $kv"; grep -A4 "batch  " "$OUT/bench_kv_$kv.txt" | cut -c1-130
+  done
 fi
 if has structured; then
   for ml in ${SO_MAX_LENGTHS:-0}; do

@@ -60,6 +60,7 @@ class ModelRunner:
         # the last page and slot are scratch space for the padding rows of CUDA graphs; never handed out
         with phase("cache allocation"):
             latent_dtype = getattr(torch, plan.latent_dtype) if plan.latent_dtype else dtype
+            _check_latent_dtype(latent_dtype, self.device)
             self.caches = allocate_caches(model.cache_specs(), plan.num_blocks + 1, plan.block_size,
                                           plan.num_slots + 1, dtype, self.device, latent_dtype)
             self.snapshots = self._allocate_snapshots()
@@ -410,6 +411,15 @@ class ModelRunner:
 # config constants, parameter shapes and dtypes): compiled graphs are cached per code object, so a second engine in
 # the process, on another model, must not match the first's. The rest check that nothing changed the modules.
 _MODEL_SHAPE_GUARDS = ("SEQUENCE_LENGTH", "CONSTANT_MATCH", "EQUALS_MATCH", "TENSOR_MATCH")
+
+
+def _check_latent_dtype(latent_dtype: torch.dtype, device: torch.device) -> None:
+    """A float8 latent cache on a GPU needs float8 loads in Triton: compute capability 8.9 (Ada, Hopper) or later."""
+    if latent_dtype == torch.float8_e4m3fn and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise ValueError(f"kv_cache_dtype 'fp8' needs a GPU of compute capability 8.9 or later (Ada, Hopper); "
+                             f"{torch.cuda.get_device_name(device)} is {major}.{minor}: use kv_cache_dtype 'auto'")
 
 
 def _model_shape_guards(entries) -> list[bool]:

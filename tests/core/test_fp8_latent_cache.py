@@ -4,6 +4,7 @@ prefix caching and decoding step by step give the tokens of one whole-prompt pre
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers.engine import as_inputs, assert_same_outputs, mixed_params, random_prompts
 
@@ -35,3 +36,14 @@ def test_chunks_and_cached_prefixes_give_the_tokens_of_a_whole_prompt(make_llm):
     again = cached.generate(as_inputs(prompts), params, use_tqdm=False)
     assert sum(o.num_cached_tokens for o in again) > 0
     assert_same_outputs(again, expected, "prompts served from the prefix cache")
+
+
+def test_a_gpu_without_float8_loads_is_refused_with_the_fix(monkeypatch):
+    from deltaserve.runner import model_runner
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=r"compute capability 8.9 or later .* is 8\.0: use kv_cache_dtype 'auto'"):
+        model_runner._check_latent_dtype(torch.float8_e4m3fn, torch.device("cuda"))
+    model_runner._check_latent_dtype(torch.bfloat16, torch.device("cuda"))  # the run dtype's cache: any GPU
+    model_runner._check_latent_dtype(torch.float8_e4m3fn, torch.device("cpu"))

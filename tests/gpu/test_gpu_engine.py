@@ -44,6 +44,21 @@ def test_cuda_graphs_match_eager_bf16_up_to_near_ties():
     assert_graphs_match_eager(llm, PROMPTS)
 
 
+def test_a_float8_latent_cache_decodes_as_the_bf16_one_up_to_near_ties():
+    """--kv-cache-dtype fp8 on the GPU (graphs, the Triton decode kernel reading float8 pages, the fused prefill
+    taking its chunk's keys as the cache keeps them): the trained demo model's tokens of a bf16 cache up to
+    near-ties of 0.3 (its latents rounded to 3 mantissa bits)."""
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=8)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outputs = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(device="cuda", dtype="bfloat16", max_model_len=512, kv_cache_dtype=kv)
+        outputs[kv] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    for f, b in zip(outputs["fp8"], outputs["auto"]):
+        assert_same_up_to_near_ties(f, b, TIE=0.3)
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_norms_inside_the_projections_match_them_apart_up_to_near_ties(tiny, monkeypatch, quantization):
     """bf16, batch 1, eager: the decoder layers' norms run inside the GEMVs that read them (kernels.norm_gemv) or
