@@ -81,6 +81,10 @@ def mla_decode_rows(device: str, smoke: bool) -> list[dict]:
         old = dict(min_split=32, max_head_block=16, num_warps=4,
                    splits=max(1, min(64, -(-528 // (B * head_blocks)), -(-model_len // 32))))
         row["before_us"] = timed(lambda: triton_mla_decode(*args, **old), device)
+        # the same latents in a float8 cache (--kv-cache-dtype fp8): one byte a value to read
+        fp8_args = (*args[:2], args[2].to(torch.float8_e4m3fn), *args[3:])
+        row["fp8_cache_us"] = timed(lambda: triton_mla_decode(*fp8_args), device)
+        row["fp8_cache_GBps"] = row["bytes_read"] / args[2].element_size() / row["fp8_cache_us"] / 1e3
         for name in ("triton", "before"):
             row[f"{name}_GBps"] = row["bytes_read"] / row[f"{name}_us"] / 1e3
             row[f"{name}_of_copy"] = row[f"{name}_GBps"] * 1e9 / copy
