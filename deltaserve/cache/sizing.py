@@ -69,8 +69,9 @@ def describe_plan(plan: CachePlan) -> str:
     snapshots = plan.num_snapshot_slots * plan.bytes_per_slot
     snapshot_text = (f" + {plan.num_snapshot_slots} KDA snapshots for prefix caching ({format_bytes(snapshots)})"
                      if plan.num_snapshot_slots else "")
+    float8 = ", float8" if plan.latent_dtype == "float8_e4m3fn" else ""
     return (f"cache: {plan.num_blocks} MLA pages x {plan.block_size} tokens = {plan.num_blocks * plan.block_size} "
-            f"tokens ({format_bytes(pages)}) + {plan.num_slots} KDA state slots ({format_bytes(slots)})"
+            f"tokens ({format_bytes(pages)}{float8}) + {plan.num_slots} KDA state slots ({format_bytes(slots)})"
             f"{snapshot_text}; {format_bytes(pages + slots + snapshots)} in all")
 
 

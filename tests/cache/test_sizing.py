@@ -1,6 +1,7 @@
 """Cache specs and pool sizing, on the real 48B config and on budgets made to fit or not."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,7 @@ def test_a_float8_latent_cache_prices_a_page_at_one_byte_a_value(model_48b):
     assert fp8.bytes_per_slot == bf16.bytes_per_slot and (fp8.latent_dtype, bf16.latent_dtype) == (
         "float8_e4m3fn", "bfloat16")
     assert fp8.num_blocks > 1.9 * bf16.num_blocks
+    assert re.search(r" tokens \([\d.]+ GiB, float8\) \+ 32 KDA state slots", describe_plan(fp8)), describe_plan(fp8)
     with pytest.raises(ConfigError, match="engine option kv_cache_dtype = 'int8': must be one of auto, fp8"):
         EngineConfig(kv_cache_dtype="int8")
 
