@@ -164,11 +164,19 @@ class Engine:
         if req.req_id in self._compiling:
             raise ValueError(f"request id {req.req_id!r} is already in the engine; give each request a unique id")
         self.scheduler.check_admissible(req)
-        future = self.structured_outputs().submit(spec)
-        if future.done():
+        future = self._submit_grammar(spec)
+        if future is not None and future.done():
             self._admit(req, future)
         else:
             self._compiling[req.req_id] = (req, future, time.monotonic() + structured_errors.COMPILE_TIMEOUT_S)
+
+    def _submit_grammar(self, spec: StructuredOutputsParams) -> Future | None:
+        """spec's compile (cached or queued now); None while the compiles in flight leave no room (the request waits
+        outside the scheduler, as for its compile, and _admit_compiled asks again each step)."""
+        try:
+            return self.structured_outputs().submit(spec)
+        except structured_errors.CompilesBusy:
+            return None
 
     def _admit(self, req: Request, future: Future) -> None:
         compiled = future.result()  # a ValueError naming what is wrong when it failed
@@ -179,19 +187,27 @@ class Engine:
         """Admit the requests whose grammar has compiled; one finished ("abort") output each for those whose grammar
         failed. With nothing else to run, first wait a little for one to compile."""
         if self._compiling and self._inflight is None and not self.scheduler.has_unfinished_requests():
-            wait([future for _, future, _ in self._compiling.values()], timeout=0.05, return_when=FIRST_COMPLETED)
+            futures = [future for _, future, _ in self._compiling.values() if future is not None]
+            if futures:
+                wait(futures, timeout=0.05, return_when=FIRST_COMPLETED)
+            else:
+                time.sleep(0.01)  # only requests waiting for room: a compile in flight ends on its own
         failed, now = [], time.monotonic()
         for req_id, (req, future, deadline) in list(self._compiling.items()):
-            if future.done() or now > deadline:
-                del self._compiling[req_id]
-                try:
-                    if not future.done():
-                        raise structured_errors.CompileTimeout()
-                    self._admit(req, future)
-                except ValueError as e:
-                    log.warning("request %s: its constraint cannot be used, aborted: %s", req_id, e)
-                    req.status = RequestStatus.FINISHED_ABORTED
-                    failed.append(self._output(self._tracked[req_id], time.monotonic()))
+            if future is None:  # no room when it came: ask again
+                future = self._submit_grammar(req.sampling_params.structured_outputs)
+                self._compiling[req_id] = (req, future, deadline)
+            if not (future is not None and future.done()) and now <= deadline:
+                continue
+            del self._compiling[req_id]
+            try:
+                if future is None or not future.done():
+                    raise structured_errors.CompileTimeout()
+                self._admit(req, future)
+            except ValueError as e:
+                log.warning("request %s: its constraint cannot be used, aborted: %s", req_id, e)
+                req.status = RequestStatus.FINISHED_ABORTED
+                failed.append(self._output(self._tracked[req_id], time.monotonic()))
         return failed
 
     @property

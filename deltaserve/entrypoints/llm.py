@@ -131,8 +131,9 @@ class LLM:
         """Compile every constraint first (in parallel, cached by the engine), so that a bad schema, regex or grammar
         raises ValueError here, at the call, with nothing queued."""
         specs = {p.structured_outputs.key: p.structured_outputs for p in params if p.structured_outputs is not None}
-        futures = [self.engine.structured_outputs().submit(spec, wait_for_room=True) for spec in specs.values()]
         deadline = time.monotonic() + errors.COMPILE_TIMEOUT_S
+        manager = self.engine.structured_outputs()
+        futures = [manager.submit(spec, wait_for_room=True, deadline=deadline) for spec in specs.values()]
         for future in futures:
             try:
                 future.result(timeout=max(0.0, deadline - time.monotonic()))

@@ -45,10 +45,11 @@ def sequence_logits(model, token_ids: list[int], first_row: int = 0,
     return SequenceRunner(model, len(token_ids), latent_dtype).extend(token_ids, first_row)
 
 
-def decode_logits(model, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+def decode_logits(model, prompt: list[int], continuation: list[int],
+                  latent_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The engine's path for one request: prefill the prompt, then feed continuation[:-1] one token a step.
     Returns the logits [M, V] float32 that predict the M tokens of continuation."""
-    runner = SequenceRunner(model, len(prompt) + len(continuation))
+    runner = SequenceRunner(model, len(prompt) + len(continuation), latent_dtype)
     rows = [runner.extend(prompt, len(prompt) - 1)]
     rows += [runner.extend([token]) for token in continuation[:-1]]
     return torch.cat(rows)

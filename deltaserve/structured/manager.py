@@ -26,8 +26,8 @@ from deltaserve.structured.backend import GrammarBackend, checked
 log = logging.getLogger("deltaserve")
 MAX_CACHED_GRAMMARS = 256
 COMPILE_THREADS = 2
-# A request whose mask took longer than FILL_LIMIT_S at FILL_STRIKES of its steps is ended: its fill holds up the
-# sampling of every request in the batch (an ambiguous grammar's can take many decode steps' time: BENCHMARKS.md).
+# A request whose mask took longer than FILL_LIMIT_S at FILL_STRIKES of its steps in a row is ended: its fill holds
+# up the sampling of every request in the batch (an ambiguous grammar's can take many decode steps: BENCHMARKS.md).
 # Rows are timed alone only after a step whose fill took longer than FILL_LIMIT_S for each row a fill thread had.
 FILL_LIMIT_S = 0.05
 FILL_STRIKES = 4
@@ -46,13 +46,15 @@ class StructuredOutputManager:
         self._compiled: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._matchers: dict[str, object] = {}
         self._json: set[str] = set()  # requests whose output is JSON: no raw control characters (backend.py)
-        self._slow_fills: dict[str, int] = {}  # steps at which a request's mask took longer than FILL_LIMIT_S
+        self._slow_fills: dict[str, int] = {}  # steps in a row at which a request's mask took over FILL_LIMIT_S
 
-    def submit(self, spec: StructuredOutputsParams, wait_for_room: bool = False) -> Future:
+    def submit(self, spec: StructuredOutputsParams, wait_for_room: bool = False,
+               deadline: float | None = None) -> Future:
         """A Future of spec's compiled grammar (its exception a ValueError naming what is wrong); what needs no
         xgrammar (a schema's keywords) is checked here and raised at once. A constraint not cached while
         MAX_COMPILES_IN_FLIGHT others compile raises CompilesBusy, or with wait_for_room waits until one has
-        finished (an offline caller's batch of many schemas). Thread-safe."""
+        finished (an offline caller's batch of many schemas), CompileTimeout past deadline (time.monotonic()).
+        Thread-safe."""
         checked(spec)
         while True:
             with self._lock:
@@ -60,14 +62,23 @@ class StructuredOutputManager:
                 in_flight = [] if future is not None else [f for f in self._compiled.values() if not f.done()]
                 if future is None and len(in_flight) < errors.MAX_COMPILES_IN_FLIGHT:
                     future = self._compiled[spec.key] = self._pool.submit(self._compile, spec)
-                    while len(self._compiled) > MAX_CACHED_GRAMMARS:
-                        self._compiled.popitem(last=False)
+                    self._evict()
                 if future is not None:
                     self._compiled.move_to_end(spec.key)
                     return future
             if not wait_for_room:
                 raise errors.CompilesBusy()
-            wait(in_flight, return_when=FIRST_COMPLETED)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise errors.CompileTimeout()
+            wait(in_flight, timeout=left, return_when=FIRST_COMPLETED)
+
+    def _evict(self) -> None:
+        """Drop the least recently used compiled grammars past MAX_CACHED_GRAMMARS; never one still compiling (it
+        would go on uncounted by the bound, and be compiled twice). Under self._lock."""
+        excess = len(self._compiled) - MAX_CACHED_GRAMMARS
+        for key in [key for key, future in self._compiled.items() if future.done()][:max(excess, 0)]:
+            del self._compiled[key]
 
     def _compile(self, spec: StructuredOutputsParams):
         with self._backend_lock:
@@ -88,7 +99,8 @@ class StructuredOutputManager:
         return matcher is None or all(matcher.accept_token(t) for t in token_ids)
 
     def too_slow(self, req_id: str) -> bool:
-        """Whether req_id's mask took longer than FILL_LIMIT_S at FILL_STRIKES of its steps (the engine ends it)."""
+        """Whether req_id's mask took longer than FILL_LIMIT_S at FILL_STRIKES of its steps in a row (the engine
+        ends it)."""
         return self._slow_fills.get(req_id, 0) >= FILL_STRIKES
 
     def release(self, req_id: str) -> None:
@@ -110,6 +122,9 @@ class StructuredOutputManager:
         rows_a_thread = -(-len(rows) // self._backend.fill_threads)
         if time.perf_counter() - start > FILL_LIMIT_S * rows_a_thread:  # some row may be slow: find which
             self._time_rows([req_ids[i] for i in rows], matchers, bitmask)
+        else:  # every row was fast: strikes count slow steps in a row, so a one-off stall is forgiven
+            for i in rows:
+                self._slow_fills.pop(req_ids[i], None)
         json_rows = [j for j, i in enumerate(rows) if req_ids[i] in self._json]
         if json_rows:
             bitmask[json_rows] &= self._backend.json_safe_bitmask
@@ -123,6 +138,8 @@ class StructuredOutputManager:
             self._backend.fill([matcher], bitmask[j : j + 1])
             if time.perf_counter() - start > FILL_LIMIT_S:
                 self._slow_fills[req_id] = self._slow_fills.get(req_id, 0) + 1
+            else:
+                self._slow_fills.pop(req_id, None)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,11 +1,13 @@
 """Structured outputs through the LLM API on the demo model (decode bursts on, so that the constrained requests'
 single steps are exercised beside free requests that would burst alone)."""
 
+import itertools
 import json
 import random
 import re
 import sys
 import threading
+import time
 
 import pytest
 from structured.schemas import random_schema
@@ -224,10 +226,11 @@ def test_constrained_requests_with_a_step_in_flight_give_the_tokens_of_synchrono
     json.loads(got[0].outputs[0].text)
 
 
-def test_compiles_in_flight_are_bounded_and_an_offline_batch_waits_for_room(llm, monkeypatch):
-    """Past MAX_COMPILES_IN_FLIGHT, Engine.add_request refuses a new constraint at once (CompilesBusy, nothing
-    queued), while LLM.generate waits for room: a batch of more distinct schemas than the bound completes."""
-    from deltaserve.structured import CompilesBusy, errors
+def test_compiles_in_flight_are_bounded_and_requests_wait_for_room(llm, monkeypatch):
+    """Past MAX_COMPILES_IN_FLIGHT, a request added to the engine waits outside the scheduler for room (as for its
+    compile) and runs once a compile ends; LLM.generate waits for room too: a batch of more distinct constraints
+    than the bound completes."""
+    from deltaserve.structured import errors
 
     engine = llm.engine
     manager = engine.structured_outputs()
@@ -235,14 +238,55 @@ def test_compiles_in_flight_are_bounded_and_an_offline_batch_waits_for_room(llm,
     monkeypatch.setattr(manager, "_compile", lambda spec: release.wait(30) and compile_(spec))
     monkeypatch.setattr(errors, "MAX_COMPILES_IN_FLIGHT", 2)
     blocked = [manager.submit(StructuredOutputsParams(regex=f"[ab]{{{n}}}z")) for n in (7, 8)]  # no other test's
-    with pytest.raises(CompilesBusy, match="2 constraints are compiling already"):
-        engine.add_request([1, 2, 3], constrained(regex="[ab]{9}z"))
-    assert not engine.has_unfinished_requests()
+    with pytest.raises(errors.CompilesBusy, match="2 constraints are compiling already"):
+        manager.submit(StructuredOutputsParams(regex="[ab]{9}z"))
+    req_id = engine.add_request([1, 2, 3], constrained(regex="[ab]{9}z"))
+    assert engine._compiling[req_id][1] is None  # no room: not even queued for the pool yet
+    threading.Timer(0.3, release.set).start()
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    [done] = [o for o in outputs if o.finished]
+    assert done.outputs[0].finish_reason == "stop" and re.fullmatch("[ab]{9}z", done.outputs[0].text)
+    assert all(future.result(timeout=30) for future in blocked)
+
+    release = threading.Event()
     threading.Timer(0.3, release.set).start()
     patterns = [f"[cd]{{{n}}}" for n in range(3, 8)]  # five distinct constraints through a bound of two
     outputs = llm.generate(["Go:"] * len(patterns), [constrained(regex=p) for p in patterns], use_tqdm=False)
     assert all(re.fullmatch(p, o.outputs[0].text) for p, o in zip(patterns, outputs))
-    assert all(future.result(timeout=30) for future in blocked)
+
+
+def test_an_offline_batch_of_more_constraints_than_the_cache_keeps_completes(llm, monkeypatch):
+    """More distinct constraints than MAX_CACHED_GRAMMARS: those evicted before their request is added compile
+    again, waiting for room rather than failing the batch."""
+    from deltaserve.structured import errors
+    from deltaserve.structured import manager as manager_module
+
+    manager = llm.engine.structured_outputs()
+    compile_ = manager._compile
+    monkeypatch.setattr(manager, "_compile", lambda spec: time.sleep(0.1) or compile_(spec))
+    monkeypatch.setattr(manager_module, "MAX_CACHED_GRAMMARS", 3)
+    monkeypatch.setattr(errors, "MAX_COMPILES_IN_FLIGHT", 2)
+    patterns = [f"[ef]{{{n}}}y" for n in range(2, 8)]
+    outputs = llm.generate(["Go:"] * len(patterns), [constrained(regex=p) for p in patterns], use_tqdm=False)
+    assert all(re.fullmatch(p, o.outputs[0].text) for p, o in zip(patterns, outputs))
+
+
+def test_waiting_for_room_is_bounded_by_the_compile_timeout(llm, monkeypatch):
+    from deltaserve.structured import errors
+
+    manager = llm.engine.structured_outputs()
+    release, compile_ = threading.Event(), manager._compile
+    monkeypatch.setattr(manager, "_compile", lambda spec: release.wait(30) and compile_(spec))
+    monkeypatch.setattr(errors, "MAX_COMPILES_IN_FLIGHT", 1)
+    monkeypatch.setattr(errors, "COMPILE_TIMEOUT_S", 0.2)
+    blocked = manager.submit(StructuredOutputsParams(regex="[gh]{5}x"))
+    with pytest.raises(ValueError, match=r"did not compile within 0\.2 s"):
+        llm.generate(["Go:"], constrained(regex="[gh]{6}x"), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    release.set()
+    blocked.result(timeout=30)
 
 
 def test_a_grammar_whose_mask_is_slow_to_fill_is_aborted_and_the_free_requests_go_on(llm, monkeypatch):
@@ -259,3 +303,28 @@ def test_a_grammar_whose_mask_is_slow_to_fill_is_aborted_and_the_free_requests_g
     assert re.fullmatch("[gh]*", slow.outputs[0].text)
     assert beside.outputs[0].token_ids == alone.outputs[0].token_ids
     assert not llm.engine.structured._slow_fills  # released with the request
+
+
+def test_slow_fills_must_come_in_a_row_to_abort_a_request(llm, monkeypatch):
+    """Two slow steps, then a fast one, over and over: never FILL_STRIKES (3) in a row, so the request runs to its
+    end (a one-off stall, e.g. a throttled CPU, does not end a healthy request)."""
+    from deltaserve.structured import manager as manager_module
+
+    engine = llm.engine
+    manager = engine.structured_outputs()
+    manager.submit(StructuredOutputsParams(regex="[gh]{12}")).result(timeout=30)  # the backend built, cached
+    backend, stalls = manager._backend, {"slow": False}
+    fill = backend.fill
+    monkeypatch.setattr(backend, "fill", lambda *args: (time.sleep(0.03) if stalls["slow"] else None, fill(*args)))
+    monkeypatch.setattr(manager_module, "FILL_LIMIT_S", 0.02)
+    monkeypatch.setattr(manager_module, "FILL_STRIKES", 3)
+    engine.add_request([1, 2, 3], constrained(regex="[gh]{12}", max_tokens=12))
+    outputs = []
+    for step in itertools.count():  # synchronous steps on the CPU: one sampling of the request each
+        stalls["slow"] = step % 3 != 2
+        outputs += engine.step()
+        if not engine.has_unfinished_requests():
+            break
+    [done] = [o for o in outputs if o.finished]
+    assert done.outputs[0].finish_reason != "abort" and re.fullmatch("[gh]{12}", done.outputs[0].text)
+    assert step >= 8

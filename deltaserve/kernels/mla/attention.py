@@ -21,8 +21,15 @@ def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, end: int, sta
     block_size = cache.shape[1]
     first, last = start // block_size, (end + block_size - 1) // block_size
     offset = start - first * block_size
-    return cache.index_select(0, block_table[first:last]).flatten(0, 1)[offset: offset + end - start].to(
-        dtype or cache.dtype)
+    pages = select_pages(cache, block_table[first:last])
+    return pages.flatten(0, 1)[offset: offset + end - start].to(dtype or cache.dtype)
+
+
+def select_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """cache.index_select(0, pages); a float8 cache's as bytes (not every torch build has a float8 index_select)."""
+    if cache.dtype == torch.float8_e4m3fn:
+        return cache.view(torch.uint8).index_select(0, pages).view(cache.dtype)
+    return cache.index_select(0, pages)
 
 
 def mla_prefill(
@@ -145,7 +152,7 @@ def torch_mla_decode(q_latent, q_rope, cache, block_tables, context_lens, scale:
     B, _, R = q_latent.shape
     # [B, L, R+Dr], L = max_blocks * block_size: no host sync; index_select, not cache[block_tables] (on the CPU
     # the advanced index is several times slower)
-    latents = cache.index_select(0, block_tables.flatten()).view(B, -1, cache.shape[-1]).to(q_latent.dtype)
+    latents = select_pages(cache, block_tables.flatten()).view(B, -1, cache.shape[-1]).to(q_latent.dtype)
     max_len = latents.shape[1]
     c_kv, k_rope = latents[..., :R], latents[..., R:]  # [B, L, R], [B, L, Dr]
     scores = q_latent @ c_kv.transpose(1, 2) + q_rope @ k_rope.transpose(1, 2)  # [B, H, L]
