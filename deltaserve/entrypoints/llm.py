@@ -131,6 +131,8 @@ class LLM:
         """Compile every constraint first (in parallel, cached by the engine), so that a bad schema, regex or grammar
         raises ValueError here, at the call, with nothing queued."""
         specs = {p.structured_outputs.key: p.structured_outputs for p in params if p.structured_outputs is not None}
+        if not specs:
+            return
         deadline = time.monotonic() + errors.COMPILE_TIMEOUT_S
         manager = self.engine.structured_outputs()
         futures = [manager.submit(spec, wait_for_room=True, deadline=deadline) for spec in specs.values()]
