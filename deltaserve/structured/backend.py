@@ -60,7 +60,8 @@ class GrammarBackend:
         self.json_safe_bitmask = pack_bitmask([not any(b < 0x20 for b in token) for token in vocab])
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
         # a step's bitmasks filled by C++ threads (one row a matcher); half the cores: the host has other work
-        self.fill_threads = max(1, min(8, len(os.sched_getaffinity(0)) // 2))  # the cores this process may use
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+        self.fill_threads = max(1, min(8, cores // 2))  # of the cores this process may use (Linux), else all
         self._batch = xgr.BatchGrammarMatcher(self.fill_threads)
 
     def compile(self, spec: StructuredOutputsParams):
