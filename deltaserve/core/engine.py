@@ -337,8 +337,8 @@ class Engine:
             log.error("request %s: the grammar refused a sampled token %s; aborting it", req.req_id, new_ids)
             self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_ABORTED)
         elif self.structured.too_slow(req.req_id):
-            log.warning("request %s: its grammar's mask took over %g s a token at %d steps, holding up the batch; "
-                        "aborting it (an ambiguous grammar: make its alternatives exclusive)", req.req_id,
+            log.warning("request %s: its grammar's mask took over %g s a token at %d steps in a row, holding up the "
+                        "batch; aborting it (an ambiguous grammar: make its alternatives exclusive)", req.req_id,
                         structured_manager.FILL_LIMIT_S, structured_manager.FILL_STRIKES)
             self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_ABORTED)
 
