@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from deltaserve.cache.sizing import DTYPE_BYTES
 from deltaserve.config import MLA, MOE, EngineConfig, ModelConfig
 from deltaserve.core.engine import Engine
 from deltaserve.entrypoints.routing_stats import RoutingRecorder, RoutingStats, uniform_distinct_experts
@@ -159,8 +160,7 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
            long_prompt_lens: list[int]) -> dict:
     engine_config, cfg = engine.config, engine.model_config
     device, world = engine_config.device, engine_config.tensor_parallel_size
-    dtype_bytes = 4 if engine_config.dtype == "float32" else 2
-    latent_bytes = 1 if engine_config.kv_cache_dtype == "fp8" else dtype_bytes
+    dtype_bytes, latent_bytes = DTYPE_BYTES[engine_config.dtype], DTYPE_BYTES[engine_config.latent_dtype]
     bandwidth = copy_bandwidth(device)
     if device != "cpu":
         torch.cuda.reset_peak_memory_stats(device)
