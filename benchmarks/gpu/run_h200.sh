@@ -43,7 +43,7 @@ if ls wheels/xgrammar-*.whl >/dev/null 2>&1; then  # the structured extra, when 
       wheels/apache_tvm_ffi-*.whl ${PYDANTIC_WHEELS:-} >/dev/null 2>&1 || echo "xgrammar wheel install failed"
 fi
 python3 -c "import torch, triton, fla, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
-CFG=benchmarks/configs/kimi-linear-48b-a3b.json
+CFG=${CONFIG:-benchmarks/configs/kimi-linear-48b-a3b.json}  # CONFIG: another config (the 12-layer one on an H100)
 DS="python3 -m deltaserve.entrypoints.cli"
 # NDS: --num-decode-steps for the bench stages (default: the engine's, 8)
 B="$DS bench --load-format dummy --device cuda --max-num-batched-tokens 8192 ${NDS:+--num-decode-steps $NDS}"

@@ -4,6 +4,8 @@ triton.autotune times every candidate the first time a kernel meets a new key, i
 keeps its choices in `.cache` ({key tuple: triton.Config}); this module writes them to one JSON file per GPU name
 and Triton version (under ~/.cache/deltaserve/autotune) and restores them into a new process's autotuners. An
 entry records the chosen candidate's index and a hash of the candidate list, so changed candidates tune again.
+The package ships such files for the cards we measure (tuning_tables/, the same names): a new machine with one of
+them starts from those decisions, and what it tunes itself is kept in its own file, which wins.
 Works on anything with `.configs` (a list) and `.cache` (a dict); find_autotuners() finds triton's."""
 
 from __future__ import annotations
@@ -22,11 +24,16 @@ log = logging.getLogger("deltaserve")
 TUNED_MODULES = ("deltaserve.kernels", "fla.")  # whose module-level autotuners are kept
 
 
-def decisions_path(gpu_name: str, triton_version: str) -> Path:
-    """~/.cache/deltaserve/autotune/<gpu>-triton-<version>.json ($XDG_CACHE_HOME instead of ~/.cache if set)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+SHIPPED_TABLES = Path(__file__).parent / "tuning_tables"
+
+
+def decisions_path(gpu_name: str, triton_version: str, base: Path | None = None) -> Path:
+    """<base>/<gpu>-triton-<version>.json; base defaults to ~/.cache/deltaserve/autotune ($XDG_CACHE_HOME instead
+    of ~/.cache if set)."""
+    if base is None:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deltaserve" / "autotune"
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{gpu_name}-triton-{triton_version}")
-    return base / "deltaserve" / "autotune" / f"{safe}.json"
+    return base / f"{safe}.json"
 
 
 def find_autotuners(prefixes: tuple[str, ...] = TUNED_MODULES) -> dict[str, object]:
@@ -134,10 +141,19 @@ def restore_tuning(device) -> Path:
     import triton
 
     _import_tuned_kernels()
-    path = decisions_path(torch.cuda.get_device_name(device), triton.__version__)
-    restored = load_decisions(path, find_autotuners())
-    log.info("autotuning: %d stored decisions from %s", restored, path)
+    path = restore_decisions(torch.cuda.get_device_name(device), triton.__version__, find_autotuners())
     atexit.register(persist_tuning, path)
+    return path
+
+
+def restore_decisions(gpu_name: str, triton_version: str, tuners: dict[str, object],
+                      shipped_dir: Path = SHIPPED_TABLES) -> Path:
+    """Put this machine's stored decisions, then the shipped table's for keys still open, into tuners; returns the
+    machine's file (where decisions are saved)."""
+    path = decisions_path(gpu_name, triton_version)
+    own = load_decisions(path, tuners)  # first: a key both hold keeps this machine's own decision
+    shipped = load_decisions(decisions_path(gpu_name, triton_version, shipped_dir), tuners)
+    log.info("autotuning: %d stored decisions from %s, %d more shipped with deltaserve", own, path, shipped)
     return path
 
 

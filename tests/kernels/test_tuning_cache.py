@@ -103,3 +103,29 @@ def test_find_autotuners_finds_our_tuned_kernels():
     assert {"deltaserve.kernels.gemv._gemv_kernel", "deltaserve.kernels.gemv._fp8_gemv_kernel"} <= set(found)
     assert any(name.startswith("deltaserve.kernels.moe.triton_decode.") for name in found)
     assert all(isinstance(t.configs, list) and isinstance(t.cache, dict) for t in found.values())
+
+
+def test_shipped_tables_fill_only_the_keys_this_machine_has_not_tuned(monkeypatch, tmp_path):
+    from deltaserve.kernels.tuning_cache import restore_decisions
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    own, table = FakeTuner(), FakeTuner()
+    own.cache = {(1,): own.configs[0]}
+    table.cache = {(1,): table.configs[2], (64,): table.configs[1]}
+    save_decisions(decisions_path("NVIDIA H200", "3.6.0"), {"k": own})
+    save_decisions(decisions_path("NVIDIA H200", "3.6.0", tmp_path / "shipped"), {"k": table})
+    fresh = FakeTuner()
+    path = restore_decisions("NVIDIA H200", "3.6.0", {"k": fresh}, shipped_dir=tmp_path / "shipped")
+    assert path == decisions_path("NVIDIA H200", "3.6.0")
+    assert fresh.cache == {(1,): fresh.configs[0], (64,): fresh.configs[1]}, "the machine's own decision wins"
+    other = FakeTuner()
+    restore_decisions("NVIDIA H100 80GB HBM3", "3.6.0", {"k": other}, shipped_dir=tmp_path / "shipped")
+    assert other.cache == {}, "another card's table is not used"
+
+
+def test_the_shipped_tables_are_as_save_decisions_writes_them():
+    from deltaserve.kernels.tuning_cache import SHIPPED_TABLES, _well_formed
+
+    for path in SHIPPED_TABLES.glob("*.json"):
+        stored = json.loads(path.read_text())
+        assert stored and all(_well_formed(entry) for entry in stored.values()), path.name
