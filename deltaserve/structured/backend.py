@@ -6,11 +6,17 @@ the raw bytes of every id (VocabType.RAW) over the model's vocabulary (which may
 extra ids get empty bytes, which xgrammar never allows), with the engine's stop ids; special tokens are passed as
 empty bytes (passed as their text, '<|im_end|>' was allowed inside a JSON string); JSON is compiled with
 any_whitespace off (by default a model could emit hundreds of spaces after '{'), so separators are exactly ', '
-and ': '; and xgrammar's JSON strings admit raw control characters (U+0000-U+001F, which JSON forbids: a parser
-refuses the output), so JSON constraints also never allow a token holding such a byte (json_safe_bitmask)."""
+and ': '; xgrammar's JSON strings admit raw control characters (U+0000-U+001F, which JSON forbids: a parser
+refuses the output), so JSON constraints also never allow a token holding such a byte (json_safe_bitmask); and in a
+bounded repetition of more than 128 (a JSON string's maxLength 400, a regex's {1,400}) xgrammar's mask allows
+tokens its own matcher then refuses: those holding bytes no UTF-8 text has (0xC0, an overlong 0xE0 0x80, ...), so
+no constraint allows a token that cannot be part of UTF-8 text (text_safe_bitmask). Left: in such a repetition of
+ASCII characters the mask still allows tokens ending in a lone 0xE0 or 0xF0 lead byte; the matcher refuses them
+when sampled, and the engine then ends the request (it never continues outside its grammar)."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
@@ -57,7 +63,10 @@ class GrammarBackend:
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self.xgr = xgr
         self.vocab_size = vocab_size
-        self.json_safe_bitmask = pack_bitmask([not any(b < 0x20 for b in token) for token in vocab])
+        text_safe = [utf8_possible(token) for token in vocab]
+        self.text_safe_bitmask = pack_bitmask(text_safe)
+        self.json_safe_bitmask = pack_bitmask([ok and not any(b < 0x20 for b in token)
+                                               for ok, token in zip(text_safe, vocab)])
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
         # a step's bitmasks filled by C++ threads (one row a matcher); half the cores: the host has other work
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
@@ -100,6 +109,22 @@ class GrammarBackend:
     def fill(self, matchers: list, bitmask: torch.Tensor) -> None:
         """Row i of bitmask [len(matchers), W] int32 (CPU) := the tokens matchers[i] allows next."""
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+
+
+_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")  # U+D800-U+DFFF, not UTF-8 (the decoder lets a partial one by)
+
+
+def utf8_possible(token: bytes) -> bool:
+    """Whether token can be a piece of UTF-8 text: valid after up to 3 leading continuation bytes (the rest of a
+    character an earlier token began), up to a valid unfinished character at its end."""
+    start = 0
+    while start < min(3, len(token)) and 0x80 <= token[start] < 0xC0:
+        start += 1
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(token[start:], final=False)
+    except UnicodeDecodeError:
+        return False
+    return _SURROGATE.search(token) is None
 
 
 def pack_bitmask(allowed: list[bool]) -> torch.Tensor:

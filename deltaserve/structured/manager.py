@@ -126,6 +126,7 @@ class StructuredOutputManager:
             for i in rows:
                 self._slow_fills.pop(req_ids[i], None)
         json_rows = [j for j, i in enumerate(rows) if req_ids[i] in self._json]
+        bitmask &= self._backend.text_safe_bitmask
         if json_rows:
             bitmask[json_rows] &= self._backend.json_safe_bitmask
         device_rows = to_device(rows, torch.int64, logits.device)

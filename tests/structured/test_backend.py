@@ -1,6 +1,7 @@
 """GrammarBackend on the demo model's tokenizer: the traps of xgrammar 0.2.8 that it must avoid."""
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -8,7 +9,7 @@ from deltaserve.entrypoints.llm import BUNDLED_MODEL
 from deltaserve.kernels.token_bitmask import unpack_bitmask
 from deltaserve.sampling_params import StructuredOutputsParams
 from deltaserve.structured import GrammarError, StructuredOutputsUnavailable
-from deltaserve.structured.backend import GrammarBackend
+from deltaserve.structured.backend import GrammarBackend, utf8_possible
 from deltaserve.tokenizer import load_tokenizer
 
 pytest.importorskip("xgrammar", reason="the structured extra is part of the test extra")
@@ -82,3 +83,53 @@ def test_the_server_and_the_cli_start_without_importing_xgrammar():
     code = ("import sys, deltaserve.entrypoints.cli, deltaserve.entrypoints.openai.api_server, deltaserve.core.engine;"
             "assert 'xgrammar' not in sys.modules and 'transformers' not in sys.modules, 'imported at start-up'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("token, possible", [
+    (b"abc", True), (b"", True), (b"\xc3\xa9", True), (b"a\xc3", True), (b"a\xe0", True), (b"\xe0\xa0", True),
+    (b"\xa9bc", True), (b"\x80\x80\x80a", True),  # the rest of a character an earlier token began
+    (b"a\xc0", False), (b"\xc1\xa1", False), (b"a\xe0\x80", False), (b"\xf0\x8f", False),  # overlong
+    (b"\xed\xa0", False), (b"\xf4\x90", False), (b"\xf5", False), (b"\x80\x80\x80\x80", False), (b"\xc3a", False),
+])
+def test_utf8_possible(token, possible):
+    assert utf8_possible(token) is possible
+
+
+@pytest.fixture(scope="module")
+def kimi_backend(tmp_path_factory):
+    """The backend over a vocabulary of the published Kimi tokenizer's size, whose byte-level merges hold bytes no
+    UTF-8 text has (the demo model's tokenizer has none, so it cannot show the trap below)."""
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from helpers.kimi_tokenizer import PUBLISHED_NUM_RANKS, synthetic_ranks, write_kimi_files
+
+    folder = tmp_path_factory.mktemp("kimi")
+    write_kimi_files(folder, synthetic_ranks(PUBLISHED_NUM_RANKS))
+    kimi = load_tokenizer(folder)
+    return GrammarBackend(kimi, kimi.vocab_size, kimi.eos_token_ids), kimi
+
+
+@pytest.mark.parametrize("spec, text", [
+    (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "string", "maxLength": 400}}}),
+     '{"a": "'),
+    (StructuredOutputsParams(regex="[a-z ]{1,400}"), "ab"),
+    (StructuredOutputsParams(regex="\\w{1,300}"), ""),
+])
+def test_every_token_the_mask_allows_in_a_long_bounded_repetition_is_accepted(kimi_backend, spec, text):
+    """xgrammar 0.2.8's mask in a bounded repetition of more than 128 allows tokens holding bytes no UTF-8 text has
+    (an overlong 0xE0 0x80, a 0xC0), which its matcher then refuses; text_safe_bitmask takes them out. Tokens ending
+    in a lone 0xE0 or 0xF0 lead byte are the known rest (see the backend's docstring)."""
+    backend, kimi = kimi_backend
+    matcher = backend.matcher(backend.compile(spec))
+    assert matcher.accept_string(text)
+    bitmask = backend.allocate_bitmask(1)
+    backend.fill([matcher], bitmask)
+    unsafe = unpack_bitmask(bitmask & ~backend.text_safe_bitmask, backend.vocab_size)[0].nonzero().flatten().tolist()
+    assert unsafe, "xgrammar's mask allows tokens no UTF-8 text has (if not, this xgrammar fixed it)"
+    allowed = unpack_bitmask(bitmask & backend.text_safe_bitmask, backend.vocab_size)[0].nonzero().flatten().tolist()
+    refused = []
+    for token in allowed:
+        if matcher.accept_token(token):
+            matcher.rollback(1)
+        else:
+            refused.append(kimi.id_to_bytes(token))
+    assert len(allowed) > 1000 and [t for t in refused if t[-1:] not in (b"\xe0", b"\xf0")] == []
