@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers.engine import record_steps
+from helpers.engine import assert_same_up_to_near_ties, record_steps
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.entrypoints.make_tiny import make_tiny
@@ -112,19 +112,6 @@ def assert_graphs_match_eager(llm, prompts, max_tokens=24, TIE=0.1):
     eager = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     for g, e in zip(with_graphs, eager):
         assert_same_up_to_near_ties(g, e, TIE)
-
-
-def assert_same_up_to_near_ties(got, expected, TIE=0.1):
-    """The same tokens, or up to the first difference, where the token `got` took is one of `expected`'s returned
-    logprobs within TIE of its top one: a near-tie of expected's own distribution (a random bf16 model's logits are
-    flat, so the token taken may be the third or fourth, not only the second)."""
-    i = next((i for i, (a, b) in enumerate(zip(got.token_ids, expected.token_ids)) if a != b), None)
-    if i is None:
-        return
-    scores = {t: p.logprob for t, p in expected.logprobs[i].items()}
-    took = got.token_ids[i]
-    ranked = sorted(scores.items(), key=lambda kv: -kv[1])
-    assert took in scores and ranked[0][1] - scores[took] < TIE, (i, took, ranked)
 
 
 def test_steps_in_flight_replay_the_graphs_of_synchronous_steps_exactly(tiny):
