@@ -21,6 +21,9 @@
 #   profile   kernel time of a batch-1 decode step, bf16 (and fp8)
 #   prefill   one 8k-token prompt, bf16, alone
 #   baseline  4 layers (3 KDA + 1 MLA) of the 48B shape: deltaserve and transformers + fla-core, same call
+#   firstgen  (not in the default list; name it first, on a fresh machine) the demo model's `generate` on the GPU,
+#             timed shell to exit, twice: the first pays compile and tune (the shipped tuning table, if the card has
+#             one), the second reads the caches the first left
 #   kvfp8     (not in the default list) batch-1 decode at KVFP8_LENS (default 262144) with the bf16 latent cache,
 #             then with --kv-cache-dtype fp8, one process each (issue 24: TPOT at long context)
 #   structured (not in the default list) the 48B shape, 64 concurrent requests, half constrained by a JSON schema
@@ -56,6 +59,15 @@ has() { [[ " $STAGES " == *" $1 "* ]] && echo "== $1 $(date +%T)"; }
 # -p no:faulthandler: the image's pytest ends the whole run when one test passes 100 s (a faulthandler watchdog:
 # "Timeout (0:01:40)!"), and fla-core's first chunked prefill compiles for longer than that
 PYTEST="python3 -m pytest -q -p no:logging -p no:cacheprovider -p no:faulthandler"
+if has firstgen; then  # first on a fresh machine: the demo model's first generate, then the same again (issue 26)
+  ls ~/.cache/deltaserve/autotune 2>/dev/null | sed 's/^/tuning cache before: /'
+  for run in first again; do
+    start=$(date +%s%N)
+    timeout 200 $DS generate --device cuda --prompt "Once upon a time" --max-tokens 32 > "$OUT/firstgen_$run.txt" 2>&1
+    echo "generate ($run): exit $?, $(( ($(date +%s%N) - start) / 1000000 )) ms shell to exit"
+    grep -iE "start-up|autotuning" "$OUT/firstgen_$run.txt" | cut -c1-160
+  done
+fi
 if has tests; then
   env | grep -i pytest
   # TESTS_BACKGROUND=1: kernel-only tests (no engine, little memory) alongside the next stage's weight loading
