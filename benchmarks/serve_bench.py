@@ -134,7 +134,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log: Path) ->
                 if response.status == 200:
                     return
         except OSError:
-            time.sleep(1)
+            time.sleep(0.2)
     raise RuntimeError(f"the server did not answer /health within {timeout:.0f} s; its log ends:\n{_tail(log)}")
 
 

@@ -24,6 +24,11 @@
 #   firstgen  (not in the default list; name it first, on a fresh machine) the demo model's `generate` on the GPU,
 #             timed shell to exit, twice: the first pays compile and tune (the shipped tuning table, if the card has
 #             one), the second reads the caches the first left
+#   servestart (not in the default list) `deltaserve serve` of the 48B shape (dummy weights) to /health 200, twice,
+#             with its start-up phases (benchmarks/serve_start.py; issue 26)
+#   serve     (not in the default list) the HTTP server against the offline engine on the same requests, 48B shape,
+#             prompt 512, output 128, at SERVE_CONC (default 64,256) streams and streaming chat at 64
+#             (benchmarks/serve_bench.py; issue 25); needs the fastapi/uvicorn/pydantic wheels in wheels/
 #   kvfp8     (not in the default list) batch-1 decode at KVFP8_LENS (default 262144) with the bf16 latent cache,
 #             then with --kv-cache-dtype fp8, one process each (issue 24: TPOT at long context)
 #   structured (not in the default list) the 48B shape, 64 concurrent requests, half constrained by a JSON schema
@@ -44,6 +49,15 @@ if ls wheels/xgrammar-*.whl >/dev/null 2>&1; then  # the structured extra, when 
       wheels/annotated_types-*.whl wheels/typing_inspection-*.whl wheels/typing_extensions-*.whl"  # the image lacks it
   python3 -m pip install --no-deps --no-index --target "$PWD/.gpu/site" wheels/xgrammar-*.whl \
       wheels/apache_tvm_ffi-*.whl ${PYDANTIC_WHEELS:-} >/dev/null 2>&1 || echo "xgrammar wheel install failed"
+fi
+if [ -d wheels/server ]; then  # the server's wheels (fastapi, uvicorn, pydantic, ...) where the image lacks them
+  for w in wheels/server/*.whl; do
+    mod=$(basename "$w" | cut -d- -f1)  # the import name of every wheel there but opentelemetry_api's
+    if [ "$mod" = typing_extensions ] || ! python3 -c "import $mod" 2>/dev/null; then
+      python3 -m pip install --no-deps --no-index --target "$PWD/.gpu/site" "$w" >/dev/null 2>&1 || echo "$w: install failed"
+    fi
+  done
+  python3 -c "import fastapi, uvicorn, pydantic, prometheus_client, tiktoken" || echo "the server's imports fail"
 fi
 python3 -c "import torch, triton, fla, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
 CFG=${CONFIG:-benchmarks/configs/kimi-linear-48b-a3b.json}  # CONFIG: another config (the 12-layer one on an H100)
@@ -186,6 +200,16 @@ if has kvfp8; then
         --long-prompt-len ${KVFP8_LENS:-262144} --json-out "$OUT/bench_kv_$kv.json" > "$OUT/bench_kv_$kv.txt" 2>&1
     echo "--kv-cache-dtype $kv"; grep -A4 "batch  " "$OUT/bench_kv_$kv.txt" | cut -c1-130
   done
+fi
+if has servestart; then
+  timeout ${T_SERVESTART:-400} python3 benchmarks/serve_start.py --config $CFG --device cuda --starts 2 \
+      --timeout 300 --json-out "$OUT/serve_start.json" > "$OUT/serve_start.txt" 2>&1; tail -12 "$OUT/serve_start.txt"
+fi
+if has serve; then
+  timeout ${T_SERVE:-560} python3 benchmarks/serve_bench.py --config $CFG --load-format dummy --device cuda \
+      --concurrency ${SERVE_CONC:-64,256} --chat-concurrency 64 --prompt-len 512 --output-len 128 \
+      --server-log "$OUT/serve_log.txt" --json-out "$OUT/serve.json" > "$OUT/serve.txt" 2>&1
+  grep -vE '^\{|^http ' "$OUT/serve.txt" | tail -8 | cut -c1-220
 fi
 if has structured; then
   for ml in ${SO_MAX_LENGTHS:-0}; do
