@@ -244,6 +244,25 @@ def test_gated_norm_gemv_matches_gated_norm_then_linear(T, H, K, N, tile):
     assert rel_err(y, naive_gated_norm_linear(*args)) < 2e-2
 
 
+@pytest.mark.parametrize("T,D,N,block", [(1, 64, 70, (128, 128)), (2, 300, 129, (128, 128)), (1, 256, 200, (64, 32))])
+def test_norm_gemv_kernels_read_fp8_weights_as_their_twins(T, D, N, block):
+    """FP8 weights with their block scales, blocks wider than the weight (the tiny model's 64-wide hidden) or ragged
+    against the tiles; gated with heads of 16 and 64."""
+    from deltaserve.kernels.quant.fp8 import quantize_fp8
+
+    case = norm_gemv_inputs(T, D, N, torch.bfloat16, seed=T * D + N)
+    q, scale_inv = quantize_fp8(case["weight"].float(), block)
+    args = case["x"], case["residual"], case["norm_weight"], case["eps"], q
+    y = add_norm_gemv(*args, scale_inv=scale_inv, block=block)[0]
+    assert rel_err(y, naive_add_norm_linear(*args, scale_inv=scale_inv, block=block)[0]) < 2e-2
+    H, K = (4, 16) if D < 128 else (3, 64)
+    gated = norm_gemv_inputs(T, K, N, torch.bfloat16, seed=N, gated_heads=H)
+    q, scale_inv = quantize_fp8(gated["weight"].float(), block)
+    args = gated["o"], gated["gate"], gated["norm_weight"], gated["eps"], q
+    y = gated_norm_gemv(*args, scale_inv=scale_inv, block=block)
+    assert rel_err(y, naive_gated_norm_linear(*args, scale_inv=scale_inv, block=block)) < 2e-2
+
+
 def test_norm_gemv_wrappers_refuse_inputs_of_another_dtype():
     """The kernels read every input in x's (o's) dtype: a float32 residual, norm weight or gate is refused by name,
     not rounded silently (the layers' fits() sends such steps down the unfused path)."""
