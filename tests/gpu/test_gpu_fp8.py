@@ -88,12 +88,14 @@ def test_gpu_engine_runs_fp8_and_agrees_with_the_cpu_fallback(tiny_model):
 
 
 @pytest.mark.parametrize("tile", [None, (4, 1024), (64, 128)])  # autotuned; 64 rows span 16-row scale blocks
-@pytest.mark.parametrize("N,block", [(12576, (128, 128)), (6720, (128, 128)), (1000, (16, 24))])  # KDA, MLA in_proj
-def test_gpu_add_norm_fp8_gemv_matches_norm_then_dequantized_linear(N, block, tile):
-    """One bf16 token of the 48B's width (2304) through FP8 in_proj weights: the residual stream bit for bit, the
-    normalised input within one unit in the last place, the product as the dequantizing twin's."""
-    case = norm_gemv_inputs(1, 2304, N, torch.bfloat16, seed=N, device=DEV)
-    q, scale = quantized((N, 2304), block, N)
+@pytest.mark.parametrize("D,N,block", [(2304, 12576, (128, 128)), (2304, 6720, (128, 128)),  # KDA, MLA in_proj
+                                       (2304, 1000, (16, 24)), (64, 70, (128, 128)), (64, 512, (128, 128))])
+def test_gpu_add_norm_fp8_gemv_matches_norm_then_dequantized_linear(D, N, block, tile):
+    """One bf16 token of the 48B's width (2304), or of the tiny test model's (64, narrower than a scale block),
+    through FP8 in_proj weights: the residual stream bit for bit, the normalised input within one unit in the last
+    place, the product as the dequantizing twin's."""
+    case = norm_gemv_inputs(1, D, N, torch.bfloat16, seed=N, device=DEV)
+    q, scale = quantized((N, D), block, N)
     args = case["x"], case["residual"], case["norm_weight"], case["eps"]
     y, s, h = add_norm_gemv(*args, q.to(DEV), store_normed=True, tile=tile, scale_inv=scale.to(DEV), block=block)
     y_twin, s_twin, h_twin = naive_add_norm_linear(*args, q.to(DEV), scale_inv=scale.to(DEV), block=block)
@@ -102,7 +104,8 @@ def test_gpu_add_norm_fp8_gemv_matches_norm_then_dequantized_linear(N, block, ti
 
 
 @pytest.mark.parametrize("tile", [None, (8, 256), (32, 512)])
-@pytest.mark.parametrize("H,K,N,block", [(32, 128, 2304, (128, 128)), (7, 64, 1000, (16, 24))])  # the 48B's o_proj
+@pytest.mark.parametrize("H,K,N,block", [(32, 128, 2304, (128, 128)), (7, 64, 1000, (16, 24)),  # the 48B's o_proj
+                                         (4, 16, 64, (128, 128))])  # the tiny test model's
 def test_gpu_gated_norm_fp8_gemv_matches_gated_norm_then_dequantized_linear(H, K, N, block, tile):
     case = norm_gemv_inputs(1, K, N, torch.bfloat16, seed=H * N, device=DEV, gated_heads=H)
     q, scale = quantized((N, H * K), block, H + N)

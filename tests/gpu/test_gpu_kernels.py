@@ -349,3 +349,4 @@ def test_gated_norm_gemv_matches_gated_norm_then_linear(T, H, K, N):
     case = norm_gemv_inputs(T, K, N, torch.bfloat16, seed=H * N, device=DEV, gated_heads=H)
     args = case["o"], case["gate"], case["norm_weight"], case["eps"], case["weight"]
     assert rel_err(gated_norm_gemv(*args), naive_gated_norm_linear(*args)) < 5e-3
+
