@@ -294,8 +294,8 @@ class Engine:
             if tracked is None or tracked.request is not req:
                 continue
             tracked.metrics.setdefault("first_token_time", now)
-            self._add_logprobs(tracked, runner_out.logprobs.get(req.req_id, []))
-            self._advance_grammar(req, new_ids)
+            new_ids = self._advance_grammar(req, new_ids)
+            self._add_logprobs(tracked, runner_out.logprobs.get(req.req_id, [])[: len(new_ids)])
             self._detokenize(tracked, new_ids)
             outputs.append(self._output(tracked, now))
         return outputs
@@ -327,20 +327,36 @@ class Engine:
             raise ValueError("stop strings need a tokenizer and this model folder has none; "
                              "use stop_token_ids instead")
 
-    def _advance_grammar(self, req: Request, new_ids: list[int]) -> None:
-        """Move a constrained request's matcher over its new tokens; a token its grammar refuses (the mask allowed
-        it: a bug) ends the request rather than letting it continue outside the grammar, and so does a grammar whose
-        mask is too slow to fill (StructuredOutputManager.too_slow)."""
+    def _advance_grammar(self, req: Request, new_ids: list[int]) -> list[int]:
+        """Move a constrained request's matcher over its new tokens; returns those it took. A token its grammar
+        refuses (xgrammar's mask allowed it) is taken back with any after it, kept out of the mask, and the request
+        samples that position again (Scheduler.rewind); where StructuredOutputManager.refuse says not to (too many
+        refused there, or none left to sample), or when that token had ended the request, the request ends as
+        aborted instead. So does a grammar whose mask is too slow to fill (StructuredOutputManager.too_slow). It never
+        continues outside its grammar."""
         if self.structured is None:
-            return
-        if not self.structured.accept(req.req_id, new_ids):
-            log.error("request %s: the grammar refused a sampled token %s; aborting it", req.req_id, new_ids)
-            self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_ABORTED)
-        elif self.structured.too_slow(req.req_id):
+            return new_ids
+        taken = self.structured.accept(req.req_id, new_ids)
+        if taken < len(new_ids):
+            refused = new_ids[taken]
+            num_outputs = len(req.output_token_ids) - len(new_ids) + taken
+            if req.status.finished or not self.structured.refuse(req.req_id, refused):
+                log.error("request %s: its grammar refused the sampled token %d (xgrammar's mask allowed it); "
+                          "aborting it", req.req_id, refused)
+                self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_ABORTED)
+                req.status = RequestStatus.FINISHED_ABORTED  # also where that token had ended it
+                del req.output_token_ids[num_outputs:]
+            else:
+                log.warning("request %s: its grammar refused the sampled token %d (xgrammar's mask allowed it); "
+                            "sampling output position %d again without it", req.req_id, refused, num_outputs)
+                self.scheduler.rewind(req.req_id, num_outputs)
+            return new_ids[:taken]
+        if self.structured.too_slow(req.req_id):
             log.warning("request %s: its grammar's mask took over %g s a token at %d steps in a row, holding up the "
                         "batch; aborting it (an ambiguous grammar: make its alternatives exclusive)", req.req_id,
                         structured_manager.FILL_LIMIT_S, structured_manager.FILL_STRIKES)
             self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_ABORTED)
+        return new_ids
 
     def _detokenize(self, tracked: _Tracked, new_ids: list[int]) -> None:
         if tracked.detokenizer is None:

@@ -69,7 +69,7 @@ class Scheduler:
         self._finished_req_ids: set[str] = set()  # ones the runner holds, to drop at the next step
         # per step scheduled and not yet applied, in order, its requests: an update finds the request it was scheduled
         # for, not one that has since been given the same id (the old one finished while its next step ran)
-        self._unapplied: deque[dict[str, Request]] = deque()
+        self._unapplied: deque[dict[str, Request | None]] = deque()
         self.num_preemptions = 0  # since start, for logs and tests
 
     @property
@@ -104,6 +104,21 @@ class Scheduler:
             if req is not None:
                 self._finish(req, status)
 
+    def rewind(self, req_id: str, num_outputs: int) -> None:
+        """Take req_id back to its first num_outputs output tokens and compute it again from there: it is preempted
+        (its full pages stay cached, so with prefix caching little is recomputed) and what its steps in flight
+        sample is dropped (they read the tokens taken back). The engine's answer to a sampled token its grammar
+        refuses."""
+        req = self.requests[req_id]
+        del req.output_token_ids[num_outputs:]
+        del req.block_hashes[req.num_tokens // self.cache.block_size:]
+        for step in self._unapplied:
+            if step.get(req_id) is req:
+                step[req_id] = None  # update_from_output skips it
+        req.num_pending_outputs = 0
+        if req.status == RequestStatus.RUNNING:
+            self._preempt(req)
+
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; see the module docstring for the policy."""
         out = SchedulerOutput()
@@ -128,7 +143,7 @@ class Scheduler:
         starts, requests = scheduler_output.start_positions(), self._take_step(scheduler_output)
         for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
             req = requests[req_id]
-            if req.status.finished:
+            if req is None or req.status.finished:  # None: taken back by rewind since
                 continue
             lookahead = scheduler_output.num_lookahead_tokens.get(req_id, 0)
             end = starts[req_id] + num_tokens + lookahead  # tokens computed once this step is done
@@ -153,7 +168,7 @@ class Scheduler:
             return {}
         keys = scheduler_output.num_scheduled_tokens.keys()
         while self._unapplied and self._unapplied[0].keys() != keys and \
-                all(req.status.finished for req in self._unapplied[0].values()):
+                all(req is None or req.status.finished for req in self._unapplied[0].values()):
             self._unapplied.popleft()  # a step never applied (it failed) whose requests were all aborted since
         if not self._unapplied or self._unapplied[0].keys() != keys:
             raise RuntimeError("update_from_output got a step that is not the oldest one scheduled and not applied: "

@@ -31,6 +31,9 @@ COMPILE_THREADS = 2
 # Rows are timed alone only after a step whose fill took longer than FILL_LIMIT_S for each row a fill thread had.
 FILL_LIMIT_S = 0.05
 FILL_STRIKES = 4
+# Tokens a request's matcher may refuse at one position of its output, each sampled again without it, before the
+# request is ended: each costs a recompute of the request's tail (its full pages stay cached).
+MAX_REFUSED_TOKENS = 8
 
 
 class StructuredOutputManager:
@@ -47,6 +50,7 @@ class StructuredOutputManager:
         self._matchers: dict[str, object] = {}
         self._json: set[str] = set()  # requests whose output is JSON: no raw control characters (backend.py)
         self._slow_fills: dict[str, int] = {}  # steps in a row at which a request's mask took over FILL_LIMIT_S
+        self._banned: dict[str, set[int]] = {}  # tokens its matcher refused at its current position (refuse)
 
     def submit(self, spec: StructuredOutputsParams, wait_for_room: bool = False,
                deadline: float | None = None) -> Future:
@@ -92,11 +96,29 @@ class StructuredOutputManager:
         if spec.key[0] in ("json", "json_object"):
             self._json.add(req_id)
 
-    def accept(self, req_id: str, token_ids: list[int]) -> bool:
-        """Advance req_id's matcher over tokens the scheduler appended; False if the grammar refuses one (a bug:
-        the bitmask allowed it). A request without a matcher accepts anything."""
+    def accept(self, req_id: str, token_ids: list[int]) -> int:
+        """Advance req_id's matcher over tokens the scheduler appended; returns how many it took: all, or those
+        before the first its grammar refuses (xgrammar's mask allowed it: see refuse). A request without a matcher
+        takes anything."""
         matcher = self._matchers.get(req_id)
-        return matcher is None or all(matcher.accept_token(t) for t in token_ids)
+        if matcher is None:
+            return len(token_ids)
+        for i, token in enumerate(token_ids):
+            if not matcher.accept_token(token):
+                return i
+            self._banned.pop(req_id, None)  # a ban holds at one position of the output
+        return len(token_ids)
+
+    def refuse(self, req_id: str, token_id: int) -> bool:
+        """Keep token_id out of req_id's mask until its matcher takes a token, so that the engine may sample that
+        position again (xgrammar 0.2.8's mask allows some tokens its matcher refuses, in bounded repetitions past
+        128: BENCHMARKS.md). False when it should not: token_id was kept out already (nothing else was left to
+        sample), or more than MAX_REFUSED_TOKENS have been refused there."""
+        banned = self._banned.setdefault(req_id, set())
+        if token_id in banned:
+            return False
+        banned.add(token_id)
+        return len(banned) <= MAX_REFUSED_TOKENS
 
     def too_slow(self, req_id: str) -> bool:
         """Whether req_id's mask took longer than FILL_LIMIT_S at FILL_STRIKES of its steps in a row (the engine
@@ -107,6 +129,7 @@ class StructuredOutputManager:
         self._matchers.pop(req_id, None)
         self._json.discard(req_id)
         self._slow_fills.pop(req_id, None)
+        self._banned.pop(req_id, None)
 
     def __call__(self, req_ids: list[str], logits: torch.Tensor) -> torch.Tensor:
         """The runner's logits processor: logits [B, V] of req_ids (one row each) with the constrained rows masked
@@ -125,6 +148,9 @@ class StructuredOutputManager:
         else:  # every row was fast: strikes count slow steps in a row, so a one-off stall is forgiven
             for i in rows:
                 self._slow_fills.pop(req_ids[i], None)
+        for j, i in enumerate(rows):
+            for token in self._banned.get(req_ids[i], ()):
+                bitmask[j, token >> 5] &= ~(1 << (token & 31))
         json_rows = [j for j, i in enumerate(rows) if req_ids[i] in self._json]
         bitmask &= self._backend.text_safe_bitmask
         if json_rows:

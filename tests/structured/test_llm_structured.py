@@ -328,3 +328,61 @@ def test_slow_fills_must_come_in_a_row_to_abort_a_request(llm, monkeypatch):
     [done] = [o for o in outputs if o.finished]
     assert done.outputs[0].finish_reason != "abort" and re.fullmatch("[gh]{12}", done.outputs[0].text)
     assert step >= 8
+
+
+def refusing(monkeypatch, req_position: int, times: int) -> list[int]:
+    """Make every matcher refuse the token sampled at output position req_position, `times` times (a stand-in
+    for xgrammar's mask allowing a token its matcher refuses: BENCHMARKS.md); returns the refused tokens."""
+    from deltaserve.structured.manager import StructuredOutputManager
+
+    real, taken, refused = StructuredOutputManager.accept, {}, []
+
+    def accept(self, req_id, token_ids):
+        position = taken.get(req_id, 0)
+        if req_id in self._matchers and position == req_position and refused.count(req_id) < times:
+            refused.append(req_id)
+            refused.append(token_ids[0])
+            return 0
+        n = real(self, req_id, token_ids)
+        taken[req_id] = position + n
+        return n
+
+    monkeypatch.setattr(StructuredOutputManager, "accept", accept)
+    return refused
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_token_the_grammar_refuses_is_sampled_again_without_it(monkeypatch, async_scheduling):
+    """The request is taken back to the refused position and computed again (preempted: steps in flight that read
+    the token are dropped), the token kept out of its mask there: greedy picks the next allowed token, the output
+    before it is unchanged and the whole matches; a free request beside it gets its tokens as alone."""
+    pattern = r"[a-z]{3}-\d{2,4}"
+    params = [constrained(temperature=0, regex=pattern), SamplingParams(max_tokens=24, temperature=0)]
+    prompts = ["Go:", "The sea"]
+    make = lambda: LLM(device="cpu", num_decode_steps=4, async_scheduling=async_scheduling)  # noqa: E731
+    expected = [o.outputs[0] for o in make().generate(prompts, params, use_tqdm=False)]
+    llm = make()
+    refused = refusing(monkeypatch, req_position=2, times=1)
+    got = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert refused[1] == expected[0].token_ids[2]
+    assert got[0].token_ids[:2] == expected[0].token_ids[:2] and got[0].token_ids[2] != refused[1]
+    assert got[0].finish_reason == "stop" and re.fullmatch(pattern, got[0].text), got[0].text
+    assert got[1].token_ids == expected[1].token_ids
+    assert llm.engine.scheduler.num_preemptions == 1
+
+
+@pytest.mark.parametrize("position", [0, 1])  # hundreds of tokens allowed there; one only (then none is left)
+def test_a_position_whose_tokens_are_all_refused_ends_the_request_as_aborted(monkeypatch, position):
+    from deltaserve.structured.manager import MAX_REFUSED_TOKENS
+
+    params = [constrained(temperature=0, regex=r"[a-z]{3}-\d{2,4}"), SamplingParams(max_tokens=24, temperature=0)]
+    llm = LLM(device="cpu", num_decode_steps=4, async_scheduling=True)
+    alone = llm.generate(["The sea"], params[1], use_tqdm=False)[0].outputs[0]
+    log = refusing(monkeypatch, req_position=position, times=100)
+    got = [o.outputs[0] for o in llm.generate(["Go:", "The sea"], params, use_tqdm=False)]
+    refused = log[1::2]
+    assert got[0].finish_reason == "abort" and len(got[0].token_ids) == position
+    assert len(refused) <= MAX_REFUSED_TOKENS + 1 and len(set(refused)) >= len(refused) - 1
+    if position == 0:
+        assert len(set(refused)) == MAX_REFUSED_TOKENS + 1  # each sampled again without those before it
+    assert got[1].token_ids == alone.token_ids
