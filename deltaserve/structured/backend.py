@@ -10,9 +10,9 @@ and ': '; xgrammar's JSON strings admit raw control characters (U+0000-U+001F, w
 refuses the output), so JSON constraints also never allow a token holding such a byte (json_safe_bitmask); and in a
 bounded repetition of more than 128 (a JSON string's maxLength 400, a regex's {1,400}) xgrammar's mask allows
 tokens its own matcher then refuses: those holding bytes no UTF-8 text has (0xC0, an overlong 0xE0 0x80, ...), so
-no constraint allows a token that cannot be part of UTF-8 text (text_safe_bitmask). Left: in such a repetition of
-ASCII characters the mask still allows tokens ending in a lone 0xE0 or 0xF0 lead byte; the matcher refuses them
-when sampled, and the engine then ends the request (it never continues outside its grammar)."""
+no constraint allows a token that cannot be part of UTF-8 text (text_safe_bitmask). Left: in such repetitions the
+mask still allows some tokens its matcher refuses (ending in a lone 0xE0 or 0xF0 lead byte; a character then any
+byte): one that is sampled is taken back and its position sampled again without it (Engine._advance_grammar)."""
 
 from __future__ import annotations
 
