@@ -293,8 +293,10 @@ class Engine:
             tracked = self._tracked.get(req.req_id)
             if tracked is None or tracked.request is not req:
                 continue
-            tracked.metrics.setdefault("first_token_time", now)
-            new_ids = self._advance_grammar(req, new_ids)
+            taken = self._advance_grammar(req, new_ids)
+            if taken or not new_ids:  # not when a refused token was taken back
+                tracked.metrics.setdefault("first_token_time", now)
+            new_ids = taken
             self._add_logprobs(tracked, runner_out.logprobs.get(req.req_id, [])[: len(new_ids)])
             self._detokenize(tracked, new_ids)
             outputs.append(self._output(tracked, now))
@@ -330,17 +332,17 @@ class Engine:
     def _advance_grammar(self, req: Request, new_ids: list[int]) -> list[int]:
         """Move a constrained request's matcher over its new tokens; returns those it took. A token its grammar
         refuses (xgrammar's mask allowed it) is taken back with any after it, kept out of the mask, and the request
-        samples that position again (Scheduler.rewind); where StructuredOutputManager.refuse says not to (too many
-        refused there, or none left to sample), or when that token had ended the request, the request ends as
-        aborted instead. So does a grammar whose mask is too slow to fill (StructuredOutputManager.too_slow). It never
-        continues outside its grammar."""
+        samples that position again (Scheduler.rewind), also where that token had ended it; where
+        StructuredOutputManager.refuse says not to (too many refused there, or none left to sample), the request
+        ends as aborted instead. So does a grammar whose mask is too slow to fill (StructuredOutputManager.too_slow).
+        It never continues outside its grammar."""
         if self.structured is None:
             return new_ids
         taken = self.structured.accept(req.req_id, new_ids)
         if taken < len(new_ids):
             refused = new_ids[taken]
             num_outputs = len(req.output_token_ids) - len(new_ids) + taken
-            if req.status.finished or not self.structured.refuse(req.req_id, refused):
+            if not self.structured.refuse(req.req_id, refused):
                 log.error("request %s: its grammar refused the sampled token %d (xgrammar's mask allowed it); "
                           "aborting it", req.req_id, refused)
                 self.scheduler.finish_requests([req.req_id], RequestStatus.FINISHED_ABORTED)
@@ -349,7 +351,7 @@ class Engine:
             else:
                 log.warning("request %s: its grammar refused the sampled token %d (xgrammar's mask allowed it); "
                             "sampling output position %d again without it", req.req_id, refused, num_outputs)
-                self.scheduler.rewind(req.req_id, num_outputs)
+                self.scheduler.rewind(req, num_outputs)
             return new_ids[:taken]
         if self.structured.too_slow(req.req_id):
             log.warning("request %s: its grammar's mask took over %g s a token at %d steps in a row, holding up the "

@@ -104,20 +104,23 @@ class Scheduler:
             if req is not None:
                 self._finish(req, status)
 
-    def rewind(self, req_id: str, num_outputs: int) -> None:
-        """Take req_id back to its first num_outputs output tokens and compute it again from there: it is preempted
+    def rewind(self, req: Request, num_outputs: int) -> None:
+        """Take req back to its first num_outputs output tokens and compute it again from there: it is preempted
         (its full pages stay cached, so with prefix caching little is recomputed) and what its steps in flight
-        sample is dropped (they read the tokens taken back). The engine's answer to a sampled token its grammar
-        refuses."""
-        req = self.requests[req_id]
+        sample is dropped (they read the tokens taken back); if one of those tokens had finished it, it goes on.
+        The engine's answer to a sampled token its grammar refuses."""
         del req.output_token_ids[num_outputs:]
         del req.block_hashes[req.num_tokens // self.cache.block_size:]
         for step in self._unapplied:
-            if step.get(req_id) is req:
-                step[req_id] = None  # update_from_output skips it
+            if step.get(req.req_id) is req:
+                step[req.req_id] = None  # update_from_output skips it
         req.num_pending_outputs = 0
         if req.status == RequestStatus.RUNNING:
             self._preempt(req)
+        elif req.status.finished:  # by a token taken back: _finish freed it and told the runner; it waits again
+            req.status, req.stop_reason, req.num_computed_tokens = RequestStatus.PREEMPTED, None, 0
+            self.requests[req.req_id] = req
+            self.waiting.appendleft(req)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts; see the module docstring for the policy."""

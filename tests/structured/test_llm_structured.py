@@ -386,3 +386,17 @@ def test_a_position_whose_tokens_are_all_refused_ends_the_request_as_aborted(mon
     if position == 0:
         assert len(set(refused)) == MAX_REFUSED_TOKENS + 1  # each sampled again without those before it
     assert got[1].token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("max_tokens, position", [(1, 0), (48, 2)])  # the max_tokens-th token; the stop token
+def test_a_refused_token_that_ended_the_request_is_sampled_again_too(monkeypatch, max_tokens, position):
+    pattern = r"[a-z]{3}-\d{0,4}"
+    params = constrained(max_tokens=max_tokens, temperature=0, regex=pattern)
+    llm = LLM(device="cpu", num_decode_steps=4, async_scheduling=True)
+    expected = llm.generate(["Go:"], params, use_tqdm=False)[0].outputs[0]
+    assert len(expected.token_ids) == position + 1  # the token at `position` ended it
+    refused = refusing(monkeypatch, req_position=position, times=1)
+    got = llm.generate(["Go:"], params, use_tqdm=False)[0].outputs[0]
+    assert refused[1] == expected.token_ids[position] and got.token_ids[:position] == expected.token_ids[:position]
+    assert got.token_ids[position] != refused[1] and got.finish_reason in ("stop", "length")
+    assert re.fullmatch(pattern, got.text) or got.finish_reason == "length", got.text
