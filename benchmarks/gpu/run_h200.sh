@@ -28,7 +28,7 @@
 #             with its start-up phases (benchmarks/serve_start.py; issue 26)
 #   serve     (not in the default list) the HTTP server against the offline engine on the same requests, 48B shape,
 #             prompt 512, output 128, at SERVE_CONC (default 64,256) streams and streaming chat at 64
-#             (benchmarks/serve_bench.py; issue 25); needs the fastapi/uvicorn/pydantic wheels in wheels/
+#             (benchmarks/serve_bench.py; issue 25); needs the server's wheels and aiohttp's in wheels/server
 #   kvfp8     (not in the default list) batch-1 decode at KVFP8_LENS (default 262144) with the bf16 latent cache,
 #             then with --kv-cache-dtype fp8, one process each (issue 24: TPOT at long context)
 #   structured (not in the default list) the 48B shape, 64 concurrent requests, half constrained by a JSON schema
@@ -57,7 +57,7 @@ if [ -d wheels/server ]; then  # the server's wheels (fastapi, uvicorn, pydantic
       python3 -m pip install --no-deps --no-index --target "$PWD/.gpu/site" "$w" >/dev/null 2>&1 || echo "$w: install failed"
     fi
   done
-  python3 -c "import fastapi, uvicorn, pydantic, prometheus_client, tiktoken" || echo "the server's imports fail"
+  python3 -c "import fastapi, uvicorn, pydantic, prometheus_client, tiktoken, aiohttp" || echo "the server's imports fail"
 fi
 python3 -c "import torch, triton, fla, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"
 CFG=${CONFIG:-benchmarks/configs/kimi-linear-48b-a3b.json}  # CONFIG: another config (the 12-layer one on an H100)
