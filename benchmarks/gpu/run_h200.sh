@@ -50,7 +50,11 @@ if ls wheels/xgrammar-*.whl >/dev/null 2>&1; then  # the structured extra, when 
   python3 -m pip install --no-deps --no-index --target "$PWD/.gpu/site" wheels/xgrammar-*.whl \
       wheels/apache_tvm_ffi-*.whl ${PYDANTIC_WHEELS:-} >/dev/null 2>&1 || echo "xgrammar wheel install failed"
 fi
-if [ -d wheels/server ]; then  # the server's wheels (fastapi, uvicorn, pydantic, ...) where the image lacks them
+# the server's wheels (fastapi, uvicorn, pydantic, ...) where the image lacks them; fetched here (wheels/ is ignored)
+# with: pip download --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux2014_x86_64 \
+#   --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d wheels/server fastapi uvicorn pydantic \
+#   prometheus-client tiktoken aiohttp
+if [ -d wheels/server ]; then
   for w in wheels/server/*.whl; do
     mod=$(basename "$w" | cut -d- -f1)  # the import name of every wheel there but opentelemetry_api's
     if [ "$mod" = typing_extensions ] || ! python3 -c "import $mod" 2>/dev/null; then
