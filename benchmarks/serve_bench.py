@@ -124,6 +124,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM (the server drains), then SIGKILL past timeout seconds."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, log: Path) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -180,11 +189,7 @@ def run_self_started(args: argparse.Namespace, plan: dict, model_dir: Path,
             wait_healthy(proc, url, args.timeout, log)
             rows = run_http(url, plan["http"], args.timeout)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc, 120)
     offline = json.loads(offline_out.read_text()) if offline_out.is_file() else []
     return rows, offline, cmd
 

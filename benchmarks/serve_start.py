@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from serve_bench import REPO, free_port, wait_healthy
+from serve_bench import REPO, free_port, stop, wait_healthy
 from serve_workload import prepare_model
 
 
@@ -52,11 +51,7 @@ def main() -> None:
                 wait_healthy(proc, f"http://127.0.0.1:{port}", args.timeout, log)
                 seconds = time.monotonic() - start
             finally:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                stop(proc, 60)
         phases = [line.strip() for line in log.read_text().splitlines() if "start-up:" in line or "autotuning:" in line]
         rows.append({"start": i + 1, "to_health_s": round(seconds, 2), "phases": phases})
         print(f"start {i + 1}: /health 200 after {seconds:.2f} s", *phases, sep="\n  ", flush=True)
