@@ -36,3 +36,14 @@ def test_serve_bench_runs_every_load_against_the_demo_model(tmp_path):
 def test_bad_counts_are_refused_before_any_engine(flag, value):
     result = subprocess.run([sys.executable, str(SCRIPT), flag, value], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and flag in result.stderr
+
+
+def test_serve_start_times_each_start_to_its_first_health_200(tmp_path):
+    """benchmarks/serve_start.py on the demo model: each start's seconds to /health 200 and its logged phases."""
+    out = tmp_path / "start.json"
+    result = subprocess.run([sys.executable, str(SCRIPT.parent / "serve_start.py"), "--starts", "2", "--json-out",
+                             str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    starts = json.loads(out.read_text())["starts"]
+    assert [s["start"] for s in starts] == [1, 2] and all(s["to_health_s"] > 0 for s in starts)
+    assert all(any(p.startswith("start-up: weights") for p in s["phases"]) for s in starts)
