@@ -400,3 +400,34 @@ def test_a_refused_token_that_ended_the_request_is_sampled_again_too(monkeypatch
     assert refused[1] == expected.token_ids[position] and got.token_ids[:position] == expected.token_ids[:position]
     assert got.token_ids[position] != refused[1] and got.finish_reason in ("stop", "length")
     assert re.fullmatch(pattern, got.text) or got.finish_reason == "length", got.text
+
+
+@pytest.mark.parametrize("position", [0, 1, 2, 3, 8])
+def test_a_rewind_with_a_step_in_flight_and_cached_pages_gives_the_tokens_of_synchronous_steps(monkeypatch, position):
+    """The same refusal under steps in flight with prefix caching (blocks of 4, so the rewound request's pages and
+    snapshots are cached and hit again) and under synchronous steps without caching: the same tokens, text and
+    logprobs (seeded sampling, a free request beside)."""
+    prompts = ["Go: " * 9, "The sea and the king " * 3]
+    params = [SamplingParams(max_tokens=48, temperature=0.9, seed=1, logprobs=2,
+                             structured_outputs=StructuredOutputsParams(regex=r"[a-z]{40}")),
+              SamplingParams(max_tokens=30, temperature=0)]
+    outputs, later = [], []
+    for async_scheduling in (False, True):
+        llm = LLM(device="cpu", num_decode_steps=4, async_scheduling=async_scheduling,
+                  enable_prefix_caching=async_scheduling, block_size=4)
+        with monkeypatch.context() as patch:
+            refused = refusing(patch, req_position=position, times=1)
+            outputs.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert len(refused) == 2
+        # later prompts through the rewound position, with the refused token in it and with the kept one: served
+        # from the cache (pages and snapshots the rewound request left), they must give the uncached tokens
+        done = outputs[-1][0].token_ids
+        head = llm.engine.tokenizer.encode(prompts[0]) + done[:position]
+        follow = [head + [refused[1]] + done[position + 1:], head + done[position:]]
+        later.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": f} for f in follow],
+                                                                  params[1], use_tqdm=False)])
+    (want, want_free), (got, got_free) = outputs
+    assert got.token_ids == want.token_ids and got.text == want.text and got_free.token_ids == want_free.token_ids
+    assert [lp[t].logprob for t, lp in zip(got.token_ids, got.logprobs)] == pytest.approx(
+        [lp[t].logprob for t, lp in zip(want.token_ids, want.logprobs)], abs=1e-4)
+    assert later[1] == later[0]
