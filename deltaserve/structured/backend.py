@@ -63,10 +63,8 @@ class GrammarBackend:
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self.xgr = xgr
         self.vocab_size = vocab_size
-        text_safe = [utf8_possible(token) for token in vocab]
-        self.text_safe_bitmask = pack_bitmask(text_safe)
-        self.json_safe_bitmask = pack_bitmask([ok and not any(b < 0x20 for b in token)
-                                               for ok, token in zip(text_safe, vocab)])
+        self.text_safe_bitmask = pack_bitmask([utf8_possible(token) for token in vocab])  # every constraint's
+        self.json_safe_bitmask = pack_bitmask([not any(b < 0x20 for b in token) for token in vocab])  # JSON's too
         self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
         # a step's bitmasks filled by C++ threads (one row a matcher); half the cores: the host has other work
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
