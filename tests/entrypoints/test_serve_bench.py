@@ -47,3 +47,9 @@ def test_serve_start_times_each_start_to_its_first_health_200(tmp_path):
     starts = json.loads(out.read_text())["starts"]
     assert [s["start"] for s in starts] == [1, 2] and all(s["to_health_s"] > 0 for s in starts)
     assert all(any(p.startswith("start-up: weights") for p in s["phases"]) for s in starts)
+
+
+def test_serve_start_refuses_no_starts():
+    result = subprocess.run([sys.executable, str(SCRIPT.parent / "serve_start.py"), "--starts", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--starts must be at least 1" in result.stderr
