@@ -132,15 +132,16 @@ def _as_tuple(value):
     return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
 
 
-def restore_tuning(device) -> Path:
-    """On a GPU: import the kernel modules that tune (ours, fla-core's KDA), put this GPU's and Triton's stored
-    decisions into them, and have the decisions saved again at exit (with those tuned meanwhile). Returns the file."""
+def restore_tuning(device, fla: bool) -> Path:
+    """On a GPU: import the kernel modules that tune (ours, and fla-core's KDA where fla: the run's prefill uses it;
+    a float32 run never does, and fla's imports take seconds), put this GPU's and Triton's stored decisions into
+    them, and have the decisions saved again at exit (with those tuned meanwhile). Returns the file."""
     import atexit
 
     import torch
     import triton
 
-    _import_tuned_kernels()
+    _import_tuned_kernels(["fla.ops.kda"] if fla else [])
     path = restore_decisions(torch.cuda.get_device_name(device), triton.__version__, find_autotuners())
     atexit.register(persist_tuning, path)
     return path
@@ -165,14 +166,14 @@ def persist_tuning(path: Path) -> None:
         log.warning("could not save the autotuning decisions to %s (%s)", path, e)
 
 
-def _import_tuned_kernels() -> None:
+def _import_tuned_kernels(others: list[str]) -> None:
     import importlib
     import pkgutil
 
     import deltaserve.kernels
 
     names = [m.name for m in pkgutil.walk_packages(deltaserve.kernels.__path__, "deltaserve.kernels.")]
-    for name in names + ["fla.ops.kda"]:
+    for name in names + others:
         try:
             importlib.import_module(name)
         except Exception as e:  # fla-core is optional, and a module that cannot load never runs: no failed start

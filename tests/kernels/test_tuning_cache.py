@@ -129,3 +129,23 @@ def test_the_shipped_tables_are_as_save_decisions_writes_them():
     for path in SHIPPED_TABLES.glob("*.json"):
         stored = json.loads(path.read_text())
         assert stored and all(_well_formed(entry) for entry in stored.values()), path.name
+
+
+def test_fla_is_imported_for_its_tuning_only_where_the_prefill_runs_it(monkeypatch):
+    """fla-core's imports take seconds (all of fla.ops): a float32 run (the demo model's) never runs its kernels, so
+    restoring the tuning must not import it; a bf16 run on a GPU imports it with ours."""
+    import importlib
+
+    import torch
+
+    from deltaserve.kernels import tuning_cache
+    from deltaserve.kernels.kda import fla_serves
+
+    imported = []
+    monkeypatch.setattr(importlib, "import_module", imported.append)
+    tuning_cache._import_tuned_kernels([])
+    assert imported and all(name.startswith("deltaserve.kernels.") for name in imported)
+    imported.clear()
+    tuning_cache._import_tuned_kernels(["fla.ops.kda"])
+    assert imported[-1] == "fla.ops.kda"
+    assert not fla_serves(torch.device("cuda"), torch.float32) and not fla_serves(torch.device("cpu"), torch.bfloat16)

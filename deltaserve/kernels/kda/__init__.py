@@ -32,12 +32,18 @@ def kda_prefill(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: list[
     given). Same tensors as kda_decode with N tokens instead of B; sequence b starts from state[state_slots[b]] and
     leaves its final state there. Returns o [N, H, V]: float32 from the torch path, v's dtype from fla-core's."""
     g, beta = kda_gate(g_raw, dt_bias, a_log), torch.sigmoid(b_raw).float()
-    if q.is_cuda and q.dtype != torch.float32 and _fla_available():  # float32 keeps the exact torch path
+    if fla_serves(q.device, q.dtype):
         from deltaserve.kernels.kda.fla_chunk import fla_chunk_kda
 
         packed = packed or pack_seqs(state_slots, cu_seqlens, q.device)
         return fla_chunk_kda(q, k, v, g, beta, scale, state, packed)
     return chunk_kda(l2norm(q), l2norm(k), v.float(), g, beta, scale, state, state_slots, cu_seqlens)
+
+
+def fla_serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether kda_prefill runs fla-core's chunk kernel for tensors on device in dtype: a GPU, half precision
+    (float32 keeps the exact torch path) and fla-core installed (imported here, only then: seconds of imports)."""
+    return device.type == "cuda" and dtype != torch.float32 and _fla_available()
 
 
 def _fla_available() -> bool:
