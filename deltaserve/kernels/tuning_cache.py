@@ -25,6 +25,7 @@ TUNED_MODULES = ("deltaserve.kernels", "fla.")  # whose module-level autotuners 
 
 
 SHIPPED_TABLES = Path(__file__).parent / "tuning_tables"
+FLA_MODULES = ("deltaserve.kernels.kda.fla_chunk", "fla.ops.kda")  # imported to restore fla-core's tuning
 
 
 def decisions_path(gpu_name: str, triton_version: str, base: Path | None = None) -> Path:
@@ -141,7 +142,7 @@ def restore_tuning(device, fla: bool) -> Path:
     import torch
     import triton
 
-    _import_tuned_kernels(["fla.ops.kda"] if fla else [])
+    _import_tuned_kernels(FLA_MODULES if fla else ())
     path = restore_decisions(torch.cuda.get_device_name(device), triton.__version__, find_autotuners())
     atexit.register(persist_tuning, path)
     return path
@@ -166,14 +167,15 @@ def persist_tuning(path: Path) -> None:
         log.warning("could not save the autotuning decisions to %s (%s)", path, e)
 
 
-def _import_tuned_kernels(others: list[str]) -> None:
+def _import_tuned_kernels(fla: tuple[str, ...]) -> None:
+    """Our kernel modules, but those that import fla-core, then the modules in fla."""
     import importlib
     import pkgutil
 
     import deltaserve.kernels
 
     names = [m.name for m in pkgutil.walk_packages(deltaserve.kernels.__path__, "deltaserve.kernels.")]
-    for name in names + others:
+    for name in [name for name in names if name not in FLA_MODULES] + list(fla):
         try:
             importlib.import_module(name)
         except Exception as e:  # fla-core is optional, and a module that cannot load never runs: no failed start
