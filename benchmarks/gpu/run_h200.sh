@@ -22,8 +22,8 @@
 #   prefill   one 8k-token prompt, bf16, alone
 #   baseline  4 layers (3 KDA + 1 MLA) of the 48B shape: deltaserve and transformers + fla-core, same call
 #   firstgen  (not in the default list; name it first, on a fresh machine) the demo model's `generate` on the GPU,
-#             timed shell to exit, twice: the first pays compile and tune (the shipped tuning table, if the card has
-#             one), the second reads the caches the first left
+#             timed shell to exit, three times: the first pays compile and tune (the shipped tuning table, if the card
+#             has one), the others read the caches it left (KEEP_PYC=1: Python's bytecode kept too)
 #   servestart (not in the default list) `deltaserve serve` of the 48B shape (dummy weights) to /health 200, twice,
 #             with its start-up phases (benchmarks/serve_start.py; issue 26)
 #   serve     (not in the default list) the HTTP server against the offline engine on the same requests, 48B shape,
@@ -78,12 +78,19 @@ has() { [[ " $STAGES " == *" $1 "* ]] && echo "== $1 $(date +%T)"; }
 # "Timeout (0:01:40)!"), and fla-core's first chunked prefill compiles for longer than that
 PYTEST="python3 -m pytest -q -p no:logging -p no:cacheprovider -p no:faulthandler"
 if has firstgen; then  # first on a fresh machine: the demo model's first generate, then the same again (issue 26)
+  # the image sets PYTHONDONTWRITEBYTECODE=1 (every process compiles torch's and fla's sources: ~6 s); KEEP_PYC=1
+  # unsets it, as a normal install is; the file counts show which cache each process still fills (the 2nd process
+  # was slow and the 3rd not, with the same tuning decisions)
+  [ "${KEEP_PYC:-}" = 1 ] && unset PYTHONDONTWRITEBYTECODE
+  caches() { for d in ~/.triton/cache /tmp/torchinductor_$(whoami) ~/.cache/deltaserve; do
+    printf "  %s: %s files\n" "$d" "$(find "$d" -type f 2>/dev/null | wc -l)"; done; }
   ls ~/.cache/deltaserve/autotune 2>/dev/null | sed 's/^/tuning cache before: /'
-  for run in first again; do
+  for run in first again third; do
     start=$(date +%s%N)
     timeout 200 $DS generate --device cuda --prompt "Once upon a time" --max-tokens 32 > "$OUT/firstgen_$run.txt" 2>&1
     echo "generate ($run): exit $?, $(( ($(date +%s%N) - start) / 1000000 )) ms shell to exit"
-    grep -iE "start-up|autotuning" "$OUT/firstgen_$run.txt" | cut -c1-160
+    grep -iE "start-up|autotuning|tokens in" "$OUT/firstgen_$run.txt" | cut -c1-160
+    caches
   done
 fi
 if has tests; then
