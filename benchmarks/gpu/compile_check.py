@@ -1,11 +1,25 @@
 """Compile our Triton kernels for sm_90 (Hopper) on a machine without a GPU: Triton ships ptxas, so typing and
 lowering errors that the CPU interpreter never meets show up here, before a lease is spent. Prints ok (with the
-shared memory a program takes) or the error, per kernel and variant, at the 48B model's shapes.
+shared memory a program takes) or the error, per kernel and variant, at the 48B model's shapes. With --asm, also
+what ptxas reports (registers a thread, bytes spilled) and the widths of the global loads in the machine code (e.g.
+LDGSTS.E.BYPASS.128: 16-byte asynchronous copies; LDG.E.U16: one bf16 a load).
 
-    env -u TRITON_INTERPRET python benchmarks/gpu/compile_check.py
+Like the JIT, which specializes every launch, pointers are taken as 16-byte aligned, and so are the integer
+arguments a check names as such (strides that are multiples of 16 at the model's shapes): without that the
+compiler cannot prove a row's alignment and loads bf16 tiles two bytes at a time.
+
+    env -u TRITON_INTERPRET python benchmarks/gpu/compile_check.py [--asm]
 """
 
 from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import triton
 import triton.language as tl
@@ -19,22 +33,47 @@ from deltaserve.kernels.moe import triton_combine, triton_decode, triton_routing
 from deltaserve.kernels.quant import triton_linear
 
 TARGET = GPUTarget("cuda", 90, 32)
+TARGET_ARCH = "sm_90a"
+# the MLA decode kernel's strides: multiples of 16 elements at the model's shapes (576-wide latent rows, 16-token pages)
+MLA_STRIDES = ("q_stride_b", "q_stride_h", "qr_stride_b", "qr_stride_h", "bt_stride", "page_stride", "token_stride")
 TYPES = ("*", "i32", "i64", "fp32")  # an argument given as a string starting so is a runtime argument of that type
 
 
-def check(name: str, fn, args: dict, num_warps: int = 4, num_stages: int = 3) -> bool:
-    """args: each kernel argument, as its type ("*bf16", "i32", ...) or as its constexpr value."""
+ASM = "--asm" in sys.argv[1:]
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")  # ptxas, cuobjdump
+
+
+def check(name: str, fn, args: dict, num_warps: int = 4, num_stages: int = 3, aligned: tuple[str, ...] = ()) -> bool:
+    """args: each kernel argument, as its type ("*bf16", "i32", ...) or as its constexpr value; aligned: integer
+    arguments that are multiples of 16 (pointers always are taken so)."""
     runtime = {k: v for k, v in args.items() if isinstance(v, str) and v.startswith(TYPES)}
     signature = {k: runtime.get(k, "constexpr") for k in args}
     constexprs = {k: v for k, v in args.items() if k not in runtime}
+    divisible = [k for k, v in runtime.items() if v.startswith("*") or k in aligned]
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible}
     try:
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
-                                options={"num_warps": num_warps, "num_stages": num_stages})
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
     except Exception as e:  # noqa: BLE001 -- report every kernel's outcome, then fail
         print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
         return False
-    print(f"ok   {name}: shared {kernel.metadata.shared} B")
+    print(f"ok   {name}: shared {kernel.metadata.shared} B" + (f"; {machine_code(kernel.asm['ptx'])}" if ASM else ""))
     return True
+
+
+def machine_code(ptx: str) -> str:
+    """ptxas's registers and spills for the kernel, and its global loads by instruction (the most used first)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "k.ptx").write_text(ptx)
+        cubin = str(Path(tmp, "k.cubin"))
+        stats = subprocess.run([os.path.join(BIN, "ptxas"), "-v", f"-arch={TARGET_ARCH}", str(Path(tmp, "k.ptx")),
+                                "-o", cubin], capture_output=True, text=True).stderr
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+    regs = re.search(r"Used (\d+) registers", stats)
+    spills = re.search(r"(\d+) bytes spill stores", stats)
+    loads = collections.Counter(re.findall(r"\b(LDG[.\w]*|LDGSTS[.\w]*|UTMALDG[.\w]*)", sass))
+    return (f"{regs.group(1) if regs else '?'} registers, {spills.group(1) if spills else '?'} B spilled; loads "
+            + ", ".join(f"{op} x{n}" for op, n in loads.most_common(3)))
 
 
 def jit_of(kernel):
@@ -104,7 +143,7 @@ def main() -> int:
             qr_stride_h="i32", bt_stride="i32", page_stride="i32", token_stride="i32", scale="fp32", page_size="i32",
             num_splits="i32", min_split="i32", H=32, R=512, DR=64, BR=512, BDR=64,
             BLOCK_H=32, BLOCK_N=32, IEEE=dtype == "fp32", PDL=True),
-            num_stages=mla_triton_decode.NUM_STAGES)
+            num_stages=mla_triton_decode.NUM_STAGES, aligned=MLA_STRIDES)
         ok &= check(f"MLA merge, {dtype}", mla_triton_decode._mla_decode_merge_kernel, dict(
             mid_o_ptr="*fp32", mid_lse_ptr="*fp32", lens_ptr="*i64", o_ptr=f"*{dtype}", num_splits="i32",
             min_split="i32", H=32, R=512, BR=512, BLOCK_N=32, PDL=True))
