@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from deltaserve.kernels import conv1d_triton, gemv, norm_gemv
+from deltaserve.kernels import conv1d_triton, gemv, norm_gemv, triton_norm
 from deltaserve.kernels.kda import triton_decode as kda_triton_decode
 from deltaserve.kernels.mla import triton_decode as mla_triton_decode
 from deltaserve.kernels.moe import triton_combine, triton_decode, triton_routing
@@ -112,6 +112,15 @@ def main() -> int:
         ok &= check(f"add norm router {block_e}x{block_d}", norm_gemv._norm_gemv_jit, dict(
             **norm_args, w_ptr="*fp32", y_ptr="*fp32", N=256, K=2304, GATED=False, HEAD=1, STORE_H=True,
             **gemv.NO_SCALES, BLOCK_N=block_e, BLOCK_K=block_d))
+    for D, add, gated, w in ((2304, True, False, "*bf16"), (2304, False, False, "*bf16"), (512, False, False, "*bf16"),
+                             (128, False, True, "*fp32")):  # the decoder's norms, MLA's latent norm, KDA's gated one
+        ok &= check(f"rms norm {D}, add {add}, gated {gated}", triton_norm._rms_norm_kernel, dict(
+            x_ptr="*bf16", r_ptr="*bf16", g_ptr="*fp32" if gated else "*bf16", w_ptr=w, out_ptr="*bf16",
+            sum_ptr="*bf16", x_stride="i32", r_stride="i32", g_stride="i32", eps="fp32", D=D,
+            BLOCK_D=triton.next_power_of_2(D), ADD=add, GATED=gated), num_warps=4 if D >= 1024 else 1,
+            aligned=("x_stride", "r_stride", "g_stride"))
+    ok &= check("moe slot sum", triton_decode._sum_slots_kernel, dict(
+        y_ptr="*fp32", out_ptr="*bf16", SLOTS=9, D=2304, BLOCK_D=triton_decode._SUM_BLOCK_D, PDL=True))
     ok &= check("moe weighted sum", triton_combine._weighted_sum_kernel, dict(
         y_ptr="*bf16", where_ptr="*i64", w_ptr="*fp32", out_ptr="*bf16", D=2304, K_SLOTS=8, BLOCK_D=512))
     ok &= check("conv update", conv1d_triton._conv_update_kernel, dict(

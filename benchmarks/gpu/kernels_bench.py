@@ -306,7 +306,7 @@ def router_rows(device: str, smoke: bool) -> list[dict]:
 
 def norm_gemv_rows(device: str, smoke: bool) -> list[dict]:
     """A decoder layer's norms inside the GEMVs that read them (kernels.norm_gemv), one token, against the norm and
-    the projection apart as the layers run them otherwise: the norm (compiled by torch.compile on a GPU), then
+    the projection apart as the layers run them otherwise: the norm (kernels.triton_norm's kernel on a GPU), then
     cuBLAS (KDA's in_proj), our GEMV (MLA's in_proj, o_proj) or the router's GEMV. A graph of the two launches
     against one, so the time between them counts."""
     from deltaserve.kernels.gemv import gemv

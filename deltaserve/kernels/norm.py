@@ -2,13 +2,35 @@
 
 Both keep the statistics in float32 whatever the input dtype (the bfloat16 regime of DESIGN.md section 4)."""
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from deltaserve.kernels.fusion import fused_on_gpu
+
+def triton_on_gpu(same_dtypes: bool):
+    """fn, or on a CUDA tensor its Triton twin of the same name in kernels.triton_norm (one launch where the eager
+    chain is ~6; imported at first use: Triton is needed there only), where its tensors share one dtype if
+    same_dtypes (the kernel's rounding of a mixed product would not be the eager one's). fn stays the spec, as
+    .eager."""
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if tensors[0].is_cuda and not (same_dtypes and len({t.dtype for t in tensors}) > 1):
+                from deltaserve.kernels import triton_norm
+
+                return getattr(triton_norm, fn.__name__)(*args)
+            return fn(*args)
+
+        wrapper.eager = fn
+        return wrapper
+
+    return decorate
 
 
-@fused_on_gpu
+@triton_on_gpu(same_dtypes=True)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D], weight [D] -> [..., D] in x's dtype; normalised in float32, scaled after the cast back."""
     if _cpu_float32(x, weight):
@@ -19,14 +41,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * torch.rsqrt(variance + eps)).to(dtype)
 
 
-@fused_on_gpu
+@triton_on_gpu(same_dtypes=True)
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """(rms_norm(x + residual), x + residual): the residual add in x's dtype, as the reference does it."""
     x = x + residual
     return rms_norm.eager(x, weight, eps), x
 
 
-@fused_on_gpu
+@triton_on_gpu(same_dtypes=False)
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x, gate [..., D], weight [D] -> rmsnorm(x) * weight * sigmoid(gate), all in float32, cast to x's dtype."""
     if _cpu_float32(x, gate, weight):

@@ -168,7 +168,7 @@ def persist_tuning(path: Path) -> None:
 
 
 def _import_tuned_kernels(fla: tuple[str, ...]) -> None:
-    """Our kernel modules, but those that import fla-core, then the modules in fla."""
+    """Import our kernel modules (all but kernels.kda.fla_chunk, which imports fla-core), then those named in fla."""
     import importlib
     import pkgutil
 

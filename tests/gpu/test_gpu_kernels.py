@@ -350,3 +350,40 @@ def test_gated_norm_gemv_matches_gated_norm_then_linear(T, H, K, N):
     args = case["o"], case["gate"], case["norm_weight"], case["eps"], case["weight"]
     assert rel_err(gated_norm_gemv(*args), naive_gated_norm_linear(*args)) < 5e-3
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 2304), (37, 512), (5, 3, 300), (200, 4, 128)])
+def test_norm_kernels_match_their_eager_twins(shape, dtype):
+    """kernels.triton_norm compiled (the norms of every GPU step but the fused batch-1 ones) against kernels.norm's
+    eager functions on the GPU: one rounding apart at most in bf16 (the mean square summed in another order), a
+    strided residual and gate; the residual sum bit for bit."""
+    from deltaserve.kernels import triton_norm
+    from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
+
+    gen = torch.Generator(device=DEV).manual_seed(sum(shape))
+    D = shape[-1]
+    x = (torch.randn(shape, generator=gen, device=DEV) * 3).to(dtype)
+    residual = torch.randn(*shape[:-1], 2 * D, generator=gen, device=DEV).to(dtype)[..., :D]
+    gate = torch.randn(*shape[:-1], 2 * D, generator=gen, device=DEV)[..., D:]
+    weight = (1 + torch.randn(D, generator=gen, device=DEV) / 4).to(dtype)
+
+    def close(a, b):
+        return within_ulps(a, b, ulps=1) if dtype == torch.bfloat16 else rel_err(a, b) < 1e-6
+
+    assert close(triton_norm.rms_norm(x, weight, 1e-6), rms_norm.eager(x, weight, 1e-6))
+    normed, total = triton_norm.add_rms_norm(x, residual, weight, 1e-6)
+    normed_twin, total_twin = add_rms_norm.eager(x, residual, weight, 1e-6)
+    assert torch.equal(total, total_twin) and close(normed, normed_twin)
+    assert close(triton_norm.gated_rms_norm(x, gate, weight.float(), 1e-6),
+                 gated_rms_norm.eager(x, gate, weight.float(), 1e-6))
+
+
+@pytest.mark.parametrize("T,slots", [(1, 9), (16, 9), (3, 8)])
+def test_slot_sum_kernel_is_torch_sum(T, slots):
+    from deltaserve.kernels.moe.triton_decode import _sum_slots
+
+    """In slot order; torch's reduction may pair the slots otherwise: float32 to 1e-6, bf16 within one rounding."""
+    y = torch.randn(T, slots, 2304, generator=torch.Generator(device=DEV).manual_seed(T), device=DEV)
+    assert rel_err(_sum_slots(y, torch.float32), y.sum(1)) < 1e-6
+    assert within_ulps(_sum_slots(y, torch.bfloat16), y.sum(1).to(torch.bfloat16))

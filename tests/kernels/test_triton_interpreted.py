@@ -7,6 +7,7 @@ from helpers.kernels import PagedLatents, norm_gemv_inputs, rel_err, require_tri
 
 require_triton_interpreter()
 
+from deltaserve.kernels import triton_norm  # noqa: E402
 from deltaserve.kernels.conv1d_triton import conv1d_update, conv1d_varlen  # noqa: E402
 from deltaserve.kernels.gemv import GEMV_TILES, gemv  # noqa: E402
 from deltaserve.kernels.kda import fused_recurrent_kda, kda_gate, l2norm  # noqa: E402
@@ -17,8 +18,9 @@ from deltaserve.kernels.mla.triton_decode import triton_mla_decode  # noqa: E402
 from deltaserve.kernels.moe.experts import _weighted_sum  # noqa: E402
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk  # noqa: E402
 from deltaserve.kernels.moe.triton_combine import weighted_sum  # noqa: E402
-from deltaserve.kernels.moe.triton_decode import decode_experts  # noqa: E402
+from deltaserve.kernels.moe.triton_decode import _sum_slots, decode_experts  # noqa: E402
 from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, router_logits, triton_topk  # noqa: E402
+from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
 from deltaserve.kernels.norm_gemv import add_norm_gemv, gated_norm_gemv, naive_add_norm_linear, naive_gated_norm_linear  # noqa: E402
 from deltaserve.kernels.varlen import pack_seqs  # noqa: E402
 
@@ -291,3 +293,56 @@ def test_mla_decode_kernel_reads_a_float8_cache_as_its_twin_does():
     twin = torch_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
     out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
     assert out.dtype == torch.float32 and rel_err(out, twin) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 2304), (5, 512), (3, 2, 300), (0, 64)])
+def test_norm_kernels_match_their_eager_twins(shape, dtype):
+    """rms_norm, add_rms_norm and gated_rms_norm (kernels.triton_norm, the GPU's) against kernels.norm's eager
+    functions: ragged widths (300: a masked tail), extra leading dimensions, no rows, a strided residual and gate
+    (columns of a wider tensor, as the layers' splits are). bf16 within a unit in the last place for each rounding
+    (the interpreter's bfloat16 cast truncates; tests/gpu checks the compiled kernels); float32 within 1e-6."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    D = shape[-1]
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    residual = torch.randn(*shape[:-1], 2 * D, generator=gen).to(dtype)[..., :D]
+    gate = torch.randn(*shape[:-1], 2 * D, generator=gen)[..., D:]
+    weight = (1 + torch.randn(D, generator=gen) / 4).to(dtype)
+    def close(a, b, roundings):
+        if dtype == torch.bfloat16:
+            return within_ulps(a, b, ulps=roundings)
+        return a.numel() == 0 or rel_err(a, b) < 1e-6
+
+    got = triton_norm.rms_norm(x, weight, 1e-6)
+    assert got.shape == x.shape and got.dtype == dtype and close(got, rms_norm.eager(x, weight, 1e-6), 2)
+    normed, total = triton_norm.add_rms_norm(x, residual, weight, 1e-6)
+    normed_twin, total_twin = add_rms_norm.eager(x, residual, weight, 1e-6)
+    assert close(total, total_twin, 1) and close(normed, normed_twin, 4)  # the sum, normalised, scaled: 3 roundings
+    got = triton_norm.gated_rms_norm(x, gate, weight.float(), 1e-6)  # KDA's: a float32 gate and weight
+    assert got.dtype == dtype and close(got, gated_rms_norm.eager(x, gate, weight.float(), 1e-6), 1)
+
+
+def test_norms_take_the_triton_kernels_on_a_gpu_tensor_only_where_the_dtypes_agree(monkeypatch):
+    """The dispatch of kernels.norm: a CUDA tensor goes to kernels.triton_norm (stood in for here: this machine has
+    no GPU), except rms_norm and add_rms_norm with a weight of another dtype (their eager product rounds once in the
+    wider dtype, which the kernel does not); a CPU tensor runs the eager function."""
+    calls = []
+    for name in ("rms_norm", "add_rms_norm", "gated_rms_norm"):
+        monkeypatch.setattr(triton_norm, name, lambda *args, name=name: calls.append(name) or "kernel")
+    cuda_like = torch.ones(2, 8, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t is cuda_like))
+    w_bf16, w_f32 = torch.ones(8, dtype=torch.bfloat16), torch.ones(8)
+    assert rms_norm(cuda_like, w_bf16, 1e-6) == "kernel" and gated_rms_norm(cuda_like, w_f32, w_f32, 1e-6) == "kernel"
+    assert add_rms_norm(cuda_like, cuda_like, w_bf16, 1e-6) == "kernel"
+    assert isinstance(rms_norm(cuda_like, w_f32, 1e-6), torch.Tensor)  # mixed dtypes: eager
+    assert isinstance(rms_norm(torch.ones(2, 8), w_f32, 1e-6), torch.Tensor)
+    assert calls == ["rms_norm", "gated_rms_norm", "add_rms_norm"]
+
+
+@pytest.mark.parametrize("T,slots,D", [(1, 9, 2304), (4, 3, 700), (0, 2, 64)])
+def test_slot_sum_kernel_matches_torch_sum(T, slots, D):
+    """The decode experts' last launch: each token's slots summed in float32 in slot order (y.sum(1)'s), rounded
+    (the interpreter's bfloat16 cast truncates: one unit in the last place; tests/gpu checks the compiled one)."""
+    y = torch.randn(T, slots, D, generator=torch.Generator().manual_seed(T + D))
+    assert torch.equal(_sum_slots(y, torch.float32), y.sum(1))
+    assert within_ulps(_sum_slots(y, torch.bfloat16), y.sum(1).to(torch.bfloat16))

@@ -2,10 +2,7 @@
 
 import torch
 
-from deltaserve.kernels.fusion import fused_on_gpu
 
-
-@fused_on_gpu
 def grouped_topk(
     router_logits: torch.Tensor,
     correction_bias: torch.Tensor,

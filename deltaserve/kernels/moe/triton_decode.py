@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels.autotune import tile_configs, with_tile
-from deltaserve.kernels.fusion import fused_on_gpu
 from deltaserve.kernels.pdl import pdl_args, pdl_enter
 
 # (rows, columns) of a program's tile, autotuned over these candidates (which trade rows, so programs, for columns, so
@@ -28,6 +27,7 @@ _DOWN_TILES = ((8, 512), (16, 256), (16, 512), (32, 128), (32, 256), (64, 128))
 
 
 _GATE_UP_NAMES, _DOWN_NAMES = ("BLOCK_I", "BLOCK_D"), ("BLOCK_N", "BLOCK_K")
+_SUM_BLOCK_D = 512  # the slots' sum: columns a program (D = 2304: 5 programs a token)
 
 
 @triton.autotune(configs=tile_configs(_GATE_UP_NAMES, _GATE_UP_TILES, _GATE_UP_TILES[3], warps=(4, 8)),
@@ -119,10 +119,25 @@ def _shared_slot(shared, w13, w2, s13, s2, scaled: bool) -> tuple[torch.Tensor, 
     return (*weights, *(scales or (s13, s2)))
 
 
-@fused_on_gpu
-def _sum_slots(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[T, slots, D] float32 -> [T, D] in dtype: one kernel."""
-    return y.sum(1).to(dtype)
+@triton.jit
+def _sum_slots_kernel(y_ptr, out_ptr, SLOTS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """out[t, cols] = y[t, 0, cols] + ... + y[t, SLOTS - 1, cols] in float32 (the order of y.sum(1)), in out's dtype."""
+    pdl_enter(PDL)
+    token, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for slot in tl.static_range(SLOTS):
+        acc += tl.load(y_ptr + (token * SLOTS + slot) * D + cols, mask=cols < D, other=0.0)
+    tl.store(out_ptr + token * D + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < D)
+
+
+def _sum_slots(y: torch.Tensor, dtype: torch.dtype, pdl: bool = True) -> torch.Tensor:
+    """[T, slots, D] float32 (contiguous) -> [T, D] in dtype: one launch. Twin: y.sum(1).to(dtype)."""
+    T, slots, D = y.shape
+    out = torch.empty(T, D, dtype=dtype, device=y.device)
+    if T:
+        _sum_slots_kernel[(T, triton.cdiv(D, _SUM_BLOCK_D))](y, out, SLOTS=slots, D=D, BLOCK_D=_SUM_BLOCK_D,
+                                                              num_warps=4, **pdl_args(y.device, pdl))
+    return out
 
 
 def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -161,4 +176,4 @@ def decode_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights
     down[lambda meta: (triton.cdiv(D, meta["BLOCK_N"]), pairs)](
         act, w2.contiguous(), s2, shared2, shared_s2, ids, weights, y, bucket, K_SLOTS=k, SLOTS=slots, D=D, I=I,
         SCALED=scaled, S_ROWS=s2.shape[1], S_COLS=s2.shape[2], BN=bn, BK=bk, **pdl_args(x.device, pdl), **down_tile)
-    return _sum_slots(y, x.dtype)
+    return _sum_slots(y, x.dtype, pdl)

@@ -1,0 +1,74 @@
+"""The RMSNorms of kernels.norm on a GPU, one Triton launch a call, with their eager twins' order of operations and
+roundings: rms_norm (normalised in float32, rounded to x's dtype, then scaled by the weight), add_rms_norm (the
+residual add rounded to x's dtype first; the sum is returned too) and gated_rms_norm (per head, everything in
+float32 times sigmoid(gate), one rounding at the end). One program a row (a token, or a token's head for the gated
+norm), the row read once. These stand where torch.compile fused the same chains: a process that runs them imports
+neither Dynamo nor Inductor, and loads no compiled graphs at start-up."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, x_stride, r_stride, g_stride, eps,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, ADD: tl.constexpr, GATED: tl.constexpr):
+    """A row of x [rows, D] (row stride x_stride) -> out [rows, D] contiguous. ADD: x + r first, rounded to x's dtype
+    and stored to sum_ptr [rows, D]. GATED: w * normalised * sigmoid(g) in float32, rounded once."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < D
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    if ADD:
+        s = (xf + tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * D + cols, s, mask=mask)
+        xf = s.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if GATED:
+        gate = tl.load(g_ptr + row * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        y = w * (xf * rstd) * tl.sigmoid(gate)
+    else:
+        y = w * (xf * rstd).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
+    """t as [rows, D] with contiguous rows (a copy only where the view cannot be)."""
+    t = t.reshape(-1, D)
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual=None, gate=None):
+    D = x.shape[-1]
+    rows = _rows(x, D)
+    r, g = (rows if t is None else _rows(t, D) for t in (residual, gate))  # an absent one is never read
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, r, g, weight.contiguous(), out, total, rows.stride(0), r.stride(0), g.stride(0), eps, D=D,
+            BLOCK_D=triton.next_power_of_2(D), ADD=residual is not None, GATED=gate is not None,
+            num_warps=4 if D >= 1024 else 1)
+    return out, total
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """kernels.norm.rms_norm for a weight of x's dtype."""
+    assert weight.dtype == x.dtype and weight.shape == x.shape[-1:], "a weight of x's dtype and width"
+    return _launch(x, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """kernels.norm.add_rms_norm for a residual and a weight of x's dtype: (normalised, x + residual)."""
+    assert residual.dtype == weight.dtype == x.dtype and residual.shape == x.shape, "x, residual, weight: one dtype"
+    return _launch(x, weight, eps, residual=residual)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """kernels.norm.gated_rms_norm: x, gate [..., D], weight [D] (any float dtypes) -> x's dtype."""
+    assert gate.shape == x.shape and weight.shape == x.shape[-1:], "gate as x, weight as x's last dimension"
+    return _launch(x, weight, eps, gate=gate)[0]
