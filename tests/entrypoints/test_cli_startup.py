@@ -53,6 +53,17 @@ def test_starting_the_demo_model_imports_neither_dynamo_nor_sympy():
     assert not {"torch._dynamo", "sympy"} & loaded
 
 
+def test_the_gpu_prefill_attention_imports_dynamo_only_for_a_chunk_after_a_cached_prefix():
+    """The GPU's MLA prefill (PyTorch's SDPA; it runs on the CPU too): a prompt's first chunk needs no bias object,
+    whose module imports torch._dynamo (~1 s of a GPU start); a chunk after cached tokens does."""
+    code = ("import json, sys, torch\nfrom deltaserve.kernels.mla.attention import _sdpa_prefill\n"
+            "T, L, H = 3, {L}, 2\n"
+            "_sdpa_prefill(torch.randn(T, H, 8), torch.randn(T, H, 4), torch.randn(L, H, 8), torch.randn(L, 4), "
+            "torch.randn(L, H, 6), 0.3, L - T)\nprint(json.dumps(sorted(sys.modules)))")
+    assert "torch._dynamo" not in modules_after(code.format(L=3))
+    assert "torch._dynamo" in modules_after(code.format(L=5))
+
+
 def test_unknown_attribute_of_deltaserve_is_an_attribute_error():
     import deltaserve
 

@@ -169,9 +169,11 @@ def _sdpa_prefill(q_nope, q_rope, k_nope, k_rope, v, scale: float, start_pos: in
     k = torch.cat([k_nope, k_rope[:, None, :].expand(L, H, -1)], dim=-1).transpose(0, 1)[None]
     # a chunk after start_pos cached tokens: causal aligned to the bottom right (query t sees keys <= start_pos + t)
     # as a bias object, not a [T, L] mask (2 GB for a chunk of 8k at a 256k context), so the fused kernels run
-    from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: only where it is used
+    mask = None
+    if start_pos:
+        from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo (~1 s): only where it is used
 
-    mask = causal_lower_right(T, L) if start_pos else None
+        mask = causal_lower_right(T, L)
     out = F.scaled_dot_product_attention(q, k, v.transpose(0, 1)[None], attn_mask=mask, is_causal=not start_pos,
                                          scale=scale)
     return out[0].transpose(0, 1)  # [T, H, Dv]
