@@ -64,6 +64,19 @@ def test_the_gpu_prefill_attention_imports_dynamo_only_for_a_chunk_after_a_cache
     assert "torch._dynamo" in modules_after(code.format(L=5))
 
 
+def test_a_gpu_start_imports_no_compiler_stack_with_our_kernels():
+    """What a GPU start imports to restore the tuning (all our kernel modules) and to build the engine: neither
+    Dynamo, Inductor nor sympy (their imports and compiled graphs cost seconds a process), and no fla-core unless
+    asked for. Needs Triton (the test extra brings it)."""
+    pytest.importorskip("triton")
+    loaded = modules_after("import json, sys\nfrom deltaserve.kernels import tuning_cache\n"
+                           "tuning_cache._import_tuned_kernels(())\nimport deltaserve.core.engine\n"
+                           "print(json.dumps(sorted(sys.modules)))")
+    assert "deltaserve.kernels.triton_norm" in loaded and "deltaserve.kernels.mla.triton_decode" in loaded
+    assert not {"torch._dynamo", "torch._inductor", "sympy"} & loaded
+    assert not {m for m in loaded if m.split(".")[0] == "fla"}
+
+
 def test_unknown_attribute_of_deltaserve_is_an_attribute_error():
     import deltaserve
 
