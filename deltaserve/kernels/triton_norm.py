@@ -2,8 +2,10 @@
 roundings: rms_norm (normalised in float32, rounded to x's dtype, then scaled by the weight), add_rms_norm (the
 residual add rounded to x's dtype first; the sum is returned too) and gated_rms_norm (per head, everything in
 float32 times sigmoid(gate), one rounding at the end). One program a row (a token, or a token's head for the gated
-norm), the row read once. These stand where torch.compile fused the same chains: a process that runs them imports
-neither Dynamo nor Inductor, and loads no compiled graphs at start-up."""
+norm), the row read once. Last bits may differ from the twins': the mean square is summed in another order and
+divided by D (torch multiplies by 1/D), and rsqrt and sigmoid are the GPU's approximate ones; the tests allow a few
+elements in a thousand to round the other way. These stand where torch.compile fused the same chains: a process
+that runs them imports neither Dynamo nor Inductor, and loads no compiled graphs at start-up."""
 
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual=None, gate=None):
+    """x [..., D] (rows of stride >= D, contiguous columns), weight [D], residual or gate shaped as x -> (out, the
+    residual sum, or out again without a residual), both fresh [..., D] tensors in x's dtype."""
     D = x.shape[-1]
     rows = _rows(x, D)
     r, g = (rows if t is None else _rows(t, D) for t in (residual, gate))  # an absent one is never read

@@ -102,3 +102,26 @@ def within_ulps(a: torch.Tensor, b: torch.Tensor, ulps: int = 1) -> bool:
     a, b = a.float().cpu(), b.float().cpu()
     ulp = torch.maximum(a.abs(), b.abs()).clamp_min(1e-30) * 2.0 ** -7
     return bool(((a - b).abs() <= ulps * ulp).all())
+
+
+def norm_inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int, device: str = "cpu") -> dict:
+    """The norms' operands, as the layers hand them over: x a column slice of a wider tensor (MLA's latent norm reads
+    ckv[:, :R]), a residual and a gate likewise strided, a weight in x's dtype, and a float32 weight that x's dtype
+    could not hold exactly (a kernel that rounded it would show)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    D = shape[-1]
+
+    def wide(scale=1.0):
+        return (torch.randn(*shape[:-1], 2 * D, generator=gen, device=device) * scale).to(dtype)
+
+    weight32 = 1 + torch.randn(D, generator=gen, device=device) / 4
+    return {"x": wide(3)[..., :D], "residual": wide()[..., D:], "gate": wide()[..., :D], "weight": weight32.to(dtype),
+            "weight32": weight32, "eps": 1e-6}
+
+
+def mostly_equal(a: torch.Tensor, b: torch.Tensor, ulps: int = 2) -> bool:
+    """Two half-precision results of one computation in another order: at most 1 in 1,000 elements (2 at least)
+    rounded the other way, none by more than `ulps` (bf16's 8 significant bits). A missing or extra rounding of an
+    intermediate changes far more of them."""
+    differing = int((a != b).sum())
+    return differing <= max(2, a.numel() // 1000) and within_ulps(a, b, ulps)

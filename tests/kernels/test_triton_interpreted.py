@@ -3,7 +3,15 @@ checks them without a GPU. On a machine with CUDA, tests/gpu runs the same kerne
 
 import pytest
 import torch
-from helpers.kernels import PagedLatents, norm_gemv_inputs, rel_err, require_triton_interpreter, within_ulps
+from helpers.kernels import (
+    PagedLatents,
+    mostly_equal,
+    norm_gemv_inputs,
+    norm_inputs,
+    rel_err,
+    require_triton_interpreter,
+    within_ulps,
+)
 
 require_triton_interpreter()
 
@@ -295,31 +303,32 @@ def test_mla_decode_kernel_reads_a_float8_cache_as_its_twin_does():
     assert out.dtype == torch.float32 and rel_err(out, twin) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 2304), (5, 512), (3, 2, 300), (0, 64)])
 def test_norm_kernels_match_their_eager_twins(shape, dtype):
     """rms_norm, add_rms_norm and gated_rms_norm (kernels.triton_norm, the GPU's) against kernels.norm's eager
-    functions: ragged widths (300: a masked tail), extra leading dimensions, no rows, a strided residual and gate
-    (columns of a wider tensor, as the layers' splits are). bf16 within a unit in the last place for each rounding
-    (the interpreter's bfloat16 cast truncates; tests/gpu checks the compiled kernels); float32 within 1e-6."""
-    gen = torch.Generator().manual_seed(sum(shape))
-    D = shape[-1]
-    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
-    residual = torch.randn(*shape[:-1], 2 * D, generator=gen).to(dtype)[..., :D]
-    gate = torch.randn(*shape[:-1], 2 * D, generator=gen)[..., D:]
-    weight = (1 + torch.randn(D, generator=gen) / 4).to(dtype)
+    functions: ragged widths (300: a masked tail), extra leading dimensions, no rows, strided x, residual and gate.
+    float16 (the interpreter rounds it to nearest, as a GPU does) all but a few elements bit for bit, so a missing or
+    extra rounding shows; bfloat16 within a unit in the last place a rounding (the interpreter's bfloat16 cast
+    truncates; tests/gpu checks the compiled kernels); float32 within 1e-6."""
+    case = norm_inputs(shape, dtype, seed=sum(shape))
+    x, residual, gate, weight, eps = case["x"], case["residual"], case["gate"], case["weight"], case["eps"]
+
     def close(a, b, roundings):
+        if dtype == torch.float16:
+            return mostly_equal(a, b)
         if dtype == torch.bfloat16:
             return within_ulps(a, b, ulps=roundings)
         return a.numel() == 0 or rel_err(a, b) < 1e-6
 
-    got = triton_norm.rms_norm(x, weight, 1e-6)
-    assert got.shape == x.shape and got.dtype == dtype and close(got, rms_norm.eager(x, weight, 1e-6), 2)
-    normed, total = triton_norm.add_rms_norm(x, residual, weight, 1e-6)
-    normed_twin, total_twin = add_rms_norm.eager(x, residual, weight, 1e-6)
+    got = triton_norm.rms_norm(x, weight, eps)
+    assert got.shape == x.shape and got.dtype == dtype and close(got, rms_norm.eager(x, weight, eps), 2)
+    normed, total = triton_norm.add_rms_norm(x, residual, weight, eps)
+    normed_twin, total_twin = add_rms_norm.eager(x, residual, weight, eps)
     assert close(total, total_twin, 1) and close(normed, normed_twin, 4)  # the sum, normalised, scaled: 3 roundings
-    got = triton_norm.gated_rms_norm(x, gate, weight.float(), 1e-6)  # KDA's: a float32 gate and weight
-    assert got.dtype == dtype and close(got, gated_rms_norm.eager(x, gate, weight.float(), 1e-6), 1)
+    for w in (weight, case["weight32"]):  # KDA's weight in the model's dtype; a float32 one it must not round
+        got = triton_norm.gated_rms_norm(x, gate, w, eps)
+        assert got.dtype == dtype and close(got, gated_rms_norm.eager(x, gate, w, eps), 1)
 
 
 def test_norms_take_the_triton_kernels_on_a_gpu_tensor_only_where_the_dtypes_agree(monkeypatch):

@@ -138,7 +138,7 @@ def test_fla_is_imported_for_its_tuning_only_where_the_prefill_runs_it(monkeypat
 
     import torch
 
-    from deltaserve.kernels import tuning_cache
+    from deltaserve.kernels import kda, tuning_cache
     from deltaserve.kernels.kda import fla_serves
 
     imported = []
@@ -149,3 +149,6 @@ def test_fla_is_imported_for_its_tuning_only_where_the_prefill_runs_it(monkeypat
     tuning_cache._import_tuned_kernels(tuning_cache.FLA_MODULES)
     assert imported[-2:] == list(tuning_cache.FLA_MODULES)
     assert not fla_serves(torch.device("cuda"), torch.float32) and not fla_serves(torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(kda, "_fla_available", lambda: True)  # fla-core installed (it is not on this machine)
+    assert fla_serves(torch.device("cuda"), torch.bfloat16) and fla_serves(torch.device("cuda"), torch.float16)
+    assert not fla_serves(torch.device("cuda"), torch.float32)
