@@ -14,6 +14,8 @@ outputs cross-checked (relative error against the first variant) so a fast wrong
   router        the router's logits for a few tokens: our GEMV, autotuned and each tile, against the float32 copy
                 and cuBLAS GEMV
   norm_gemv     a decoder layer's norms inside the GEMVs that read them, one token, against norm and projection apart
+  norms         the RMSNorms as Triton kernels (kernels.triton_norm) against torch.compile of their eager twins (the
+                GPU path before 2ecc16d) and the eager ops, from one token to a prefill chunk
 
 Times are CUDA-graph replays (triton.testing.do_bench_cudagraph), in microseconds per call; with the bytes each
 variant must read, the achieved bandwidth. `--smoke` runs tiny shapes on the CPU (Triton through its interpreter)
@@ -348,8 +350,49 @@ def norm_gemv_rows(device: str, smoke: bool) -> list[dict]:
     return rows
 
 
+def norm_rows(device: str, smoke: bool) -> list[dict]:
+    """The norms a step runs apart from the GEMVs: add_rms_norm over the hidden width, rms_norm over MLA's latent
+    and KDA's gated norm per head, at 1 token to a prefill chunk; kernels.triton_norm's kernel against
+    torch.compile of the eager function (dynamic shapes, whole graph: how the GPU ran them before) and the eager
+    ops. GB/s of the bytes each must move (read and written once). Smoke: the kernel through the interpreter and
+    the eager ops only."""
+    from deltaserve.kernels import triton_norm
+    from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    D, R, H, K = (100, 48, 3, 16) if smoke else (2304, 512, 32, 128)
+    size = torch.tensor([], dtype=dtype).element_size()
+    rows = []
+    for T in (1, 5) if smoke else (1, 64, 256, 8192):
+        x, residual = torch.randn(2, T, D, device=device).to(dtype)
+        latent = torch.randn(T, R, device=device).to(dtype)
+        o, gate = torch.randn(2, T, H, K, device=device).to(dtype)
+        w_d, w_r, w_k = ((torch.rand(n, device=device) + 0.5).to(dtype) for n in (D, R, K))
+        cases = {"add_rms_norm": (add_rms_norm, (x, residual, w_d, 1e-6), 4 * T * D * size),
+                 "rms_norm (latent)": (rms_norm, (latent, w_r, 1e-6), 2 * T * R * size),
+                 "gated_rms_norm": (gated_rms_norm, (o, gate, w_k, 1e-6), 3 * T * H * K * size)}
+        for name, (norm, args, moved) in cases.items():
+            kernel = getattr(triton_norm, norm.__name__)
+            variants = {"triton": lambda: kernel(*args), "eager": lambda: norm.eager(*args)}
+            if not smoke:
+                compiled = torch.compile(norm.eager, dynamic=True, fullgraph=True)
+                variants["compiled"] = lambda: compiled(*args)
+            expected = norm.eager(*args)
+            for variant, fn in variants.items():
+                us = timed(fn, device)
+                error = max(rel_err(a, b) for a, b in zip(_as_tuple(fn()), _as_tuple(expected)))
+                emit("norms", rows, {"norm": name, "tokens": T, "variant": variant, "us": us, "GBps": moved / us / 1e3,
+                                     "rel_err": error})
+    return rows
+
+
+def _as_tuple(value) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
 PARTS = {"mla_decode": mla_decode_rows, "mla_prefill": mla_prefill_rows, "fp8_experts": fp8_expert_rows,
-         "decode_experts": decode_expert_rows, "gemv": gemv_rows, "router": router_rows, "norm_gemv": norm_gemv_rows}
+         "decode_experts": decode_expert_rows, "gemv": gemv_rows, "router": router_rows, "norm_gemv": norm_gemv_rows,
+         "norms": norm_rows}
 
 
 def main() -> None:

@@ -4,7 +4,8 @@
 #   tests     tests/gpu (kernels against their twins, float32 GPU = CPU, FP8 GPU = CPU fallback), one pytest a file
 #   (in this order:) tests, kernels, bench, fp8, pdl, async, normgemv, parity, profile, prefill, baseline
 #   kernels   benchmarks/gpu/kernels_bench.py: MLA decode, MLA prefill, FP8 experts, the decode experts' tiles, the
-#             dense GEMV and the router (KPARTS: a comma-separated subset of those parts)
+#             dense GEMV, the router, norms inside GEMVs and the norms' kernels against torch.compile (KPARTS: a
+#             comma-separated subset of those parts)
 #   longparity  bfloat16 against a float32 golden (both on the GPU) at a 128k-token context: the demo model (its
 #             length limit raised) and the random ~0.5B `medium` model of benchmarks/offline_throughput.py, 2 prompts
 #             of 131,072 tokens x 64 teacher-forced positions each (T_PARITY a command)
