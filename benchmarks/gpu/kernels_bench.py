@@ -361,13 +361,13 @@ def norm_rows(device: str, smoke: bool) -> list[dict]:
 
     dtype = torch.float32 if smoke else torch.bfloat16
     D, R, H, K = (100, 48, 3, 16) if smoke else (2304, 512, 32, 128)
-    size = torch.tensor([], dtype=dtype).element_size()
     rows = []
     for T in (1, 5) if smoke else (1, 64, 256, 8192):
         x, residual = torch.randn(2, T, D, device=device).to(dtype)
         latent = torch.randn(T, R, device=device).to(dtype)
         o, gate = torch.randn(2, T, H, K, device=device).to(dtype)
         w_d, w_r, w_k = ((torch.rand(n, device=device) + 0.5).to(dtype) for n in (D, R, K))
+        size = x.element_size()
         cases = {"add_rms_norm": (add_rms_norm, (x, residual, w_d, 1e-6), 4 * T * D * size),
                  "rms_norm (latent)": (rms_norm, (latent, w_r, 1e-6), 2 * T * R * size),
                  "gated_rms_norm": (gated_rms_norm, (o, gate, w_k, 1e-6), 3 * T * H * K * size)}
