@@ -116,8 +116,9 @@ def main() -> int:
                              (128, False, True, "*fp32")):  # the decoder's norms, MLA's latent norm, KDA's gated one
         ok &= check(f"rms norm {D}, add {add}, gated {gated}", triton_norm._rms_norm_kernel, dict(
             x_ptr="*bf16", r_ptr="*bf16", g_ptr="*fp32" if gated else "*bf16", w_ptr=w, out_ptr="*bf16",
-            sum_ptr="*bf16", x_stride="i32", r_stride="i32", g_stride="i32", eps="fp32", D=D,
-            BLOCK_D=triton.next_power_of_2(D), ADD=add, GATED=gated), num_warps=4 if D >= 1024 else 1,
+            sum_ptr="*bf16", n_rows="i32", x_stride="i32", r_stride="i32", g_stride="i32", eps="fp32", D=D,
+            BLOCK_D=triton.next_power_of_2(D), BLOCK_ROWS=max(1, triton_norm.TILE // triton.next_power_of_2(D)),
+            ADD=add, GATED=gated), num_warps=4,
             aligned=("x_stride", "r_stride", "g_stride"))
     ok &= check("moe slot sum", triton_decode._sum_slots_kernel, dict(
         y_ptr="*fp32", out_ptr="*bf16", SLOTS=9, D=2304, BLOCK_D=triton_decode._SUM_BLOCK_D, PDL=True))
@@ -140,11 +141,14 @@ def main() -> int:
                 N=N, K=K, GROUP_N=N, BLOCK_N=block_n, BLOCK_K=block_k, s_ptr="*fp32", SCALED=True,
                 S_COLS=-(-K // 128), BN=128, BK=128, PDL=True))
     for K in (128, 48):  # the 48B model's head width; the demo model's (not a power of two)
-        ok &= check(f"KDA decode, K {K}", kda_triton_decode._kda_decode_kernel, dict(
-            q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", graw_ptr="*bf16", braw_ptr="*bf16", dt_bias_ptr="*fp32",
-            a_log_ptr="*fp32", state_ptr="*fp32", slots_ptr="*i64", o_ptr="*bf16", qkv_stride="i32", g_stride="i32",
-            b_stride="i32", scale="fp32", H=32, K=K, V=K, BK=triton.next_power_of_2(K),
-            BV=min(triton.next_power_of_2(K), 32), PDL=True))
+        for varlen in (False, True):  # a decode step; a short prefill
+            ok &= check(f"KDA {'short prefill' if varlen else 'decode'}, K {K}",
+                        kda_triton_decode._kda_recurrent_kernel, dict(
+                            q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", graw_ptr="*bf16", braw_ptr="*bf16",
+                            dt_bias_ptr="*fp32", a_log_ptr="*fp32", state_ptr="*fp32", slots_ptr="*i64",
+                            cu_ptr="*i64", o_ptr="*bf16", qkv_stride="i32", g_stride="i32", b_stride="i32",
+                            scale="fp32", H=32, K=K, V=K, BK=triton.next_power_of_2(K),
+                            BV=min(triton.next_power_of_2(K), 32), VARLEN=varlen, PDL=True))
     for dtype in ("bf16", "fp32"):
         ok &= check(f"MLA decode, {dtype}", mla_triton_decode._mla_decode_split_kernel, dict(
             q_ptr=f"*{dtype}", qr_ptr=f"*{dtype}", cache_ptr=f"*{dtype}", bt_ptr="*i64", lens_ptr="*i64",

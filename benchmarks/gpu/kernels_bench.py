@@ -16,6 +16,8 @@ outputs cross-checked (relative error against the first variant) so a fast wrong
   norm_gemv     a decoder layer's norms inside the GEMVs that read them, one token, against norm and projection apart
   norms         the RMSNorms as Triton kernels (kernels.triton_norm) against torch.compile of their eager twins (the
                 GPU path before 2ecc16d) and the eager ops, from one token to a prefill chunk
+  kda_prefill   a short prefill's KDA recurrence: our recurrent kernel against fla-core's chunked one (both include
+                the state copy each variant starts from), 1 to 512 tokens
 
 Times are CUDA-graph replays (triton.testing.do_bench_cudagraph), in microseconds per call; with the bytes each
 variant must read, the achieved bandwidth. `--smoke` runs tiny shapes on the CPU (Triton through its interpreter)
@@ -386,13 +388,51 @@ def norm_rows(device: str, smoke: bool) -> list[dict]:
     return rows
 
 
+def kda_prefill_rows(device: str, smoke: bool) -> list[dict]:
+    """A prefill's KDA recurrence for B sequences of T tokens each (32 heads of 128, the 48B shape's): our recurrent
+    kernel (kernels.kda.kda_recurrent_varlen: each program walks its sequence's tokens) against fla-core's chunked
+    kernel, from the same states; where the first stops winning is kernels.kda.RECURRENT_PREFILL_MAX_LEN's
+    measure. Smoke: the recurrent kernel through the interpreter at tiny shapes."""
+    from deltaserve.kernels.kda import kda_gate
+    from deltaserve.kernels.kda.triton_decode import kda_recurrent_varlen
+    from deltaserve.kernels.varlen import pack_seqs
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    H, K = (2, 16) if smoke else (32, 128)
+    rows = []
+    for B, T in ((1, 4), (2, 3)) if smoke else [(1, t) for t in (1, 8, 32, 64, 128, 256, 512)] + \
+            [(16, t) for t in (8, 32, 64, 128, 256)]:
+        N, cu = B * T, list(range(0, B * T + 1, T))
+        qkv = torch.randn(N, 3, H, K, device=device).to(dtype)
+        g_raw, b_raw = torch.randn(N, H * K, device=device).to(dtype), torch.randn(N, H, device=device).to(dtype)
+        dt_bias, a_log = torch.randn(H * K, device=device) - 3, torch.rand(H, device=device).add(1).log()
+        state = torch.randn(B + 1, H, K, K, device=device) * 0.1
+        packed = pack_seqs(list(range(1, B + 1)), cu, torch.device(device))
+        scale = K ** -0.5
+        variants = {"recurrent": lambda: kda_recurrent_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b_raw, dt_bias,
+                                                              a_log, state.clone(), packed, scale)}
+        if not smoke:
+            from deltaserve.kernels.kda.fla_chunk import fla_chunk_kda
+
+            def chunked():
+                g, beta = kda_gate(g_raw, dt_bias, a_log), torch.sigmoid(b_raw.float())
+                return fla_chunk_kda(qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, scale, state.clone(), packed)
+
+            variants["fla chunk"] = chunked
+        expected = variants["recurrent"]()
+        for variant, fn in variants.items():
+            emit("kda_prefill", rows, {"sequences": B, "tokens": T, "variant": variant, "us": timed(fn, device),
+                                       "rel_err": rel_err(fn(), expected)})
+    return rows
+
+
 def _as_tuple(value) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
 
 PARTS = {"mla_decode": mla_decode_rows, "mla_prefill": mla_prefill_rows, "fp8_experts": fp8_expert_rows,
          "decode_experts": decode_expert_rows, "gemv": gemv_rows, "router": router_rows, "norm_gemv": norm_gemv_rows,
-         "norms": norm_rows}
+         "norms": norm_rows, "kda_prefill": kda_prefill_rows}
 
 
 def main() -> None:

@@ -24,7 +24,8 @@
 #   baseline  4 layers (3 KDA + 1 MLA) of the 48B shape: deltaserve and transformers + fla-core, same call
 #   firstgen  (not in the default list; name it first, on a fresh machine) the demo model's `generate` on the GPU,
 #             timed shell to exit, three times: the first pays compile and tune (the shipped tuning table, if the card
-#             has one), the others read the caches it left (KEEP_PYC=1: Python's bytecode kept too)
+#             has one), the others read the caches it left (KEEP_PYC=1: Python's bytecode kept too; PROFILE=1: a
+#             fourth under cProfile and a fifth with -X importtime)
 #   servestart (not in the default list) `deltaserve serve` of the 48B shape (dummy weights) to /health 200, twice,
 #             with its start-up phases (benchmarks/serve_start.py; issue 26)
 #   serve     (not in the default list) the HTTP server against the offline engine on the same requests, 48B shape,
@@ -93,6 +94,16 @@ if has firstgen; then  # first on a fresh machine: the demo model's first genera
     grep -iE "start-up|autotuning|tokens in" "$OUT/firstgen_$run.txt" | cut -c1-160
     caches
   done
+  # PROFILE=1: one more run under cProfile (where a warm start's seconds go) and one with -X importtime
+  if [ "${PROFILE:-}" = 1 ]; then
+    timeout 100 python3 -m cProfile -o "$OUT/firstgen.prof" -m deltaserve.entrypoints.cli generate --device cuda \
+        --prompt "Once upon a time" --max-tokens 32 > /dev/null 2>&1
+    python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('cumulative').print_stats(70)
+s.sort_stats('tottime').print_stats(30)" "$OUT/firstgen.prof" > "$OUT/firstgen_profile.txt" 2>&1
+    timeout 100 python3 -X importtime -m deltaserve.entrypoints.cli generate --device cuda \
+        --prompt "Once upon a time" --max-tokens 32 2> "$OUT/firstgen_importtime.txt" > /dev/null
+    sort -t'|' -k2 -n "$OUT/firstgen_importtime.txt" | tail -25
+  fi
 fi
 if has tests; then
   env | grep -i pytest

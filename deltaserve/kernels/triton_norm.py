@@ -1,11 +1,12 @@
 """The RMSNorms of kernels.norm on a GPU, one Triton launch a call, with their eager twins' order of operations and
 roundings: rms_norm (normalised in float32, rounded to x's dtype, then scaled by the weight), add_rms_norm (the
 residual add rounded to x's dtype first; the sum is returned too) and gated_rms_norm (per head, everything in
-float32 times sigmoid(gate), one rounding at the end). One program a row (a token, or a token's head for the gated
-norm), the row read once. Last bits may differ from the twins': the mean square is summed in another order and
-divided by D (torch multiplies by 1/D), and rsqrt and sigmoid are the GPU's approximate ones; the tests allow a few
-elements in a thousand to round the other way. These stand where torch.compile fused the same chains: a process
-that runs them imports neither Dynamo nor Inductor, and loads no compiled graphs at start-up."""
+float32 times sigmoid(gate), one rounding at the end). A program normalises whole rows (a token, or a token's head
+for the gated norm; several narrow rows at once), each read once. Last bits may differ from the twins': the mean
+square is summed in another order and divided by D (torch multiplies by 1/D), and rsqrt and sigmoid are the GPU's
+approximate ones; the tests allow a few elements in a thousand to round the other way. These stand where
+torch.compile fused the same chains: a process that runs them imports neither Dynamo nor Inductor, and loads no
+compiled graphs at start-up."""
 
 from __future__ import annotations
 
@@ -15,27 +16,32 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, x_stride, r_stride, g_stride, eps,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, ADD: tl.constexpr, GATED: tl.constexpr):
-    """A row of x [rows, D] (row stride x_stride) -> out [rows, D] contiguous. ADD: x + r first, rounded to x's dtype
-    and stored to sum_ptr [rows, D]. GATED: w * normalised * sigmoid(g) in float32, rounded once."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < D
-    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+def _rms_norm_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, n_rows, x_stride, r_stride, g_stride, eps,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, ADD: tl.constexpr,
+                     GATED: tl.constexpr):
+    """BLOCK_ROWS rows of x [n_rows, D] (row stride x_stride) -> out [n_rows, D] contiguous. ADD: x + r first,
+    rounded to x's dtype and stored to sum_ptr [n_rows, D]. GATED: w * normalised * sigmoid(g) in float32, rounded
+    once."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)[:, None]  # [BLOCK_ROWS, 1]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    mask = (rows < n_rows) & (cols < D)
+    x = tl.load(x_ptr + rows * x_stride + cols, mask=mask, other=0.0)
     xf = x.to(tl.float32)
     if ADD:
-        s = (xf + tl.load(r_ptr + row * r_stride + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
-        tl.store(sum_ptr + row * D + cols, s, mask=mask)
+        s = (xf + tl.load(r_ptr + rows * r_stride + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + rows * D + cols, s, mask=mask)
         xf = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1)[:, None] / D + eps)
+    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     if GATED:
-        gate = tl.load(g_ptr + row * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(g_ptr + rows * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
         y = w * (xf * rstd) * tl.sigmoid(gate)
     else:
         y = w * (xf * rstd).to(x.dtype).to(tl.float32)
-    tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+TILE = 2048  # elements a program normalises: rows of a narrow norm (a head, the latent) share a program
 
 
 def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
@@ -52,11 +58,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual=None, ga
     r, g = (rows if t is None else _rows(t, D) for t in (residual, gate))  # an absent one is never read
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     total = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
-    if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](
-            rows, r, g, weight.contiguous(), out, total, rows.stride(0), r.stride(0), g.stride(0), eps, D=D,
-            BLOCK_D=triton.next_power_of_2(D), ADD=residual is not None, GATED=gate is not None,
-            num_warps=4 if D >= 1024 else 1)
+    n_rows, block_d = rows.shape[0], triton.next_power_of_2(D)
+    block_rows = max(1, min(TILE // block_d, triton.next_power_of_2(n_rows)))
+    if n_rows:
+        _rms_norm_kernel[(triton.cdiv(n_rows, block_rows),)](
+            rows, r, g, weight.contiguous(), out, total, n_rows, rows.stride(0), r.stride(0), g.stride(0), eps, D=D,
+            BLOCK_D=block_d, BLOCK_ROWS=block_rows, ADD=residual is not None, GATED=gate is not None,
+            num_warps=4 if block_rows * block_d >= 1024 else 1)
     return out, total
 
 

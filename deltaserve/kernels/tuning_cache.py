@@ -25,7 +25,7 @@ TUNED_MODULES = ("deltaserve.kernels", "fla.")  # whose module-level autotuners 
 
 
 SHIPPED_TABLES = Path(__file__).parent / "tuning_tables"
-FLA_MODULES = ("deltaserve.kernels.kda.fla_chunk", "fla.ops.kda")  # imported to restore fla-core's tuning
+FLA_MODULE = "deltaserve.kernels.kda.fla_chunk"  # imports fla-core; restores its tuning itself when first imported
 
 
 def decisions_path(gpu_name: str, triton_version: str, base: Path | None = None) -> Path:
@@ -133,19 +133,29 @@ def _as_tuple(value):
     return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
 
 
-def restore_tuning(device, fla: bool) -> Path:
-    """On a GPU: import the kernel modules that tune (ours, and fla-core's KDA where fla: the run's prefill uses it;
-    a float32 run never does, and fla's imports take seconds), put this GPU's and Triton's stored decisions into
-    them, and have the decisions saved again at exit (with those tuned meanwhile). Returns the file."""
+def restore_tuning(device) -> Path:
+    """On a GPU: import our kernel modules that tune, put this GPU's and Triton's stored decisions into them, and
+    have the decisions saved again at exit (with those tuned meanwhile, fla-core's too where a long prefill imported
+    it: restore_imported_tuning). Returns the file."""
     import atexit
 
     import torch
     import triton
 
-    _import_tuned_kernels(FLA_MODULES if fla else ())
+    _import_tuned_kernels()
     path = restore_decisions(torch.cuda.get_device_name(device), triton.__version__, find_autotuners())
     atexit.register(persist_tuning, path)
     return path
+
+
+def restore_imported_tuning(prefixes: tuple[str, ...]) -> None:
+    """The stored decisions put into the autotuners of modules imported after the start (fla-core's: its imports
+    take seconds, so only the first prefill that runs its kernels imports it); saved at exit by restore_tuning's
+    hook like the others."""
+    import torch
+    import triton
+
+    restore_decisions(torch.cuda.get_device_name(), triton.__version__, find_autotuners(prefixes))
 
 
 def restore_decisions(gpu_name: str, triton_version: str, tuners: dict[str, object],
@@ -167,16 +177,17 @@ def persist_tuning(path: Path) -> None:
         log.warning("could not save the autotuning decisions to %s (%s)", path, e)
 
 
-def _import_tuned_kernels(fla: tuple[str, ...]) -> None:
-    """Import our kernel modules (all but kernels.kda.fla_chunk, which imports fla-core), then those named in fla."""
+def _import_tuned_kernels() -> None:
+    """Import our kernel modules, all but kernels.kda.fla_chunk (it imports fla-core)."""
     import importlib
     import pkgutil
 
     import deltaserve.kernels
 
-    names = [m.name for m in pkgutil.walk_packages(deltaserve.kernels.__path__, "deltaserve.kernels.")]
-    for name in [name for name in names if name not in FLA_MODULES] + list(fla):
+    for info in pkgutil.walk_packages(deltaserve.kernels.__path__, "deltaserve.kernels."):
+        if info.name == FLA_MODULE:
+            continue
         try:
-            importlib.import_module(name)
-        except Exception as e:  # fla-core is optional, and a module that cannot load never runs: no failed start
-            log.debug("not restoring the tuning of %s: %s", name, e)
+            importlib.import_module(info.name)
+        except Exception as e:  # a module that cannot load never runs: no failed start
+            log.debug("not restoring the tuning of %s: %s", info.name, e)

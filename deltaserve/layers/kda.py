@@ -98,7 +98,7 @@ class KimiDeltaAttention(nn.Module):
             return o.to(v.dtype)
         prefill = kda_prefill(q[nd:], k[nd:], v[nd:], g_raw[nd:], b_raw[nd:], *params, state,
                               batch.state_slot_list[nd:], batch.prefill_cu_seqlens(), scale,
-                              batch.prefill)
+                              batch.prefill, self.kernels.pdl)
         if not nd:
             return prefill.to(v.dtype)
         o = torch.empty(v.shape, dtype=v.dtype, device=v.device)

@@ -24,7 +24,6 @@ from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce, check_div
 from deltaserve.forward_batch import ForwardBatch
 from deltaserve.kernel_options import KernelOptions
 from deltaserve.kernels import cpu_gemv
-from deltaserve.kernels.kda import fla_serves
 from deltaserve.kernels.tuning_cache import persist_tuning, restore_tuning
 from deltaserve.kernels.varlen import to_device
 from deltaserve.layers.linear import Linear
@@ -66,7 +65,7 @@ class ModelRunner:
                                           plan.num_slots + 1, dtype, self.device, latent_dtype)
             self.snapshots = self._allocate_snapshots()
         # kernels tuned by an earlier run on this GPU (and Triton) skip their tuning
-        tuning = restore_tuning(self.device, fla_serves(self.device, dtype)) if self.device.type == "cuda" else None
+        tuning = restore_tuning(self.device) if self.device.type == "cuda" else None
         self.requests: dict[str, RequestState] = {}
         # logits_processor(req_ids, logits [B, V]) -> logits: called where a step samples (structured outputs'
         # token bitmask); lookahead steps never carry a request it would change (SamplingParams.host_between_tokens)

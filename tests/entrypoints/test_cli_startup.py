@@ -70,7 +70,7 @@ def test_a_gpu_start_imports_no_compiler_stack_with_our_kernels():
     asked for. Needs Triton (the test extra brings it)."""
     pytest.importorskip("triton")
     loaded = modules_after("import json, sys\nfrom deltaserve.kernels import tuning_cache\n"
-                           "tuning_cache._import_tuned_kernels(())\nimport deltaserve.core.engine\n"
+                           "tuning_cache._import_tuned_kernels()\nimport deltaserve.core.engine\n"
                            "print(json.dumps(sorted(sys.modules)))")
     assert "deltaserve.kernels.triton_norm" in loaded and "deltaserve.kernels.mla.triton_decode" in loaded
     assert not {"torch._dynamo", "torch._inductor", "sympy"} & loaded

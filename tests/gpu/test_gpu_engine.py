@@ -143,3 +143,25 @@ def test_steps_in_flight_replay_the_graphs_of_synchronous_steps_exactly(tiny):
         del llm
     assert tokens[True] == tokens[False]
     assert LLM(tiny, device="cuda", dtype="bfloat16", max_model_len=512).engine.async_scheduling  # the default
+
+
+def test_a_short_bf16_prompt_runs_without_fla_and_a_long_one_with_it(tiny):
+    """fla-core's imports take seconds: a prompt of at most RECURRENT_PREFILL_MAX_LEN tokens prefills through our
+    recurrent kernel and never imports it (nor its fla-core tuning); a longer one imports it then. One process a
+    case (sys.modules is per process)."""
+    import subprocess
+    import sys
+
+    from deltaserve.kernels.kda import RECURRENT_PREFILL_MAX_LEN
+
+    pytest.importorskip("fla.ops.kda")
+    code = ("import json, sys\nfrom deltaserve import LLM, SamplingParams\n"
+            f"llm = LLM({str(tiny)!r}, device='cuda', dtype='bfloat16', max_model_len=512)\n"
+            "out = llm.generate([{{'prompt_token_ids': list(range(3, 3 + {n}))}}], SamplingParams(max_tokens=8, "
+            "temperature=0, ignore_eos=True), use_tqdm=False)\n"
+            "print(json.dumps([out[0].outputs[0].token_ids, any(m.split('.')[0] == 'fla' for m in sys.modules)]))")
+    for n, imports_fla in ((RECURRENT_PREFILL_MAX_LEN, False), (200, True)):  # 200: a first chunk of 192
+        run = subprocess.run([sys.executable, "-c", code.format(n=n)], capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        tokens, fla_imported = json.loads(run.stdout.strip().splitlines()[-1])
+        assert fla_imported == imports_fla and len(tokens) == 8

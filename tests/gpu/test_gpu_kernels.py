@@ -71,6 +71,32 @@ def test_fla_chunk_prefill_matches_torch_chunk(lengths):
     assert rel_err(state[slots], twin_state[slots]) < 2e-2
 
 
+@pytest.mark.parametrize("lengths", [[1], [5, 32, 2], [31, 1, 17, 9]])
+def test_short_bf16_prefill_runs_the_recurrent_kernel_and_matches_torch_chunk(lengths):
+    """kda_prefill in bfloat16 at lengths up to RECURRENT_PREFILL_MAX_LEN: our recurrent kernel (no fla-core),
+    against the float32 chunked torch path from the same states."""
+    from deltaserve.kernels.kda import RECURRENT_PREFILL_MAX_LEN, kda_prefill
+
+    assert max(lengths) <= RECURRENT_PREFILL_MAX_LEN
+    gen = torch.Generator(device=DEV).manual_seed(sum(lengths))
+    H, K, S = 4, 128, 8
+    N = sum(lengths)
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    qkv, g_raw, b_raw, dt_bias, a_log = kda_inputs(N, H, K, torch.bfloat16, gen)
+    state = torch.randn(S, H, K, K, generator=gen, device=DEV) * 0.1
+    twin_state = state.clone()
+    slots = list(range(len(lengths), 0, -1))
+    o = kda_prefill(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b_raw, dt_bias, a_log, state, slots, cu, K ** -0.5)
+    g, beta = kda_gate(g_raw, dt_bias, a_log), torch.sigmoid(b_raw.float())  # the kernel's sigmoid is float32's
+    o_twin = chunk_kda(l2norm(qkv[:, 0]), l2norm(qkv[:, 1]), qkv[:, 2].float(), g, beta, K ** -0.5, twin_state,
+                       slots, cu)
+    # o rounded to bf16 in the kernel (2^-9 at most); the states differ by float32's order of summation only
+    assert o.dtype == torch.bfloat16 and rel_err(o, o_twin) < 4e-3
+    assert rel_err(state[slots], twin_state[slots]) < 1e-4
+
+
 @pytest.mark.parametrize("T,E,k", [(1, 256, 8), (5, 16, 2), (300, 64, 8)])
 def test_grouped_experts_match_naive(T, E, k):
     gen = torch.Generator(device=DEV).manual_seed(T)

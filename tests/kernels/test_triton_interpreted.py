@@ -18,9 +18,9 @@ require_triton_interpreter()
 from deltaserve.kernels import triton_norm  # noqa: E402
 from deltaserve.kernels.conv1d_triton import conv1d_update, conv1d_varlen  # noqa: E402
 from deltaserve.kernels.gemv import GEMV_TILES, gemv  # noqa: E402
-from deltaserve.kernels.kda import fused_recurrent_kda, kda_gate, l2norm  # noqa: E402
+from deltaserve.kernels.kda import fused_recurrent_kda, kda_gate, kda_prefill, l2norm  # noqa: E402
 from deltaserve.kernels.kda.naive import naive_causal_conv1d  # noqa: E402
-from deltaserve.kernels.kda.triton_decode import kda_decode  # noqa: E402
+from deltaserve.kernels.kda.triton_decode import kda_decode, kda_recurrent_varlen  # noqa: E402
 from deltaserve.kernels.mla.attention import torch_mla_decode  # noqa: E402
 from deltaserve.kernels.mla.triton_decode import triton_mla_decode  # noqa: E402
 from deltaserve.kernels.moe.experts import _weighted_sum  # noqa: E402
@@ -50,6 +50,34 @@ def test_kda_decode_kernel_matches_twin(B, H, K):
     o = kda_decode(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b_raw, dt_bias, a_log, state, slots, K ** -0.5)
     o_twin = fused_recurrent_kda(l2norm(qkv[:, 0]), l2norm(qkv[:, 1]), qkv[:, 2], kda_gate(g_raw, dt_bias, a_log),
                                  torch.sigmoid(b_raw), K ** -0.5, twin_state, slots)
+    assert rel_err(o, o_twin) < 1e-5
+    assert rel_err(state[slots], twin_state[slots]) < 1e-5
+    assert torch.all(state[unused] == 1e30)
+
+
+@pytest.mark.parametrize("lengths,H,K", [([1], 2, 16), ([5, 1, 17], 4, 32), ([64, 3], 1, 48), ([2, 9], 2, 64)])
+def test_kda_recurrent_varlen_kernel_matches_the_chunked_twin(lengths, H, K):
+    """A short prefill's recurrent kernel (each program walks its sequence's tokens) against the CPU's chunked
+    path, at ragged lengths from pooled states in shuffled slots; other slots untouched."""
+    gen = torch.Generator().manual_seed(sum(lengths) * K)
+    N, S = sum(lengths), len(lengths) + 3
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    qkv = torch.randn(N, 3, H, K, generator=gen)
+    g_raw, b_raw = torch.randn(N, H * K, generator=gen), torch.randn(N, H, generator=gen)
+    dt_bias = torch.randn(H * K, generator=gen) * 2 - 3
+    a_log = torch.empty(H).uniform_(1, 16, generator=gen).log()
+    state = torch.randn(S, H, K, K, generator=gen) * 0.1
+    slots = torch.randperm(S, generator=gen)[: len(lengths)].tolist()
+    unused = torch.ones(S, dtype=torch.bool)
+    unused[slots] = False
+    state[unused] = 1e30
+    twin_state = state.clone()
+    args = (dt_bias, a_log)
+    o = kda_recurrent_varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b_raw, *args, state,
+                             pack_seqs(slots, cu, torch.device("cpu")), K ** -0.5)
+    o_twin = kda_prefill(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b_raw, *args, twin_state, slots, cu, K ** -0.5)
     assert rel_err(o, o_twin) < 1e-5
     assert rel_err(state[slots], twin_state[slots]) < 1e-5
     assert torch.all(state[unused] == 1e30)
@@ -304,7 +332,7 @@ def test_mla_decode_kernel_reads_a_float8_cache_as_its_twin_does():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 2304), (5, 512), (3, 2, 300), (0, 64)])
+@pytest.mark.parametrize("shape", [(1, 2304), (5, 512), (3, 2, 300), (7, 3, 128), (0, 64)])
 def test_norm_kernels_match_their_eager_twins(shape, dtype):
     """rms_norm, add_rms_norm and gated_rms_norm (kernels.triton_norm, the GPU's) against kernels.norm's eager
     functions: ragged widths (300: a masked tail), extra leading dimensions, no rows, strided x, residual and gate.

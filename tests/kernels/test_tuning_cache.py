@@ -131,24 +131,61 @@ def test_the_shipped_tables_are_as_save_decisions_writes_them():
         assert stored and all(_well_formed(entry) for entry in stored.values()), path.name
 
 
-def test_fla_is_imported_for_its_tuning_only_where_the_prefill_runs_it(monkeypatch):
-    """fla-core's imports take seconds (all of fla.ops): a float32 run (the demo model's) never runs its kernels, so
-    restoring the tuning must not import it; a bf16 run on a GPU imports it with ours."""
+def test_restoring_the_tuning_imports_our_kernels_and_never_fla(monkeypatch):
+    """fla-core's imports take seconds (all of fla.ops): the start imports our kernel modules only."""
     import importlib
 
-    import torch
-
-    from deltaserve.kernels import kda, tuning_cache
-    from deltaserve.kernels.kda import fla_serves
+    from deltaserve.kernels import tuning_cache
 
     imported = []
     monkeypatch.setattr(importlib, "import_module", imported.append)
-    tuning_cache._import_tuned_kernels(())
-    assert "deltaserve.kernels.moe.triton_decode" in imported and not set(tuning_cache.FLA_MODULES) & set(imported)
-    imported.clear()
-    tuning_cache._import_tuned_kernels(tuning_cache.FLA_MODULES)
-    assert imported[-2:] == list(tuning_cache.FLA_MODULES)
-    assert not fla_serves(torch.device("cuda"), torch.float32) and not fla_serves(torch.device("cpu"), torch.bfloat16)
+    tuning_cache._import_tuned_kernels()
+    assert "deltaserve.kernels.moe.triton_decode" in imported and "deltaserve.kernels.kda.triton_decode" in imported
+    assert tuning_cache.FLA_MODULE not in imported
+
+
+def test_the_first_import_of_fla_chunk_restores_fla_tuning(monkeypatch, tmp_path):
+    """The first long prefill imports kernels.kda.fla_chunk (and so fla-core): fla's autotuners then get this
+    machine's stored decisions, as ours got them at the start. fla-core is faked (it is not on this machine)."""
+    import importlib
+    import sys
+    import types
+
+    import torch
+
+    from deltaserve.kernels import tuning_cache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    tuned = FakeTuner()
+    tuned.cache = {(64, "torch.bfloat16"): tuned.configs[1]}
+    save_decisions(decisions_path("Fake GPU", __import__("triton").__version__), {"fla.ops.kda.chunk.k": tuned})
+    fresh = FakeTuner()
+    fake_fla = {name: types.ModuleType(name) for name in ("fla", "fla.ops", "fla.ops.kda", "fla.ops.kda.chunk")}
+    fake_fla["fla.ops.kda"].chunk_kda = None
+    fake_fla["fla.ops.kda.chunk"].k = fresh
+    for name, module in fake_fla.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(tuning_cache, "find_autotuners",  # FakeTuner is not triton's Autotuner
+                        lambda prefixes: {f"{n}.k": m.k for n, m in fake_fla.items() if hasattr(m, "k")
+                                          and n.startswith(prefixes)})
+    monkeypatch.delitem(sys.modules, tuning_cache.FLA_MODULE, raising=False)
+    try:
+        importlib.import_module(tuning_cache.FLA_MODULE)
+    finally:  # the module bound to the fake fla-core leaves with it
+        sys.modules.pop(tuning_cache.FLA_MODULE, None)
+        monkeypatch.delattr("deltaserve.kernels.kda.fla_chunk", raising=False)
+    assert fresh.cache == {(64, "torch.bfloat16"): fresh.configs[1]}
+
+
+def test_fla_serves_only_half_precision_prefill_on_a_gpu(monkeypatch):
+    """fla-core's chunked kernel runs for bf16/fp16 on a GPU when installed; float32 keeps the exact torch path."""
+    import torch
+
+    from deltaserve.kernels import kda
+    from deltaserve.kernels.kda import fla_serves
+
+    assert not fla_serves(torch.device("cpu"), torch.bfloat16)
     monkeypatch.setattr(kda, "_fla_available", lambda: True)  # fla-core installed (it is not on this machine)
     assert fla_serves(torch.device("cuda"), torch.bfloat16) and fla_serves(torch.device("cuda"), torch.float16)
     assert not fla_serves(torch.device("cuda"), torch.float32)

@@ -1,6 +1,7 @@
 """KDA ops by mode. Each takes the raw projections (after the short conv) and picks the fastest implementation
-for the device: on the CPU the torch kernels of this package, on a GPU our fused Triton decode step and
-fla-core's chunked prefill (the `gpu` extra). naive.py is the spec all of them are tested against."""
+for the device: on the CPU the torch kernels of this package, on a GPU our fused Triton recurrence (decode steps
+and short prefills) and fla-core's chunked prefill (the `gpu` extra). naive.py is the spec all of them are tested
+against."""
 
 import torch
 
@@ -9,6 +10,8 @@ from deltaserve.kernels.kda.chunk import chunk_kda
 from deltaserve.kernels.kda.fused_recurrent import fused_recurrent_kda
 from deltaserve.kernels.kda.gate import kda_gate, l2norm
 from deltaserve.kernels.varlen import pack_seqs
+
+RECURRENT_PREFILL_MAX_LEN = 32  # a step's longest prefill sequence: where our recurrent kernel stops winning
 
 __all__ = ["chunk_kda", "fused_recurrent_kda", "kda_decode", "kda_gate", "kda_prefill", "l2norm"]
 
@@ -27,15 +30,22 @@ def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: torch.
 
 
 def kda_prefill(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: list[int], cu_seqlens: list[int],
-                scale: float, packed: PackedSeqs | None = None):
+                scale: float, packed: PackedSeqs | None = None, pdl: bool = True):
     """Packed sequences (cu_seqlens: B+1 host offsets; packed: the same as tensors, made here when needed and not
     given). Same tensors as kda_decode with N tokens instead of B; sequence b starts from state[state_slots[b]] and
-    leaves its final state there. Returns o [N, H, V]: float32 from the torch path, v's dtype from fla-core's."""
+    leaves its final state there. In half precision on a GPU, sequences of at most RECURRENT_PREFILL_MAX_LEN tokens
+    go through our recurrent kernel (one launch, and no fla-core import for a short prompt), longer ones through
+    fla-core's chunked kernel. Returns o [N, H, V]: float32 from the torch path, v's dtype from the GPU kernels."""
+    if q.is_cuda and q.dtype != torch.float32:
+        packed = packed or pack_seqs(state_slots, cu_seqlens, q.device)
+        if packed.max_len <= RECURRENT_PREFILL_MAX_LEN:
+            from deltaserve.kernels.kda.triton_decode import kda_recurrent_varlen
+
+            return kda_recurrent_varlen(q, k, v, g_raw, b_raw, dt_bias, a_log, state, packed, scale, pdl)
     g, beta = kda_gate(g_raw, dt_bias, a_log), torch.sigmoid(b_raw).float()
     if fla_serves(q.device, q.dtype):
         from deltaserve.kernels.kda.fla_chunk import fla_chunk_kda
 
-        packed = packed or pack_seqs(state_slots, cu_seqlens, q.device)
         return fla_chunk_kda(q, k, v, g, beta, scale, state, packed)
     return chunk_kda(l2norm(q), l2norm(k), v.float(), g, beta, scale, state, state_slots, cu_seqlens)
 

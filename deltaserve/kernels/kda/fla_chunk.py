@@ -4,6 +4,9 @@ import torch
 from fla.ops.kda import chunk_kda
 
 from deltaserve.forward_batch import PackedSeqs
+from deltaserve.kernels.tuning_cache import restore_imported_tuning
+
+restore_imported_tuning(("fla.",))  # fla-core's kernels are imported (here) by the first long prefill
 
 
 def fla_chunk_kda(q, k, v, g, beta, scale, state, packed: PackedSeqs) -> torch.Tensor:
