@@ -155,7 +155,8 @@ def restore_imported_tuning(prefixes: tuple[str, ...]) -> None:
     import torch
     import triton
 
-    restore_decisions(torch.cuda.get_device_name(), triton.__version__, find_autotuners(prefixes))
+    if torch.cuda.is_available():  # decisions are per GPU; an import without one has none to restore
+        restore_decisions(torch.cuda.get_device_name(), triton.__version__, find_autotuners(prefixes))
 
 
 def restore_decisions(gpu_name: str, triton_version: str, tuners: dict[str, object],

@@ -157,6 +157,7 @@ def test_the_first_import_of_fla_chunk_restores_fla_tuning(monkeypatch, tmp_path
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     tuned = FakeTuner()
     tuned.cache = {(64, "torch.bfloat16"): tuned.configs[1]}
     save_decisions(decisions_path("Fake GPU", __import__("triton").__version__), {"fla.ops.kda.chunk.k": tuned})
