@@ -179,3 +179,20 @@ def test_gate_is_minus_exp_a_log_times_softplus():
     softplus = torch.where(x > 20.0, x, torch.log(1.0 + torch.exp(x)))
     expected = -a_log.exp()[:, None] * softplus.view(6, H, K)
     torch.testing.assert_close(kda_gate(g_raw, dt_bias, a_log), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_prefill_path_by_device_dtype_and_longest_sequence(monkeypatch):
+    """The CPU and float32 keep the exact torch path; half precision on a GPU runs our recurrence up to
+    RECURRENT_PREFILL_MAX_LEN tokens, fla-core's chunks past it (the torch path where fla-core is missing)."""
+    from deltaserve.kernels import kda
+    from deltaserve.kernels.kda import RECURRENT_PREFILL_MAX_LEN as M
+    from deltaserve.kernels.kda import prefill_path
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert prefill_path(cpu, torch.bfloat16, 1) == prefill_path(cuda, torch.float32, 1) == "torch"
+    monkeypatch.setattr(kda, "_fla_available", lambda: True)  # fla-core installed (it is not on this machine)
+    assert prefill_path(cuda, torch.bfloat16, M) == prefill_path(cuda, torch.float16, 1) == "recurrent"
+    assert prefill_path(cuda, torch.bfloat16, M + 1) == "fla"
+    assert prefill_path(cuda, torch.float32, M + 1) == "torch"
+    monkeypatch.setattr(kda, "_fla_available", lambda: False)
+    assert prefill_path(cuda, torch.bfloat16, M + 1) == "torch"

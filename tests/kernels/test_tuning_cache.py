@@ -179,14 +179,26 @@ def test_the_first_import_of_fla_chunk_restores_fla_tuning(monkeypatch, tmp_path
     assert fresh.cache == {(64, "torch.bfloat16"): fresh.configs[1]}
 
 
-def test_fla_serves_only_half_precision_prefill_on_a_gpu(monkeypatch):
-    """fla-core's chunked kernel runs for bf16/fp16 on a GPU when installed; float32 keeps the exact torch path."""
+
+def test_importing_fla_chunk_without_a_gpu_restores_nothing(monkeypatch):
+    """Tuning decisions are per GPU: an import of kernels.kda.fla_chunk where no GPU is (fla-core faked) must not
+    ask for a device name."""
+    import importlib
+    import sys
+    import types
+
     import torch
 
-    from deltaserve.kernels import kda
-    from deltaserve.kernels.kda import fla_serves
+    from deltaserve.kernels import tuning_cache
 
-    assert not fla_serves(torch.device("cpu"), torch.bfloat16)
-    monkeypatch.setattr(kda, "_fla_available", lambda: True)  # fla-core installed (it is not on this machine)
-    assert fla_serves(torch.device("cuda"), torch.bfloat16) and fla_serves(torch.device("cuda"), torch.float16)
-    assert not fla_serves(torch.device("cuda"), torch.float32)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: 1 / 0)
+    for name in ("fla", "fla.ops", "fla.ops.kda"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["fla.ops.kda"].chunk_kda = None
+    monkeypatch.delitem(sys.modules, tuning_cache.FLA_MODULE, raising=False)
+    try:
+        importlib.import_module(tuning_cache.FLA_MODULE)  # must not raise
+    finally:
+        sys.modules.pop(tuning_cache.FLA_MODULE, None)
+        monkeypatch.delattr("deltaserve.kernels.kda.fla_chunk", raising=False)

@@ -33,27 +33,35 @@ def kda_prefill(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: list[
                 scale: float, packed: PackedSeqs | None = None, pdl: bool = True):
     """Packed sequences (cu_seqlens: B+1 host offsets; packed: the same as tensors, made here when needed and not
     given). Same tensors as kda_decode with N tokens instead of B; sequence b starts from state[state_slots[b]] and
-    leaves its final state there. In half precision on a GPU, sequences of at most RECURRENT_PREFILL_MAX_LEN tokens
-    go through our recurrent kernel (one launch, and no fla-core import for a short prompt), longer ones through
-    fla-core's chunked kernel. Returns o [N, H, V]: float32 from the torch path, v's dtype from the GPU kernels."""
-    if q.is_cuda and q.dtype != torch.float32:
-        packed = packed or pack_seqs(state_slots, cu_seqlens, q.device)
-        if packed.max_len <= RECURRENT_PREFILL_MAX_LEN:
-            from deltaserve.kernels.kda.triton_decode import kda_recurrent_varlen
+    leaves its final state there. The kernel is prefill_path's choice for the step's longest sequence, so a
+    sequence's last bits in half precision depend on what shares its step (as chunk boundaries do). Returns o [N,
+    H, V]: float32 from the torch path, v's dtype from the GPU kernels."""
+    longest = packed.max_len if packed else max((b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])), default=0)
+    path = prefill_path(q.device, q.dtype, longest)
+    if path == "recurrent":
+        from deltaserve.kernels.kda.triton_decode import kda_recurrent_varlen
 
-            return kda_recurrent_varlen(q, k, v, g_raw, b_raw, dt_bias, a_log, state, packed, scale, pdl)
+        packed = packed or pack_seqs(state_slots, cu_seqlens, q.device)
+        return kda_recurrent_varlen(q, k, v, g_raw, b_raw, dt_bias, a_log, state, packed, scale, pdl)
     g, beta = kda_gate(g_raw, dt_bias, a_log), torch.sigmoid(b_raw).float()
-    if fla_serves(q.device, q.dtype):
+    if path == "fla":
         from deltaserve.kernels.kda.fla_chunk import fla_chunk_kda
 
+        packed = packed or pack_seqs(state_slots, cu_seqlens, q.device)
         return fla_chunk_kda(q, k, v, g, beta, scale, state, packed)
     return chunk_kda(l2norm(q), l2norm(k), v.float(), g, beta, scale, state, state_slots, cu_seqlens)
 
 
-def fla_serves(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether kda_prefill runs fla-core's chunk kernel for tensors on device in dtype: a GPU, half precision
-    (float32 keeps the exact torch path) and fla-core installed (imported here, only then: seconds of imports)."""
-    return device.type == "cuda" and dtype != torch.float32 and _fla_available()
+def prefill_path(device: torch.device, dtype: torch.dtype, longest: int) -> str:
+    """Which kernel runs a prefill step whose longest sequence has `longest` tokens: "torch" (our chunked torch
+    path: the CPU, and float32 anywhere, exact), "recurrent" (our Triton recurrence, half precision on a GPU up to
+    RECURRENT_PREFILL_MAX_LEN tokens: one launch, faster there) or "fla" (fla-core's chunked kernel, longer ones;
+    "torch" where fla-core is not installed). fla-core is imported here, only when a step needs it (seconds)."""
+    if device.type != "cuda" or dtype == torch.float32:
+        return "torch"
+    if longest <= RECURRENT_PREFILL_MAX_LEN:
+        return "recurrent"
+    return "fla" if _fla_available() else "torch"
 
 
 def _fla_available() -> bool:
