@@ -94,6 +94,10 @@ if has firstgen; then  # first on a fresh machine: the demo model's first genera
     grep -iE "start-up|autotuning|tokens in" "$OUT/firstgen_$run.txt" | cut -c1-160
     caches
   done
+  # the floor of a warm start: torch imported and a CUDA context made and torn down, nothing of ours
+  start=$(date +%s%N)
+  python3 -c "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"
+  echo "floor (import torch, a CUDA context, exit): $(( ($(date +%s%N) - start) / 1000000 )) ms shell to exit"
   # PROFILE=1: one more run under cProfile (where a warm start's seconds go) and one with -X importtime
   if [ "${PROFILE:-}" = 1 ]; then
     timeout 100 python3 -m cProfile -o "$OUT/firstgen.prof" -m deltaserve.entrypoints.cli generate --device cuda \
