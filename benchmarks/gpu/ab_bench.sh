@@ -12,6 +12,9 @@
 # ROUNDS (default 1): rounds of both sides, the side that runs first swapped each round (ABBA; the first process
 # measured ~6% more copy bandwidth), each round's files suffixed _rN. FIRST_ROUND (default 0) numbers the rounds from
 # there: FIRST_ROUND=1 starts with the before side (a second call that continues the first call's ABBA).
+#   on the GPU:  bash benchmarks/gpu/ab_bench.sh resident        # both sides started once and kept resident on the
+#                card (benchmarks/gpu/ab_resident.py), ROUNDS (default 3) of ABBA in one call: rows at prompt 512,
+#                output 32, BATCHES; the 48B shape in 8 layers on an 80 GB card, 12 on an H200 (CONFIG: another)
 set -uo pipefail
 ROOT=$PWD
 if [ "${1:-}" = prepare ]; then
@@ -23,6 +26,14 @@ fi
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 LONG=${LONG-8192}  # LONG= (empty): no long-prompt row
 python3 -m pip install --no-deps --no-index --target "$ROOT/.gpu/site" wheels/*.whl >/dev/null 2>&1 || echo "wheel install failed"
+if [ "${1:-}" = resident ]; then  # both sides resident on the card, ROUNDS (default 3) of ABBA in one call
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  layers=8; [ "$mem" -ge 100000 ] && layers=12  # two copies: 8 layers (~30 GB each) on an H100, 12 on an H200
+  PYTHONPATH=$ROOT/.gpu/site:$ROOT python3 benchmarks/gpu/ab_resident.py --tree head=$ROOT --tree before=$ROOT/ab/before \
+      --rounds ${ROUNDS:-3} --model ${CONFIG:-benchmarks/configs/kimi-linear-48b-a3b-${layers}layers.json} \
+      --device cuda --batch-sizes ${BATCHES:-1,64,256} --log-dir "$OUT" --json-out "$OUT/ab_resident.json"
+  exit $?
+fi
 B="python3 -m deltaserve.entrypoints.cli bench --load-format dummy --device cuda --max-num-batched-tokens 8192
    --config $ROOT/${CONFIG:-benchmarks/configs/kimi-linear-48b-a3b.json} --prompt-len 512 --output-len 32
    --batch-sizes ${BATCHES:-1,64,256} ${LONG:+--long-prompt-len $LONG}"
