@@ -55,11 +55,8 @@ def test_fla_chunk_prefill_matches_torch_chunk(lengths):
 
     gen = torch.Generator(device=DEV).manual_seed(sum(lengths))
     H, K, S = 4, 128, 8
-    N = sum(lengths)
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    qkv, g_raw, b_raw, dt_bias, a_log = kda_inputs(N, H, K, torch.bfloat16, gen)
+    cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    qkv, g_raw, b_raw, dt_bias, a_log = kda_inputs(sum(lengths), H, K, torch.bfloat16, gen)
     g, beta = kda_gate(g_raw, dt_bias, a_log), torch.sigmoid(b_raw).float()
     state = torch.randn(S, H, K, K, generator=gen, device=DEV) * 0.1
     twin_state = state.clone()
@@ -80,11 +77,8 @@ def test_short_bf16_prefill_runs_the_recurrent_kernel_and_matches_torch_chunk(le
     assert max(lengths) <= RECURRENT_PREFILL_MAX_LEN
     gen = torch.Generator(device=DEV).manual_seed(sum(lengths))
     H, K, S = 4, 128, 8
-    N = sum(lengths)
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    qkv, g_raw, b_raw, dt_bias, a_log = kda_inputs(N, H, K, torch.bfloat16, gen)
+    cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    qkv, g_raw, b_raw, dt_bias, a_log = kda_inputs(sum(lengths), H, K, torch.bfloat16, gen)
     state = torch.randn(S, H, K, K, generator=gen, device=DEV) * 0.1
     twin_state = state.clone()
     slots = list(range(len(lengths), 0, -1))
