@@ -187,12 +187,16 @@ def test_prefill_path_by_device_dtype_and_longest_sequence(monkeypatch):
     from deltaserve.kernels import kda
     from deltaserve.kernels.kda import RECURRENT_PREFILL_MAX_LEN as M
     from deltaserve.kernels.kda import prefill_path
+    from deltaserve.kernels.varlen import pack_seqs
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert prefill_path(cpu, torch.bfloat16, 1) == prefill_path(cuda, torch.float32, 1) == "torch"
+    short, long = [0, 1, M + 1], [0, M, 2 * M + 1]  # the longest sequence: M, and M + 1 tokens
+    assert prefill_path(cpu, torch.bfloat16, [0, 1]) == prefill_path(cuda, torch.float32, [0, 1]) == "torch"
     monkeypatch.setattr(kda, "_fla_available", lambda: True)  # fla-core installed (it is not on this machine)
-    assert prefill_path(cuda, torch.bfloat16, M) == prefill_path(cuda, torch.float16, 1) == "recurrent"
-    assert prefill_path(cuda, torch.bfloat16, M + 1) == "fla"
-    assert prefill_path(cuda, torch.float32, M + 1) == "torch"
+    assert prefill_path(cuda, torch.bfloat16, short) == prefill_path(cuda, torch.float16, [0, 1]) == "recurrent"
+    assert prefill_path(cuda, torch.bfloat16, long) == "fla"
+    assert prefill_path(cuda, torch.float32, long) == "torch"
+    packed = pack_seqs([1, 2], long, cpu)  # its longest, where the runner packed the step
+    assert packed.max_len == M + 1 and prefill_path(cuda, torch.bfloat16, long, packed) == "fla"
     monkeypatch.setattr(kda, "_fla_available", lambda: False)
-    assert prefill_path(cuda, torch.bfloat16, M + 1) == "torch"
+    assert prefill_path(cuda, torch.bfloat16, long) == "torch"

@@ -36,8 +36,7 @@ def kda_prefill(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: list[
     leaves its final state there. The kernel is prefill_path's choice for the step's longest sequence, so a
     sequence's last bits in half precision depend on what shares its step (as chunk boundaries do). Returns o [N,
     H, V]: float32 from the torch path, v's dtype from the GPU kernels."""
-    longest = packed.max_len if packed else max((b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])), default=0)
-    path = prefill_path(q.device, q.dtype, longest)
+    path = prefill_path(q.device, q.dtype, cu_seqlens, packed)
     if path == "recurrent":
         from deltaserve.kernels.kda.triton_decode import kda_recurrent_varlen
 
@@ -52,13 +51,16 @@ def kda_prefill(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: list[
     return chunk_kda(l2norm(q), l2norm(k), v.float(), g, beta, scale, state, state_slots, cu_seqlens)
 
 
-def prefill_path(device: torch.device, dtype: torch.dtype, longest: int) -> str:
-    """Which kernel runs a prefill step whose longest sequence has `longest` tokens: "torch" (our chunked torch
-    path: the CPU, and float32 anywhere, exact), "recurrent" (our Triton recurrence, half precision on a GPU up to
-    RECURRENT_PREFILL_MAX_LEN tokens: one launch, faster there) or "fla" (fla-core's chunked kernel, longer ones;
-    "torch" where fla-core is not installed). fla-core is imported here, only when a step needs it (seconds)."""
+def prefill_path(device: torch.device, dtype: torch.dtype, cu_seqlens: list[int],
+                 packed: PackedSeqs | None = None) -> str:
+    """Which kernel runs a prefill step of the sequences at cu_seqlens (packed: the same, with their longest):
+    "torch" (our chunked torch path: the CPU, and float32 anywhere, exact), "recurrent" (our Triton recurrence,
+    half precision on a GPU while the longest sequence has at most RECURRENT_PREFILL_MAX_LEN tokens: one launch,
+    faster there) or "fla" (fla-core's chunked kernel, longer ones; "torch" where fla-core is not installed).
+    fla-core is imported here, only when a step needs it (seconds)."""
     if device.type != "cuda" or dtype == torch.float32:
         return "torch"
+    longest = packed.max_len if packed else max((b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])), default=0)
     if longest <= RECURRENT_PREFILL_MAX_LEN:
         return "recurrent"
     return "fla" if _fla_available() else "torch"
