@@ -21,6 +21,12 @@ if [ "${1:-}" = prepare ]; then
   rm -rf ab/before && mkdir -p ab/before
   git archive "${2:?usage: ab_bench.sh prepare COMMIT}" deltaserve benchmarks/configs pyproject.toml | tar -x -C ab/before
   rm -f ab/before/deltaserve/assets/demo-model/*.safetensors  # the bench needs no weights: keep the carry small
+  # a commit before 2748a7a draws dummy routers that send every token to the same ~85 of 256 experts (BENCHMARKS.md,
+  # "Dummy weights' routing"): its batched decode reads a third of the expert weights this tree's does. Give it
+  # this tree's routers, so that both sides do the same work and the A/B times the code, not the weights.
+  if ! git merge-base --is-ancestor 2748a7a "$2"; then
+    git diff 2748a7a^ 2748a7a -- deltaserve/loader/model_loader.py | patch -s -p1 -d ab/before || exit 1
+  fi
   exit 0
 fi
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
