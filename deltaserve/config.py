@@ -308,8 +308,8 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    # on by default (a multi-turn chat's TTFT much lower); the cost: one extra step before the first token of a
-    # prompt that does not end on a block boundary
+    # on by default (a multi-turn chat's TTFT much lower); the cost: KDA snapshot copies, and a second KDA kernel
+    # pass over the few tokens of a step's chunks that lie past a snapshot position
     enable_prefix_caching: bool = True
     dtype: str = "float32"
     device: str = "cpu"

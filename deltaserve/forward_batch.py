@@ -30,6 +30,33 @@ class PackedSeqs:
     token_tiles: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PrefillPass:
+    """Some of a step's prefill tokens for the KDA layers' varlen kernels: their rows among the prefill tokens
+    (x[num_decodes:][rows]), the state slots and host offsets of the sequences they form, and those packed (on a
+    GPU; None: the kernels pack their own, or read the host lists)."""
+
+    rows: torch.Tensor
+    state_slots: list[int]
+    cu_seqlens: list[int]
+    packed: PackedSeqs | None
+
+
+@dataclass(frozen=True)
+class SnapshotSplit:
+    """Prefix caching's snapshot saves at a position inside a prefill chunk, made without cutting the step there.
+
+    The KDA layers run the prefill tokens in two passes, `heads` (every prefill sequence, those with a save only up
+    to its position) and then `tails` (the rest of those), and between them copy each such sequence's state into
+    its snapshot slot: the state after exactly `position` tokens. The MLA and MoE layers run the step whole."""
+
+    heads: PrefillPass
+    tails: PrefillPass
+    inverse: torch.Tensor  # [prefill tokens]: rows of cat(heads' outputs, tails' outputs) in the tokens' order
+    state_slots: torch.Tensor  # [S] the split sequences' state slots...
+    snapshot_slots: torch.Tensor  # [S] ...and the snapshot slots their states at the split go to
+
+
 @dataclass
 class ForwardBatch:
     positions: torch.Tensor  # [N] int64, absolute position of each new token
@@ -45,6 +72,8 @@ class ForwardBatch:
     # the prefill sequences (those after num_decodes) packed for the GPU kernels; None: the kernels pack their own
     # (or, on the CPU, read the host lists)
     prefill: PackedSeqs | None = None
+    # prefix caching's KDA saves inside a prefill chunk (SnapshotSplit); None: none this step
+    snapshot_split: SnapshotSplit | None = None
     # a CUDA graph's warm-up or capture (runner.cuda_graph): kernels that keep no memory past the step and compile at
     # the warm-up what the capture runs
     in_graph: bool = False

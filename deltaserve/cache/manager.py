@@ -11,11 +11,12 @@ of the KDA state are kept in a SnapshotCache at two positions of each request:
   of a whole-block prompt could serve no repeat of it);
 - the last full block boundary its computed tokens have reached: a rolling snapshot held privately (one slot,
   overwritten at each boundary), published when the request finishes, is preempted or aborted.
-A chunk that would pass one of those positions is cut to end there (cut_at_snapshot); plan_snapshot_save names the
-slot and the position after which the runner copies the state. Pages and snapshots enter the indexes only once the
-step that computed them is applied (cache_computed), so two requests admitted in the same step never share a page
-still being written. A cached prefix (find_cached_prefix) is the longest run of whole blocks with both its pages
-and the snapshot at its end, short of the last token, so that the step has logits to sample from.
+plan_snapshot_saves names the slot and the position after which the runner copies the state, which may lie inside
+a step's chunk: the runner's KDA layers then split their pass there (forward_batch.SnapshotSplit), so that a chunk is
+never cut short for a snapshot. Pages and snapshots enter the indexes only once the step that computed them is
+applied (cache_computed), so two requests admitted in the same step never share a page still being written. A
+cached prefix (find_cached_prefix) is the longest run of whole blocks with both its pages and the snapshot at its
+end, short of the last token, so that the step has logits to sample from.
 
 The scheduler plans a step while the one before may still run, so a request can have two saves not yet made
 (`_writes`, in step order). A request that leaves before its saves are applied loses them, and with them the
@@ -174,34 +175,28 @@ class CacheManager:
                 return CachedPrefix(block_ids[:num_blocks], slot)
         return CachedPrefix()
 
-    def cut_at_snapshot(self, req: Request, start: int, num_tokens: int) -> int:
-        """num_tokens, shortened so that a chunk from token `start` ends at the first snapshot position it passes."""
-        if num_tokens <= 1:
-            return num_tokens  # a decode passes no position
-        for position in self._snapshot_positions(req):
-            if start < position < start + num_tokens and self._wants_snapshot(req, position):
-                return position - start
-        return num_tokens
-
-    def plan_snapshot_save(self, req: Request, num_tokens: int, lookahead: int = 0) -> tuple[int, int, int] | None:
-        """When req, computing num_tokens from req.num_computed_tokens in this step and then `lookahead` decode steps,
-        ends its chunk at one of its snapshot positions or passes one in its lookahead steps: (state slot, snapshot
-        slot, position) for the runner to copy the state after that position; else None. The positions are its
-        prompt-end one and the last full block boundary of its tokens, those of its steps in flight and lookahead
-        included (the last boundary the step reaches). A chunk passes no position inside it: cut_at_snapshot cut it
-        there, or found no slot for it then (a slot freed since, by a preemption in this step, is not used)."""
+    def plan_snapshot_saves(self, req: Request, num_tokens: int, lookahead: int = 0) -> list[tuple[int, int, int]]:
+        """The snapshot saves of req's step, computing num_tokens from req.num_computed_tokens and then `lookahead`
+        decode steps: (state slot, snapshot slot, position) each, in position order, for the runner to copy req's
+        KDA state once it has computed `position` tokens: inside the chunk (the KDA layers split their pass there),
+        at its end, or after one of the lookahead steps. The shared one wherever the chunk passes the prompt's
+        last block boundary before its last token; the rolling one where the chunk's end or its lookahead reaches
+        the last full block boundary of req's tokens (those of its steps in flight and lookahead included)."""
         if self.prefix_cache is None:
-            return None
-        chunk_end = req.num_computed_tokens + num_tokens
+            return []
+        saves = []
+        start, chunk_end = req.num_computed_tokens, req.num_computed_tokens + num_tokens
+        shared = self._prompt_end(req)
+        if start < shared <= chunk_end and self._wants_snapshot(req, shared):
+            saves.append(self._plan_write(req, self.snapshots.allocate(), shared, True))
         position = (chunk_end + lookahead) // self.block_size * self.block_size
-        if position < chunk_end:
-            return None  # no boundary at the chunk's end nor in its lookahead (most decode steps)
-        shared = position == self._prompt_end(req)
-        if not (shared or position >= self._last_boundary(req)) or not self._wants_snapshot(req, position):
-            return None
-        slot = None if shared else self._rolling_slot(req.req_id)
-        if slot is None:
-            slot = self.snapshots.allocate()
+        if chunk_end <= position != shared and position >= self._last_boundary(req) \
+                and self._wants_snapshot(req, position):
+            slot = self._rolling_slot(req.req_id)
+            saves.append(self._plan_write(req, self.snapshots.allocate() if slot is None else slot, position, False))
+        return saves
+
+    def _plan_write(self, req: Request, slot: int, position: int, shared: bool) -> tuple[int, int, int]:
         self._writes.setdefault(req.req_id, []).append(_SnapshotWrite(slot, position, shared))
         return req.state_slot, slot, position
 
@@ -272,12 +267,6 @@ class CacheManager:
 
     def _last_boundary(self, req: Request) -> int:
         return req.num_tokens_with_pending // self.block_size * self.block_size
-
-    def _snapshot_positions(self, req: Request) -> tuple[int, ...]:
-        """Where req keeps KDA snapshots: its prompt's last full block end, and its tokens' last full block end."""
-        if self.prefix_cache is None:
-            return ()
-        return tuple(p for p in sorted({self._prompt_end(req), self._last_boundary(req)}) if p > 0)
 
     def _rolling_slot(self, req_id: str) -> int | None:
         """The slot req_id's rolling snapshot lives in: that of its last rolling save planned, else of the one kept."""

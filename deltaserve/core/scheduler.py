@@ -15,9 +15,9 @@ alone it fits, since add_request rejects a request whose longest sequence needs 
 
 Prefix caching (CacheManager's docstring has the rules). A waiting request is admitted with its longest cached
 prefix: its pages (shared, ref counted) and num_computed_tokens = the prefix's tokens; NewRequestData names the
-KDA snapshot the runner restores into its slot. A chunk that would pass one of a request's snapshot positions is
-cut to end there, and SchedulerOutput.snapshot_saves asks the runner to copy the state after that step (or after
-the lookahead step that reaches a rolling snapshot's position). A preempted request's full pages stay cached.
+KDA snapshot the runner restores into its slot. SchedulerOutput.snapshot_saves asks the runner to copy a request's
+state once it has computed a snapshot's position: inside the step's chunk (the KDA layers split their pass there),
+at its end, or after the lookahead step that reaches it. A preempted request's full pages stay cached.
 
 Length limits (as vLLM): a prompt of max_model_len tokens or more is rejected; generation finishes with 'length'
 at max_model_len tokens (or max_tokens outputs).
@@ -260,20 +260,19 @@ class Scheduler:
         return min(req.sampling_params.max_tokens - len(req.output_token_ids),
                    self.max_model_len - req.num_tokens) - req.num_pending_outputs
 
-    def _num_new_tokens(self, req: Request, start: int, budget: int) -> int:
-        """Tokens to compute from `start`: all left, within the budget, cut to end at a snapshot position."""
-        return self.cache.cut_at_snapshot(req, start, min(req.num_tokens_with_pending - start, budget))
+    @staticmethod
+    def _num_new_tokens(req: Request, start: int, budget: int) -> int:
+        """Tokens to compute from `start`: all left, within the budget."""
+        return min(req.num_tokens_with_pending - start, budget)
 
     def _schedule_tokens(self, out: SchedulerOutput, req: Request, num_tokens: int, lookahead: int) -> None:
-        """Put req's next num_tokens (plus lookahead decode steps) in `out`, with the snapshot save they reach; they
+        """Put req's next num_tokens (plus lookahead decode steps) in `out`, with the snapshot saves they reach; they
         count as computed from now on, and a chunk that ends req's tokens as many pending outputs as it samples."""
         out.num_scheduled_tokens[req.req_id] = num_tokens
         if lookahead:
             out.num_lookahead_tokens[req.req_id] = lookahead
         end = req.num_computed_tokens + num_tokens + lookahead
-        save = self.cache.plan_snapshot_save(req, num_tokens, lookahead)
-        if save is not None:
-            out.snapshot_saves.append(save)
+        out.snapshot_saves.extend(self.cache.plan_snapshot_saves(req, num_tokens, lookahead))
         if req.num_computed_tokens + num_tokens == req.num_tokens_with_pending:
             req.num_pending_outputs += 1 + lookahead
         req.num_computed_tokens = end

@@ -51,12 +51,12 @@ class KimiDeltaAttention(nn.Module):
             conv_parts.append(causal_conv1d_update(qkv[:nd], self.conv_weight, cache["conv"], batch.state_slots[:nd],
                                                    self.kernels.pdl))
         if N > nd:
-            conv_parts.append(causal_conv1d_varlen(
-                qkv[nd:], self.conv_weight, cache["conv"], batch.state_slot_list[nd:], batch.prefill_cu_seqlens(),
-                batch.prefill))
+            conv_parts.append(_prefill_passes(
+                lambda seqs, x: causal_conv1d_varlen(x, self.conv_weight, cache["conv"], *seqs),
+                (qkv[nd:],), batch, cache, "conv"))
         qkv = (conv_parts[0] if len(conv_parts) == 1 else torch.cat(conv_parts)).view(N, 3, H, K)
         g_raw, gate = self._gate_up_projections(fg_a, batched=projected.is_cuda and nd == N)
-        o = self._delta_rule(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b, batch, cache["recurrent"])
+        o = self._delta_rule(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b, batch, cache)
         return all_reduce(self._gated_norm_out(o, gate), self.parallel)
 
     def _gated_norm_out(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -88,17 +88,20 @@ class KimiDeltaAttention(nn.Module):
         threads = linear.cpu_gemv_threads(self.kernels)
         return cpu_gemv.linear(fg_a[:, :K], w[0], threads), cpu_gemv.linear(fg_a[:, K:], w[1], threads)
 
-    def _delta_rule(self, q, k, v, g_raw, b_raw, batch: ForwardBatch, state: torch.Tensor) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, g_raw, b_raw, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
         """q, k, v [N, H, K] raw; g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V] in the layer's dtype (each part rounded
         once from what its kernel returns)."""
         nd, scale = batch.num_decodes, self.head_dim ** -0.5
-        params = (self.dt_bias, self.A_log)
+        params, state = (self.dt_bias, self.A_log), cache["recurrent"]
         if nd == q.shape[0]:
             o = kda_decode(q, k, v, g_raw, b_raw, *params, state, batch.state_slots, scale, self.kernels.pdl)
             return o.to(v.dtype)
-        prefill = kda_prefill(q[nd:], k[nd:], v[nd:], g_raw[nd:], b_raw[nd:], *params, state,
-                              batch.state_slot_list[nd:], batch.prefill_cu_seqlens(), scale,
-                              batch.prefill, self.kernels.pdl)
+
+        def prefill_pass(seqs, *qkvgb):  # seqs: (state slots, cu_seqlens, packed)
+            return kda_prefill(*qkvgb, *params, state, seqs[0], seqs[1], scale, seqs[2], self.kernels.pdl)
+
+        prefill = _prefill_passes(prefill_pass, (q[nd:], k[nd:], v[nd:], g_raw[nd:], b_raw[nd:]), batch, cache,
+                                  "recurrent")
         if not nd:
             return prefill.to(v.dtype)
         o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -106,3 +109,19 @@ class KimiDeltaAttention(nn.Module):
         o[:nd] = kda_decode(q[:nd], k[:nd], v[:nd], g_raw[:nd], b_raw[:nd], *params, state, batch.state_slots[:nd],
                             scale, self.kernels.pdl)
         return o
+
+
+def _prefill_passes(run, inputs: tuple[torch.Tensor, ...], batch: ForwardBatch, cache: dict[str, torch.Tensor],
+                    name: str) -> torch.Tensor:
+    """run((state slots, cu_seqlens, packed), *inputs) over the step's prefill tokens (inputs: per-token tensors of
+    those), updating the state `name` of their slots. With a snapshot split, in its two passes, each split
+    sequence's state copied into its snapshot slot (cache[name + "_snapshots"]) between them."""
+    split = batch.snapshot_split
+    if split is None:
+        return run((batch.state_slot_list[batch.num_decodes:], batch.prefill_cu_seqlens(), batch.prefill), *inputs)
+    outs = []
+    for part in (split.heads, split.tails):
+        if outs:  # the heads have run: the split sequences' states stand at their save positions
+            cache[name + "_snapshots"][split.snapshot_slots] = cache[name][split.state_slots]
+        outs.append(run((part.state_slots, part.cu_seqlens, part.packed), *(x[part.rows] for x in inputs)))
+    return torch.cat(outs)[split.inverse]

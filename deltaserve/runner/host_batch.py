@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from deltaserve.forward_batch import ForwardBatch
+from deltaserve.forward_batch import ForwardBatch, PrefillPass, SnapshotSplit
 from deltaserve.kernels.varlen import pack_seqs, to_device
 
 
@@ -27,6 +27,8 @@ class HostBatch:
     start_positions: list[int]  # [B]
     state_slots: list[int]  # [B]
     block_tables: list[list[int]]  # [B][pages of that sequence]
+    # prefix caching's saves inside a prefill chunk: (sequence, tokens of its chunk before the save, snapshot slot)
+    snapshot_splits: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -64,6 +66,34 @@ class HostBatch:
             state_slots=tensor(self.state_slots), block_tables=tensor(self.padded_tables()),
             context_lens=tensor(self.context_lens), num_decodes=sum(n == 1 for n in self.query_lens),
             query_lens=self.query_lens, start_positions=self.start_positions, state_slot_list=self.state_slots)
-        if device.type == "cuda" and batch.num_decodes < batch.num_seqs:
+        if self.snapshot_splits:  # the KDA layers run its passes instead of the prefill whole
+            batch.snapshot_split = self._snapshot_split(batch.num_decodes, batch.prefill_cu_seqlens(), device)
+        elif device.type == "cuda" and batch.num_decodes < batch.num_seqs:
             batch.prefill = pack_seqs(self.state_slots[batch.num_decodes:], batch.prefill_cu_seqlens(), device)
         return tensor(self.input_ids), batch
+
+    def _snapshot_split(self, num_decodes: int, cu_seqlens: list[int], device: torch.device) -> SnapshotSplit:
+        """The KDA layers' two passes over the prefill tokens for snapshot_splits (forward_batch.SnapshotSplit)."""
+        at = {seq: (tokens, snapshot) for seq, tokens, snapshot in self.snapshot_splits}
+        passes = {"heads": ([], [], [0]), "tails": ([], [], [0])}  # rows, state slots, offsets
+        split_slots, snapshot_slots = [], []
+        for seq in range(num_decodes, self.num_seqs):
+            first, last = cu_seqlens[seq - num_decodes], cu_seqlens[seq - num_decodes + 1]
+            cut = first + at[seq][0] if seq in at else last
+            parts = [("heads", first, cut)] + ([("tails", cut, last)] if seq in at else [])
+            for name, a, b in parts:
+                rows, slots, cu = passes[name]
+                rows.extend(range(a, b))
+                slots.append(self.state_slots[seq])
+                cu.append(cu[-1] + b - a)
+            if seq in at:
+                split_slots.append(self.state_slots[seq])
+                snapshot_slots.append(at[seq][1])
+        order = passes["heads"][0] + passes["tails"][0]
+        inverse = [0] * len(order)
+        for i, row in enumerate(order):
+            inverse[row] = i
+        tensor = lambda x: to_device(x, torch.int64, device)  # noqa: E731
+        packed = lambda slots, cu: pack_seqs(slots, cu, device) if device.type == "cuda" else None  # noqa: E731
+        heads, tails = (PrefillPass(tensor(rows), slots, cu, packed(slots, cu)) for rows, slots, cu in passes.values())
+        return SnapshotSplit(heads, tails, tensor(inverse), tensor(split_slots), tensor(snapshot_slots))

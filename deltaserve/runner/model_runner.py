@@ -62,8 +62,8 @@ class ModelRunner:
             latent_dtype = getattr(torch, plan.latent_dtype) if plan.latent_dtype else dtype
             _check_latent_dtype(latent_dtype, self.device)
             self.caches = allocate_caches(model.cache_specs(), plan.num_blocks + 1, plan.block_size,
-                                          plan.num_slots + 1, dtype, self.device, latent_dtype)
-            self.snapshots = self._allocate_snapshots()
+                                          plan.num_slots + 1, dtype, self.device, latent_dtype,
+                                          plan.num_snapshot_slots)
         # kernels tuned by an earlier run on this GPU (and Triton) skip their tuning
         tuning = restore_tuning(self.device) if self.device.type == "cuda" else None
         self.requests: dict[str, RequestState] = {}
@@ -159,13 +159,13 @@ class ModelRunner:
         if not order:
             return PendingOutput(RunnerOutput([], {}))
         num_steps = 1 + self._lookahead(sched, order)
-        host, missing = self._host_batch(order, sched.num_scheduled_tokens)
+        saves, splits = self._snapshot_saves(sched, order, num_steps)
+        host, missing = self._host_batch(order, sched.num_scheduled_tokens, splits)
         if self.cpu_threads is not None:
             # a step of a few tokens is bound by memory bandwidth, which one core already saturates here, and
             # per-op overhead, which more threads only raise (and a busy machine multiplies): one thread for those
             few = len(host.input_ids) <= _ONE_THREAD_MAX_TOKENS
             torch.set_num_threads(1 if few else self.cpu_threads)
-        saves = self._saves_by_step(sched, order, num_steps)
         out = RunnerOutput(req_ids=list(order), sampled_token_ids={r: [] for r in order})
         side, self._staging_side = self._staging_side, 1 - self._staging_side
         input_ids, tokens, sampling, sampler = self._missing_inputs(host, missing, last), [], [], None
@@ -229,21 +229,34 @@ class ModelRunner:
                              "token with the same lookahead")
         return counts.pop()
 
-    def _saves_by_step(self, sched: SchedulerOutput, order: list[str], num_steps: int) -> list[list[tuple[int, int]]]:
-        """Per step of this one (its lookahead steps after it), the (state slot, snapshot slot) copies to make after
-        it: a save's position is where its request's computed tokens then stand ([] when the step saves nothing)."""
+    def _snapshot_saves(self, sched: SchedulerOutput, order: list[str], num_steps: int
+                        ) -> tuple[list[list[tuple[int, int]]], list[tuple[int, int, int]]]:
+        """Where the step makes its snapshot saves (a save's position is where its request's computed tokens then
+        stand): per step of this one (its lookahead steps after it), the (state slot, snapshot slot) copies after it
+        ([] when no step ends at a save); and the saves inside a prefill chunk, as (the sequence's row in `order`,
+        tokens of its chunk before the save, snapshot slot), made by the KDA layers (forward_batch.SnapshotSplit)."""
         if not sched.snapshot_saves:
-            return []
-        saves = [[] for _ in range(num_steps)]
-        ends = {self.requests[r].state_slot: self.requests[r].num_computed_tokens + sched.num_scheduled_tokens[r]
-                for r in order}
-        for slot, snapshot, position in sched.snapshot_saves:
-            step = position - ends.get(slot, -num_steps)
-            if not 0 <= step < num_steps:
-                raise ValueError(f"snapshot save {(slot, snapshot, position)} names a state slot or position no step "
-                                 f"of this one reaches (ends {ends}, {num_steps} steps)")
-            saves[step].append((slot, snapshot))
-        return saves
+            return [], []
+        saves, splits = [[] for _ in range(num_steps)], []
+        rows = {self.requests[r].state_slot: row for row, r in enumerate(order)}
+        for save in sched.snapshot_saves:
+            slot, snapshot, position = save
+            row = rows.get(slot)
+            if row is not None:
+                start = self.requests[order[row]].num_computed_tokens
+                end = start + sched.num_scheduled_tokens[order[row]]
+                if start < position < end and all(split[0] != row for split in splits):
+                    splits.append((row, position - start, snapshot))
+                    continue
+                if 0 <= position - end < num_steps:
+                    saves[position - end].append((slot, snapshot))
+                    continue
+            starts = {self.requests[r].state_slot: self.requests[r].num_computed_tokens for r in order}
+            chunks = {slot: (a, a + sched.num_scheduled_tokens[r]) for (slot, a), r in zip(starts.items(), order)}
+            raise ValueError(f"snapshot save {save} names a state slot or position no step of this one reaches "
+                             f"(chunks by state slot {chunks}, {num_steps - 1} lookahead steps; at most one save "
+                             "inside a chunk)")
+        return saves, splits
 
     def _run(self, host: HostBatch, input_ids: torch.Tensor | None, stage: int, side: int):
         """One forward pass over host's tokens (input_ids on the device when given, else host.input_ids); returns
@@ -310,14 +323,6 @@ class ModelRunner:
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _allocate_snapshots(self) -> dict[str, torch.Tensor]:
-        """Prefix caching's KDA state snapshots, per state name: like the state stacks (every KDA layer's slots),
-        plan.num_snapshot_slots of them ({} when caching is off)."""
-        if not self.plan.num_snapshot_slots:
-            return {}
-        return {name: torch.zeros(stack.shape[0], self.plan.num_snapshot_slots, *stack.shape[2:], dtype=stack.dtype,
-                                  device=self.device) for name, stack in self.caches.stacks.items()}
-
     def _copy_states(self, pairs: list[tuple[int, int]], to_snapshots: bool) -> None:
         """Copy whole KDA states (conv tails and recurrent state of every layer): pairs of (state slot, snapshot
         slot) into the snapshots, or pairs of (snapshot slot, state slot) into the state slots. Two ops a state
@@ -329,15 +334,17 @@ class ModelRunner:
         dst = to_device([b for _, b in pairs], torch.int64, self.device)
         per_pair = sum(stack[:, 0].numel() * stack.element_size() for stack in self.caches.stacks.values())
         chunk = max(1, _COPY_CHUNK_BYTES // max(per_pair, 1))
-        for name, snapshot in self.snapshots.items():
+        for name, snapshot in self.caches.snapshots.items():
             state = self.caches.stacks[name]
             source, target = (state, snapshot) if to_snapshots else (snapshot, state)
             for i in range(0, len(pairs), chunk):
                 target[:, dst[i:i + chunk]] = source[:, src[i:i + chunk]]
 
-    def _host_batch(self, order: list[str], num_tokens: dict[str, int]) -> tuple[HostBatch, list[tuple[int, str]]]:
-        """The step's inputs, and (row, req_id) of each input id the host does not have yet (0 in the batch): the
-        last token of a request whose step in flight samples it."""
+    def _host_batch(self, order: list[str], num_tokens: dict[str, int], splits: list[tuple[int, int, int]]
+                    ) -> tuple[HostBatch, list[tuple[int, str]]]:
+        """The step's inputs (splits: its snapshot saves inside a chunk, from _snapshot_saves), and (row, req_id) of
+        each input id the host does not have yet (0 in the batch): the last token of a request whose step in flight
+        samples it."""
         ids, positions, slots, query_lens, starts, missing = [], [], [], [], [], []
         bs = self.plan.block_size
         for req_id in order:
@@ -357,7 +364,7 @@ class ModelRunner:
             starts.append(start)
         states = [self.requests[r] for r in order]
         return HostBatch(ids, positions, slots, query_lens, starts, [s.state_slot for s in states],
-                         [s.block_ids for s in states]), missing
+                         [s.block_ids for s in states], splits), missing
 
     def _step_done(self) -> torch.cuda.Event | None:
         """An event that completes with the work queued so far (None on the CPU, where it has run already)."""

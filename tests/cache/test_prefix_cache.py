@@ -150,20 +150,19 @@ def computed(manager, req, num_tokens):
     """As a step does: allocate, schedule a save where one is due, advance, index."""
     assert manager.allocate_slots(req, num_tokens) is not None
     end = req.num_computed_tokens + num_tokens
-    save = manager.plan_snapshot_save(req, num_tokens)
+    saves = manager.plan_snapshot_saves(req, num_tokens)
     req.num_computed_tokens = end
     manager.cache_computed(req, end)
     manager.end_step()
-    return save
+    return saves
 
 
 def test_a_cached_prefix_needs_its_pages_and_a_snapshot_at_exactly_its_end():
     manager = CacheManager(num_blocks=16, num_slots=4, block_size=BS, num_snapshot_slots=4)
     tokens = list(range(1, 15))  # 14 tokens: the prompt's last full block ends at 12
     first = request("a", tokens)
-    assert manager.cut_at_snapshot(first, 0, 14) == 12, "the chunk ends where the snapshot is taken"
-    assert computed(manager, first, 12) is not None
-    assert computed(manager, first, 2) is None
+    saves = computed(manager, first, 14)
+    assert [position for _, _, position in saves] == [12], "saved inside the chunk, which runs whole"
     manager.free(first)
     hit = manager.find_cached_prefix(request("b", tokens + [99]))
     assert len(hit.block_ids) == 3 and hit.snapshot_slot is not None

@@ -56,6 +56,7 @@ def test_decode_steps_run_every_product_through_the_kernel(make_llm, monkeypatch
     assert all(w.is_contiguous() for w in weights.values())  # output-major: the layout the kernel reads
     calls = record_calls(monkeypatch)
     greedy(llm, PROMPTS)
+    greedy(llm, PROMPTS[:1])  # a step of one decode
     served = {shape for _, _, shape in calls}
     missing = {name for name, w in weights.items() if served_shape(name, w) not in served}
     assert not missing, f"decode products not through cpu_gemv: {sorted(missing)}"

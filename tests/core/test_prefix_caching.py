@@ -201,16 +201,17 @@ def test_aborted_requests_leave_a_consistent_cache(make_llm):
     assert [o.num_cached_tokens for o in got] == [96, 80, 0]
 
 
-def test_scheduler_cuts_the_prompt_at_its_last_full_block_and_saves_at_each_boundary():
-    """No model: a 37-token prompt on 16-token pages is computed as 32 + 5 (state saved at 32); decoding saves the
-    rolling state at 48 and 64, and finishing publishes the last one."""
+def test_scheduler_saves_inside_the_prompt_at_its_last_full_block_and_at_each_boundary():
+    """No model: a 37-token prompt on 16-token pages is computed in one step, its state saved inside it at 32;
+    decoding saves the rolling state at 48 and 64, and finishing publishes the last one."""
     cache = CacheManager(num_blocks=16, num_slots=2, block_size=BS, num_snapshot_slots=4)
     scheduler = Scheduler(EngineConfig(block_size=BS, max_num_seqs=2, num_decode_steps=1), cache, max_model_len=256)
     scheduler.add_request(Request("a", list(range(1, 38)), greedy(30)))
     steps = [step(scheduler)[0] for _ in range(31)]
-    assert [s.num_scheduled_tokens["a"] for s in steps[:3]] == [32, 5, 1]
+    assert [s.num_scheduled_tokens["a"] for s in steps[:3]] == [37, 1, 1]
     saves = {i: s.snapshot_saves for i, s in enumerate(steps) if s.snapshot_saves}
-    assert list(saves) == [0, 48 - 36, 64 - 36], "step k >= 2 decodes position 35 + k"
-    assert saves[12][0][1] == saves[28][0][1], "the rolling snapshot is one slot, rewritten"
+    assert [save[2] for save in saves[0]] == [32]
+    assert list(saves) == [0, 48 - 37, 64 - 37], "step k >= 1 decodes position 36 + k"
+    assert saves[11][0][1] == saves[27][0][1], "the rolling snapshot is one slot, rewritten"
     assert not scheduler.has_unfinished_requests() and cache.snapshots.num_committed == 2
     assert cache.find_cached_prefix(Request("b", list(range(1, 38)) + [1] * 40, SamplingParams())).block_ids

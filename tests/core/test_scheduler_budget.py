@@ -62,12 +62,14 @@ def test_budget_is_never_exceeded_and_running_requests_go_first(make_scheduler):
 
 
 def test_a_request_left_without_budget_is_not_scheduled(make_scheduler):
-    """A chunk cut at a snapshot position lets a later request in beside a prompt still prefilling; when that
-    prompt's next chunk takes the whole budget, the later request sits the step out rather than being sent with 0
-    tokens."""
-    sched = make_scheduler(block_size=4, max_num_batched_tokens=3, num_snapshot_slots=2)
-    sched.add_request(make_request("a", prompt_len=7, max_tokens=2))
-    sched.add_request(make_request("b", prompt_len=5, max_tokens=2))
+    """Running requests are served in order while budget is left: when those before it take it all (three requests
+    decode, and the budget is lowered to 2 under them), the next sits the step out rather than being sent with 0
+    tokens, and is served in the steps after."""
+    sched = make_scheduler(max_num_batched_tokens=3)
+    for req_id in "abc":
+        sched.add_request(make_request(req_id, prompt_len=1, max_tokens=3))
+    assert step(sched)[0].num_scheduled_tokens == {"a": 1, "b": 1, "c": 1}
+    sched.max_num_batched_tokens = 2
     outputs = run_to_completion(sched)
     assert [o.num_scheduled_tokens for o in outputs] == [
-        {"a": 3}, {"a": 1, "b": 2}, {"a": 3}, {"a": 1, "b": 2}, {"b": 1}, {"b": 1}]
+        {"a": 1, "b": 1}, {"a": 1, "b": 1}, {"c": 1}, {"c": 1}]

@@ -13,12 +13,15 @@ def launch(sched, out, tokens: dict[str, list[int]]) -> dict[str, list[int]]:
     """What the fake runner samples for `out` when it is queued (right after schedule()): for each request whose
     chunk reaches the end of its tokens (it has pending outputs now), its next 1 + lookahead tokens from `tokens`,
     after those of the steps before, applied or in flight. Checks, as the runner does, that each snapshot save lies
-    where the step reaches: its request's chunk end, or one of its lookahead steps."""
+    where the step reaches: inside its request's chunk (one at most), at its end, or at one of its lookahead steps."""
     starts, request_of = out.start_positions(), {sched.requests[r].state_slot: r for r in out.num_scheduled_tokens}
+    inside = []
     for state_slot, _, position in out.snapshot_saves:
         req_id = request_of[state_slot]
         chunk_end = starts[req_id] + out.num_scheduled_tokens[req_id]
-        assert chunk_end <= position <= chunk_end + out.num_lookahead_tokens.get(req_id, 0), (req_id, position)
+        assert starts[req_id] < position <= chunk_end + out.num_lookahead_tokens.get(req_id, 0), (req_id, position)
+        inside += [req_id] if position < chunk_end else []
+    assert len(inside) == len(set(inside)), out.snapshot_saves
     sampled = {}
     for req_id in out.num_scheduled_tokens:
         req = sched.requests[req_id]
@@ -134,9 +137,9 @@ def test_the_rolling_snapshot_is_saved_at_the_last_boundary_a_step_reaches(ahead
     sched = new_scheduler(num_decode_steps=8, block_size=4, num_snapshot_slots=4)
     req = greedy("a", prompt_len=5, max_tokens=22, ignore_eos=True)
     outs = run(sched, [req], {"a": stream(22)}, ahead)
-    # the prompt cut at the prompt-end snapshot; its last token decodes like the others: 8, 8 and the last 6 steps
-    assert [steps_of(o) for o in outs] == [1, 8, 8, 6]
-    # computed 4 -> 12 -> 20 -> 26: saves at 4 (the prompt-end one), 12, 20 and 24
+    # the prompt in one step, then 8, 8 and the last 5 decode steps
+    assert [steps_of(o) for o in outs] == [1, 8, 8, 5]
+    # computed 5 -> 13 -> 21 -> 26: saves at 4 (the prompt-end one, inside the prompt's chunk), 12, 20 and 24
     assert [[save[2] for save in o.snapshot_saves] for o in outs] == [[4], [12], [20], [24]]
     slots = [o.snapshot_saves[0][1] for o in outs if o.snapshot_saves]
     assert slots[0] not in slots[1:], "the prompt-end snapshot is never rewritten"
@@ -258,10 +261,10 @@ def test_a_runner_that_returns_the_wrong_number_of_tokens_is_caught():
 
 
 @pytest.mark.parametrize("ahead", [False, True])
-def test_a_slot_freed_by_a_preemption_never_puts_a_save_inside_a_chunk_that_was_not_cut(ahead):
-    """Found in review: a recomputed prompt's chunk was not cut at its snapshot position (no snapshot slot free
-    then); the preemption that followed in the same step freed one, and a save was planned inside the chunk, where
-    the runner refuses it. launch() checks every save's position."""
+def test_snapshot_slots_freed_by_preemptions_keep_every_save_where_its_step_reaches(ahead):
+    """Found in review (when chunks were cut at snapshot positions): a preemption in the same step freed a snapshot
+    slot after a recomputed prompt's chunk had been planned without a save, and a save was then planned inside the
+    chunk. launch() checks every save's position: inside its chunk (one at most), at its end, or in its lookahead."""
     sched = new_scheduler(block_size=2, num_blocks=13, max_num_seqs=3, max_num_batched_tokens=9, num_snapshot_slots=2)
     reqs = [greedy("1", prompt_len=3, max_tokens=6, ignore_eos=True),
             greedy("2", prompt_len=19, max_tokens=6, ignore_eos=True),

@@ -1,7 +1,7 @@
 """The runner refuses a SchedulerOutput that breaks the step's contract, with a message naming what is wrong:
-uneven lookahead, lookahead on a prompt chunk, a snapshot save no step reaches, a decode whose input token no step
-before sampled, more than one input token missing. (The scheduler never sends these; a bug that did would otherwise
-compute from wrong inputs.)"""
+uneven lookahead, lookahead on a prompt chunk, a snapshot save no step reaches or a second one inside a chunk, a
+decode whose input token no step before sampled, more than one input token missing. (The scheduler never sends
+these; a bug that did would otherwise compute from wrong inputs.)"""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def new(req_id: str, num_tokens: int, slot: int, pages: list[int]) -> NewRequest
     ("uneven lookahead", r"lookahead needs every request of the step to decode one token with the same lookahead"),
     ("lookahead on a prompt", r"lookahead needs every request of the step to decode one token"),
     ("save out of reach", r"snapshot save \(0, 0, 9\) names a state slot or position no step of this one reaches"),
+    ("two saves inside a chunk", r"snapshot save \(2, 1, 5\) names .* at most one save inside a chunk"),
     ("input never sampled", r"requests \['a'\] decode a token that the step before \(of \['b'\]\) did not sample"),
     ("two inputs missing", r"request 'a' computes tokens 4\.\.5 but the runner has 4"),
 ])
@@ -38,6 +39,9 @@ def test_a_step_that_breaks_the_contract_is_refused(make_llm, case, message):
     elif case == "save out of reach":
         sched = SchedulerOutput(cached_reqs=[CachedRequestData("a", [], 4)], num_scheduled_tokens={"a": 1},
                                 snapshot_saves=[(0, 0, 9)])
+    elif case == "two saves inside a chunk":
+        sched = SchedulerOutput(new_reqs=[new("c", 9, 2, [2, 3])], num_scheduled_tokens={"c": 9},
+                                snapshot_saves=[(2, 0, 3), (2, 1, 5)])
     elif case == "input never sampled":
         runner.execute(SchedulerOutput(cached_reqs=[CachedRequestData("b", [], 4)], num_scheduled_tokens={"b": 1}))
         sched = SchedulerOutput(cached_reqs=[CachedRequestData("a", [], 5)], num_scheduled_tokens={"a": 1})

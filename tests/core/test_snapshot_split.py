@@ -1,0 +1,15 @@
+"""Prefix caching's KDA saves inside a prefill chunk (forward_batch.SnapshotSplit): the KDA layers run a step's
+prefill in two passes and copy each split sequence's state between them, so a prompt is never cut into two steps for
+its snapshot. Checked on the small model in float32 on the CPU against its slow twin (helpers/snapshot_split.py; the
+GPU's kernels: tests/gpu/test_gpu_prefix_caching.py)."""
+
+import pytest
+from helpers.checkpoints import SMALL_RAW_CONFIG
+from helpers.snapshot_split import check_split_step
+
+from deltaserve.config import ModelConfig
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_split_step_saves_the_heads_states_and_computes_what_the_whole_step_does(seed):
+    check_split_step(ModelConfig.from_dict(SMALL_RAW_CONFIG), seed)
