@@ -6,8 +6,11 @@ detokenizer and finish the request through the scheduler.
 
 With asynchronous scheduling (EngineConfig.async_scheduling) one step stays in flight: step() queues the next step
 before waiting for the current one's tokens (core/scheduler.py), so the device computes while the host applies the
-current step. A next step that samples a request whose sampling reads its outputs (penalties, a grammar) has only
-its forward pass queued then; its sampling is launched once the current step is applied (PendingOutput.launch).
+current step. A next step with prompt chunks is scheduled then too, but queued only once the current step is
+applied: its launch (eager, kernel by kernel, not a CUDA graph) would hold back the current step's tokens, the first
+tokens of a batch of prompts, by the host's time to launch it; the device meanwhile waits only for the host to apply
+a step. A next step that samples a request whose sampling reads its outputs (penalties, a grammar) has only its
+forward pass queued then; its sampling is launched once the current step is applied (PendingOutput.launch).
 
 Structured outputs: a constrained request waits outside the scheduler until its grammar has compiled on the
 manager's thread pool, so a slow schema never stalls other steps; the runner masks its logits when it samples
@@ -263,14 +266,23 @@ class Engine:
                     f"{self.scheduler.num_waiting} waiting requests remain; this is a scheduler bug (a request "
                     "that can never get pages or a slot), not something to retry: abort the requests")
             step = self._submit(sched)
+        held = None
         if self.async_scheduling and self.scheduler.has_unfinished_requests():
-            ahead = self._submit(self.scheduler.schedule())  # the runner drops the requests it lets go even so
-            if ahead.sched.num_scheduled_tokens:
-                self._inflight = ahead
+            ahead = self.scheduler.schedule()
+            if any(n > 1 for n in ahead.num_scheduled_tokens.values()):
+                held = ahead  # prompt chunks: queued once this step is applied (module docstring)
+            else:
+                self._keep_in_flight(self._submit(ahead))  # the runner drops the requests it lets go even so
         outputs = self._apply(step)
+        if held is not None:
+            self._keep_in_flight(self._submit(held))
         if self._inflight is not None:  # its sampling, if it waited for this step's tokens (penalties, grammars)
             self._inflight.pending.launch()
         return outputs
+
+    def _keep_in_flight(self, submitted: _Submitted) -> None:
+        if submitted.sched.num_scheduled_tokens:
+            self._inflight = submitted
 
     def _submit(self, sched: SchedulerOutput) -> _Submitted:
         broadcast_object(sched, self.parallel)  # the other ranks run the same step on their shards

@@ -266,3 +266,34 @@ def test_graph_staging_blocks_are_refilled_only_after_the_step_that_used_them_wa
                                                                           ignore_eos=True), use_tqdm=False)
         assert ahead_steps(seen)
         assert not recorder.violations, recorder.violations[:3]
+
+
+def test_a_step_with_prompt_chunks_is_queued_only_once_the_step_before_is_applied(make_llm, monkeypatch):
+    """Its eager launch would hold back the step before's tokens (the first tokens of a batch of prompts); decode
+    steps are still queued while the step before is in flight. The tokens are those of synchronous steps."""
+    prompts = random_prompts((40, 3, 27, 9, 50), seed=21)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    options = dict(max_num_batched_tokens=16, max_num_seqs=3)
+    expected = make_llm(**options).generate(as_inputs(prompts), params, use_tqdm=False)
+    llm = make_llm(async_scheduling=True, **options)
+    runner, scheduler, queued = llm.engine.runner, llm.engine.scheduler, []
+    submit, update = runner.submit, scheduler.update_from_output
+    counts = {"submitted": 0, "applied": 0}
+
+    def submitting(sched):
+        if sched.num_scheduled_tokens:
+            in_flight = counts["submitted"] - counts["applied"]
+            queued.append((max(sched.num_scheduled_tokens.values()) > 1, in_flight))
+            counts["submitted"] += 1
+        return submit(sched)
+
+    def applying(sched, out):
+        counts["applied"] += bool(sched.num_scheduled_tokens)
+        return update(sched, out)
+
+    monkeypatch.setattr(runner, "submit", submitting)
+    monkeypatch.setattr(scheduler, "update_from_output", applying)
+    got = llm.generate(as_inputs(prompts), params, use_tqdm=False)
+    assert_same_outputs(got, expected, "one step in flight, prompt chunks queued after the step before")
+    assert all(in_flight == 0 for chunks, in_flight in queued if chunks), queued
+    assert sum(1 for chunks, in_flight in queued if chunks) >= 5 and (False, 1) in queued, queued
