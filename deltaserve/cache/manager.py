@@ -180,18 +180,22 @@ class CacheManager:
         decode steps: (state slot, snapshot slot, position) each, in position order, for the runner to copy req's
         KDA state once it has computed `position` tokens: inside the chunk (the KDA layers split their pass there),
         at its end, or after one of the lookahead steps. The shared one wherever the chunk passes the prompt's
-        last block boundary before its last token; the rolling one where the chunk's end or its lookahead reaches
-        the last full block boundary of req's tokens (those of its steps in flight and lookahead included)."""
+        last block boundary before its last token; the rolling one where the chunk or its lookahead reaches the
+        last full block boundary of req's tokens (those of its steps in flight and lookahead included), unless the
+        shared one is saved inside the same chunk (the runner splits a chunk once: a recompute of prompt and
+        outputs then keeps the shared one, and its rolling one waits for the next boundary its decode reaches)."""
         if self.prefix_cache is None:
             return []
         saves = []
         start, chunk_end = req.num_computed_tokens, req.num_computed_tokens + num_tokens
         shared = self._prompt_end(req)
+        shared_inside = False
         if start < shared <= chunk_end and self._wants_snapshot(req, shared):
             saves.append(self._plan_write(req, self.snapshots.allocate(), shared, True))
+            shared_inside = shared < chunk_end
         position = (chunk_end + lookahead) // self.block_size * self.block_size
-        if chunk_end <= position != shared and position >= self._last_boundary(req) \
-                and self._wants_snapshot(req, position):
+        if start < position != shared and position >= self._last_boundary(req) \
+                and not (position < chunk_end and shared_inside) and self._wants_snapshot(req, position):
             slot = self._rolling_slot(req.req_id)
             saves.append(self._plan_write(req, self.snapshots.allocate() if slot is None else slot, position, False))
         return saves

@@ -273,9 +273,11 @@ class Engine:
                 held = ahead  # prompt chunks: queued once this step is applied (module docstring)
             else:
                 self._keep_in_flight(self._submit(ahead))  # the runner drops the requests it lets go even so
-        outputs = self._apply(step)
-        if held is not None:
-            self._keep_in_flight(self._submit(held))
+        try:
+            outputs = self._apply(step)
+        finally:  # the scheduler counts held's tokens as computed: it runs even when applying this step failed
+            if held is not None:
+                self._keep_in_flight(self._submit(held))
         if self._inflight is not None:  # its sampling, if it waited for this step's tokens (penalties, grammars)
             self._inflight.pending.launch()
         return outputs

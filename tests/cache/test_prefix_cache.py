@@ -191,3 +191,22 @@ def test_a_hit_shares_the_pages_and_pins_the_snapshot_until_the_step_ends():
     assert manager.num_free_blocks == 8 and manager.usage == 0.0
     stats = manager.prefix_cache_stats()
     assert (stats.num_queries, stats.num_hits, stats.num_hit_tokens, stats.num_cached_blocks) == (1, 1, 8, 2)
+
+
+def test_a_recompute_chunk_saves_one_snapshot_inside_it_the_shared_one_first():
+    """Preempted after 8 outputs and recomputed from 0 in one chunk of 14 tokens (block 4): the runner splits a
+    chunk once, so the shared snapshot (at 4) is saved there if it is not published, else the rolling one (at 12)."""
+    manager = CacheManager(num_blocks=32, num_slots=2, block_size=4, num_snapshot_slots=4)
+    req = request("a", range(1, 7))
+    req.output_token_ids.extend(range(100, 108))
+    manager.allocate_slots(req, req.num_tokens)
+    assert [save[2] for save in manager.plan_snapshot_saves(req, req.num_tokens)] == [4]
+    manager.free(req)
+
+    first_run = request("b", range(1, 7))  # the same prompt: its shared snapshot at 4 is published now
+    assert [save[2] for save in computed(manager, first_run, 6)] == [4]
+    manager.free(first_run)
+    req = request("c", range(1, 7))
+    req.output_token_ids.extend(range(100, 108))
+    manager.allocate_slots(req, req.num_tokens)
+    assert [save[2] for save in manager.plan_snapshot_saves(req, req.num_tokens)] == [12]

@@ -297,3 +297,37 @@ def test_a_step_with_prompt_chunks_is_queued_only_once_the_step_before_is_applie
     assert_same_outputs(got, expected, "one step in flight, prompt chunks queued after the step before")
     assert all(in_flight == 0 for chunks, in_flight in queued if chunks), queued
     assert sum(1 for chunks, in_flight in queued if chunks) >= 5 and (False, 1) in queued, queued
+
+
+def test_a_failure_applying_a_step_still_queues_the_prompt_chunks_scheduled_ahead(make_llm, monkeypatch):
+    """The scheduler counts a held step's tokens as computed when it schedules it, so the step is queued even when
+    applying the step before fails (a detokenizer error here); the other request then finishes with its tokens."""
+    llm = make_llm(async_scheduling=True, max_num_batched_tokens=16, max_num_seqs=4, num_decode_steps=1)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prompts = random_prompts((5, 60), seed=1)
+    expected = make_llm().generate(as_inputs(prompts[1:]), params, use_tqdm=False)[0].outputs[0].token_ids
+    engine.add_request(prompts[0], params, request_id="a")
+    engine.step()
+    engine.step()
+    engine.add_request(prompts[1], params, request_id="b")  # its 16-token chunks are scheduled ahead and held
+    engine.step()
+    detokenize, failed = engine._detokenize, []
+
+    def failing(tracked, new_ids):
+        if not failed and tracked.request.req_id == "a":
+            failed.append(engine.scheduler.requests["b"].num_computed_tokens)
+            raise RuntimeError("detokenizer failed")
+        return detokenize(tracked, new_ids)
+
+    monkeypatch.setattr(engine, "_detokenize", failing)
+    with pytest.raises(RuntimeError, match="detokenizer failed"):
+        engine.step()
+    assert failed and failed[0] < 60, "it failed while b's prompt was still in chunks"
+    engine.abort("a")
+    done = {}
+    for _ in range(100):
+        done.update((out.request_id, out) for out in engine.step() if out.finished)
+        if not engine.has_unfinished_requests():
+            break
+    assert done["b"].outputs[0].token_ids == expected

@@ -44,3 +44,18 @@ def test_prefill_sequences_pack_as_the_kernels_take_them():
 
 def test_pdl_is_off_off_the_gpu():
     assert pdl_args(torch.device("cpu")) == {"PDL": False}
+
+
+def test_snapshots_are_allocated_as_the_cache_plan_sizes_them():
+    """Prefix caching's snapshots: like the state stacks (float32 recurrent states in a bf16 run), as many slots
+    as asked (cache/sizing.py counts slot_bytes for each), each KDA layer's rows in its cache dict as views."""
+    caches = allocate_caches(TWO_KINDS_OF_LAYER, num_pages=3, page_size=2, num_slots=4, dtype=torch.bfloat16,
+                             device=torch.device("cpu"), num_snapshot_slots=5)
+    for name, stack in caches.stacks.items():
+        snapshots = caches.snapshots[name]
+        assert snapshots.dtype == stack.dtype and snapshots.shape == (stack.shape[0], 5, *stack.shape[2:]), name
+        assert caches[2][f"{name}_snapshots"].data_ptr() == snapshots[1].data_ptr()
+    bytes_per_slot = sum(spec.slot_bytes(2) for spec in TWO_KINDS_OF_LAYER if isinstance(spec, KDAStateSpec))
+    assert sum(s.numel() * s.element_size() for s in caches.snapshots.values()) == 5 * bytes_per_slot
+    without = allocate_caches(TWO_KINDS_OF_LAYER, 3, 2, 4, torch.bfloat16, torch.device("cpu"))
+    assert without.snapshots == {} and "conv_snapshots" not in without[0]
