@@ -36,7 +36,7 @@ class PrefillPass:
     (x[num_decodes:][rows]), the state slots and host offsets of the sequences they form, and those packed (on a
     GPU; None: the kernels pack their own, or read the host lists)."""
 
-    rows: torch.Tensor
+    rows: torch.Tensor | slice  # a slice where they are consecutive
     state_slots: list[int]
     cu_seqlens: list[int]
     packed: PackedSeqs | None
@@ -52,7 +52,8 @@ class SnapshotSplit:
 
     heads: PrefillPass
     tails: PrefillPass
-    inverse: torch.Tensor  # [prefill tokens]: rows of cat(heads' outputs, tails' outputs) in the tokens' order
+    # [prefill tokens]: rows of cat(heads' outputs, tails' outputs) in the tokens' order; None: that order already
+    inverse: torch.Tensor | None
     state_slots: torch.Tensor  # [S] the split sequences' state slots...
     snapshot_slots: torch.Tensor  # [S] ...and the snapshot slots their states at the split go to
 

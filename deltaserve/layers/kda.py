@@ -124,4 +124,5 @@ def _prefill_passes(run, inputs: tuple[torch.Tensor, ...], batch: ForwardBatch, 
         if outs:  # the heads have run: the split sequences' states stand at their save positions
             cache[name + "_snapshots"][split.snapshot_slots] = cache[name][split.state_slots]
         outs.append(run((part.state_slots, part.cu_seqlens, part.packed), *(x[part.rows] for x in inputs)))
-    return torch.cat(outs)[split.inverse]
+    out = torch.cat(outs)
+    return out if split.inverse is None else out[split.inverse]

@@ -95,5 +95,13 @@ class HostBatch:
             inverse[row] = i
         tensor = lambda x: to_device(x, torch.int64, device)  # noqa: E731
         packed = lambda slots, cu: pack_seqs(slots, cu, device) if device.type == "cuda" else None  # noqa: E731
-        heads, tails = (PrefillPass(tensor(rows), slots, cu, packed(slots, cu)) for rows, slots, cu in passes.values())
-        return SnapshotSplit(heads, tails, tensor(inverse), tensor(split_slots), tensor(snapshot_slots))
+        heads, tails = (PrefillPass(_rows(rows, tensor), slots, cu, packed(slots, cu))
+                        for rows, slots, cu in passes.values())
+        in_order = order == inverse  # only the last prefill sequence is split (a lone prompt): no reordering
+        return SnapshotSplit(heads, tails, None if in_order else tensor(inverse), tensor(split_slots),
+                             tensor(snapshot_slots))
+
+
+def _rows(rows: list[int], tensor) -> torch.Tensor | slice:
+    """rows as a slice where they are consecutive (a view of the tokens, no gather), else as an index tensor."""
+    return slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[0] + len(rows))) else tensor(rows)

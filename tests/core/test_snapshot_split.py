@@ -13,3 +13,9 @@ from deltaserve.config import ModelConfig
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_split_step_saves_the_heads_states_and_computes_what_the_whole_step_does(seed):
     check_split_step(ModelConfig.from_dict(SMALL_RAW_CONFIG), seed)
+
+
+@pytest.mark.parametrize("lengths", [[70], [1, 1, 40]], ids=["a lone prompt", "after two one-token chunks"])
+def test_a_lone_split_prompt_runs_its_passes_on_views_in_order(lengths):
+    """One prefill sequence, split: both passes take slices of the tokens and no reordering is needed."""
+    check_split_step(ModelConfig.from_dict(SMALL_RAW_CONFIG), 3, lengths=lengths)

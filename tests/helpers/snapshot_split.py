@@ -17,14 +17,15 @@ BLOCK = 16
 NUM_SLOTS, NUM_SNAPSHOTS = 8, 4
 
 
-def check_split_step(cfg, seed: int, device: str = "cpu", dtype=torch.float32, tol: float = 1e-5) -> None:
-    """Fresh random prompts of ragged lengths (two one-token chunks among them), three of them split at random
-    positions: the split step's hidden states and final states are the twin's, and each snapshot is the state the
-    twin's first step leaves, all within tol."""
+def check_split_step(cfg, seed: int, device: str = "cpu", dtype=torch.float32, tol: float = 1e-5,
+                     lengths: list[int] | None = None) -> None:
+    """Fresh random prompts of ragged lengths (two one-token chunks among them; or of `lengths`), up to three of
+    them split at random positions: the split step's hidden states and final states are the twin's, and each
+    snapshot is the state the twin's first step leaves, all within tol."""
     rng = random.Random(seed)
     model = build_model(cfg, dtype, device)
     init_dummy_weights(model, seed, std=0.1)
-    lengths = [1, 1] + [rng.randint(2, 90) for _ in range(4)]
+    lengths = lengths or [1, 1] + [rng.randint(2, 90) for _ in range(4)]
     prompts = {slot: [rng.randrange(3, cfg.vocab_size) for _ in range(n)] for slot, n in enumerate(lengths)}
     split_slots = [slot for slot, n in enumerate(lengths) if n > 1][:3]
     cuts = {slot: rng.randint(1, lengths[slot] - 1) for slot in split_slots}
