@@ -26,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -143,7 +144,8 @@ def summarise(results: dict[str, list[dict]], names: list[str]) -> list[dict]:
 def coordinate(args, child_args: list[str]) -> dict:
     trees = dict(spec.split("=", 1) for spec in args.tree)
     names = list(trees)
-    log_dir = Path(args.log_dir or ".").resolve()
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="ab_resident_")).resolve()
+    print(f"each side's stderr: {log_dir}/ab_<side>.log", flush=True)
     sides: dict[str, Side] = {}
     try:
         for name, tree in trees.items():  # one at a time: autotuning beside the other's warm-up would time noise
@@ -192,7 +194,8 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     parser.add_argument("--start-timeout", type=float, default=300, help="seconds for a side to start and warm up")
     parser.add_argument("--round-timeout", type=float, default=120, help="seconds for one side's rows")
-    parser.add_argument("--log-dir", default=None, help="where each side's stderr goes (default: here)")
+    parser.add_argument("--log-dir", default=None, help="where each side's stderr goes (default: a new temporary "
+                        "folder, printed)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     if args.role == "child":
