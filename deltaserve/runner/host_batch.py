@@ -97,7 +97,7 @@ class HostBatch:
         packed = lambda slots, cu: pack_seqs(slots, cu, device) if device.type == "cuda" else None  # noqa: E731
         heads, tails = (PrefillPass(_rows(rows, tensor), slots, cu, packed(slots, cu))
                         for rows, slots, cu in passes.values())
-        in_order = order == inverse  # only the last prefill sequence is split (a lone prompt): no reordering
+        in_order = order == list(range(len(order)))  # only the last prefill sequence is split: no reordering
         return SnapshotSplit(heads, tails, None if in_order else tensor(inverse), tensor(split_slots),
                              tensor(snapshot_slots))
 

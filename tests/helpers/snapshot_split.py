@@ -18,21 +18,22 @@ NUM_SLOTS, NUM_SNAPSHOTS = 8, 4
 
 
 def check_split_step(cfg, seed: int, device: str = "cpu", dtype=torch.float32, tol: float = 1e-5,
-                     lengths: list[int] | None = None) -> None:
+                     lengths: list[int] | None = None, cuts: dict[int, int] | None = None) -> None:
     """Fresh random prompts of ragged lengths (two one-token chunks among them; or of `lengths`), some of them
     computed in part by a step before (so their chunks start mid-prompt, from states that are not zero), up to three
-    of them split at random positions, some within the conv's width of their chunk's start: the split step's hidden
-    states and final states are the twin's, and each snapshot is the state the twin's first step leaves, all within
-    tol."""
+    of them split at random positions, some within the conv's width of their chunk's start (or, with `cuts`, all
+    computed from 0 and split there: {sequence: position}): the split step's hidden states and final states are the
+    twin's, and each snapshot is the state the twin's first step leaves, all within tol."""
     rng = random.Random(seed)
     model = build_model(cfg, dtype, device)
     init_dummy_weights(model, seed, std=0.1)
     lengths = lengths or [1, 1] + [rng.randint(3, 90) for _ in range(4)]
     prompts = {slot: [rng.randrange(3, cfg.vocab_size) for _ in range(n)] for slot, n in enumerate(lengths)}
-    starts = {slot: rng.randint(1, n - 2) if n > 2 and rng.random() < 0.5 else 0 for slot, n in enumerate(lengths)}
-    split_slots = [slot for slot, n in enumerate(lengths) if n - starts[slot] > 1][:3]
-    cuts = {slot: starts[slot] + min(rng.choice([1, 2, rng.randint(1, 40)]), lengths[slot] - starts[slot] - 1)
-            for slot in split_slots}
+    starts = {slot: rng.randint(1, n - 2) if n > 2 and rng.random() < 0.5 and cuts is None else 0
+              for slot, n in enumerate(lengths)}
+    split_slots = list(cuts) if cuts else [slot for slot, n in enumerate(lengths) if n - starts[slot] > 1][:3]
+    cuts = cuts or {slot: starts[slot] + min(rng.choice([1, 2, rng.randint(1, 40)]), lengths[slot] - starts[slot] - 1)
+                    for slot in split_slots}
     snapshot_of = {slot: snapshot for snapshot, slot in enumerate(split_slots)}
     close = dict(rtol=tol, atol=tol)
 
