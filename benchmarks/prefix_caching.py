@@ -3,8 +3,9 @@
 A conversation of --turns turns: turn 1 is a system prompt and a user message, each later prompt is the previous
 prompt + the model's answer + a new user message, so with the defaults (a 263-token system prompt, 97-token
 messages, 95-token answers, 10 turns) the last prompt holds 2,088 tokens of history. The lengths are not multiples
-of the block size, so that, as with real text, each prompt ends inside a block and caching pays its one extra
-step (the chunk cut at the prompt's last full block). Token ids are random, answers greedy with ignore_eos. Each
+of the block size, so that, as with real text, each prompt ends inside a block and caching pays for its snapshot at
+the prompt's last full block (saved inside the prefill step, between two passes of the KDA layers, since e69b3f6;
+before, a step of its own). Token ids are random, answers greedy with ignore_eos. Each
 setting runs on its own fresh engine, after an unrelated warm-up conversation; --repeats conversations (other
 random ids) run one after another and each turn's figures are their medians. One request runs at a time, so a
 turn's TTFT is its prefill alone.

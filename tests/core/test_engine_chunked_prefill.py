@@ -36,7 +36,7 @@ def record_schedules(llm) -> list[dict[str, int]]:
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_chunked_prefill_gives_the_tokens_of_a_whole_prompt_prefill(make_llm, prompts, params, chunk):
-    # caching off: it would end each prompt's first chunk at its last full block (see test_prefix_caching.py)
+    # caching off: its snapshot saves split the KDA layers' pass inside each prompt, and the reference is whole
     whole = make_llm(max_num_seqs=len(prompts), max_num_batched_tokens=2048, enable_prefix_caching=False)
     steps_whole = record_schedules(whole)
     expected = whole.generate(as_inputs(prompts), params, use_tqdm=False)
