@@ -89,17 +89,15 @@ class HostBatch:
             if seq in at:
                 split_slots.append(self.state_slots[seq])
                 snapshot_slots.append(at[seq][1])
-        order = passes["heads"][0] + passes["tails"][0]
-        inverse = [0] * len(order)
-        for i, row in enumerate(order):
-            inverse[row] = i
         tensor = lambda x: to_device(x, torch.int64, device)  # noqa: E731
         packed = lambda slots, cu: pack_seqs(slots, cu, device) if device.type == "cuda" else None  # noqa: E731
         heads, tails = (PrefillPass(_rows(rows, tensor), slots, cu, packed(slots, cu))
                         for rows, slots, cu in passes.values())
-        in_order = order == list(range(len(order)))  # only the last prefill sequence is split: no reordering
-        return SnapshotSplit(heads, tails, None if in_order else tensor(inverse), tensor(split_slots),
-                             tensor(snapshot_slots))
+        order = passes["heads"][0] + passes["tails"][0]
+        # the outputs' rows put back in token order (a permutation's inverse is its argsort); none when only the
+        # last prefill sequence is split
+        inverse = None if order == list(range(len(order))) else tensor(order).argsort()
+        return SnapshotSplit(heads, tails, inverse, tensor(split_slots), tensor(snapshot_slots))
 
 
 def _rows(rows: list[int], tensor) -> torch.Tensor | slice:
