@@ -77,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--threads", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
     g.add_argument("--enable-prefix-caching", action="store_true")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve's --engine-process: the server's engine in a process of its own (default, as serve's)")
     args = p.parse_args(argv)
     _check(p, args)
     return args
@@ -110,7 +112,8 @@ def engine_command(args: argparse.Namespace, model_dir: Path, port: int) -> list
     model = ["--model", str(model_dir)] if args.model or args.config else []
     cmd = ["serve", *model, "--port", str(port), "--served-model-name", args.served_model_name,
            "--max-queue", str(max(256, args.num_requests)),
-           "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching"]
+           "--enable-prefix-caching" if args.enable_prefix_caching else "--no-enable-prefix-caching",
+           "--engine-process" if args.engine_process else "--no-engine-process"]
     for name in ENGINE_FLAGS:
         value = getattr(args, name)
         if value is not None:

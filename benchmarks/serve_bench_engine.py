@@ -6,7 +6,9 @@ Everything after `--` is a `deltaserve serve` command line: the engine is built 
 it (the same flags for both measurements, by construction). The offline part runs, for each run in REQ.json,
 `LLM.generate` end to end on that run's requests: in waves of `concurrency` requests, as that many streams that
 each send their next request when the previous one ends would. Its figures go to OFFLINE.json before the server
-starts on the same engine (one model load for both), so the HTTP runs find every kernel compiled and tuned.
+starts. With --no-engine-process the server runs on the same engine (one model load for both), so the HTTP runs
+find every kernel compiled and tuned; with --engine-process (serve's default) this engine is dropped and the server
+starts its own process, whose engine runs the warm-up anew (tuning decisions are cached on disk).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from pathlib import Path
 
 from serve_client import PERCENTILES, percentile
 
+from deltaserve.core.engine_process import EngineProcess
 from deltaserve.entrypoints.chat_tools import render_chat_prompt
-from deltaserve.entrypoints.cli import _make_llm, build_parser
+from deltaserve.entrypoints.cli import _engine_arguments, _make_llm, build_parser
 from deltaserve.entrypoints.openai.api_server import run_server
 from deltaserve.entrypoints.openai.command import server_config
 from deltaserve.sampling_params import SamplingParams
@@ -72,9 +75,25 @@ def main() -> None:
             results.append(run_offline(llm, run))
             print(f"offline {json.dumps(results[-1])}", file=sys.stderr, flush=True)
         Path(args.offline_out).write_text(json.dumps(results))
-        run_server(llm.engine, config, serve_args.host, serve_args.port, serve_args.drain_timeout, log_level="warning")
+        if serve_args.engine_process and serve_args.tensor_parallel_size == 1:
+            llm.shutdown()
+            llm = None  # its memory back before the engine process sizes its cache
+            serve_in_engine_process(serve_args, config)
+        else:
+            run_server(llm.engine, config, serve_args.host, serve_args.port, serve_args.drain_timeout,
+                       log_level="warning")
     finally:
-        llm.shutdown()
+        if llm is not None:
+            llm.shutdown()
+
+
+def serve_in_engine_process(serve_args, config) -> None:
+    """The server as `deltaserve serve --engine-process` runs it."""
+    process = EngineProcess(*_engine_arguments(serve_args))
+    try:
+        run_server(process, config, serve_args.host, serve_args.port, serve_args.drain_timeout, log_level="warning")
+    finally:
+        process.close()
 
 
 if __name__ == "__main__":

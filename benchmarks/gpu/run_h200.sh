@@ -30,7 +30,8 @@
 #             with its start-up phases (benchmarks/serve_start.py; issue 26)
 #   serve     (not in the default list) the HTTP server against the offline engine on the same requests, 48B shape,
 #             prompt 512, output 128, at SERVE_CONC (default 64,256) streams and streaming chat at 64
-#             (benchmarks/serve_bench.py; issue 25); needs the server's wheels and aiohttp's in wheels/server
+#             (benchmarks/serve_bench.py; issue 25), the engine in a process of its own and in the server's
+#             (SERVE_PLACES); needs the server's wheels and aiohttp's in wheels/server
 #   kvfp8     (not in the default list) batch-1 decode at KVFP8_LENS (default 262144) with the bf16 latent cache,
 #             then with --kv-cache-dtype fp8, one process each (issue 24: TPOT at long context)
 #   structured (not in the default list) the 48B shape, 64 concurrent requests, half constrained by a JSON schema
@@ -233,10 +234,13 @@ if has servestart; then
       --timeout 300 --json-out "$OUT/serve_start.json" > "$OUT/serve_start.txt" 2>&1; tail -12 "$OUT/serve_start.txt"
 fi
 if has serve; then
-  timeout ${T_SERVE:-560} python3 benchmarks/serve_bench.py --config $CFG --load-format dummy --device cuda \
-      --concurrency ${SERVE_CONC:-64,256} --chat-concurrency 64 --prompt-len 512 --output-len 128 \
-      --server-log "$OUT/serve_log.txt" --json-out "$OUT/serve.json" > "$OUT/serve.txt" 2>&1
-  grep -vE '^\{|^http ' "$OUT/serve.txt" | tail -8 | cut -c1-220
+  for place in ${SERVE_PLACES:-engine-process no-engine-process}; do
+    echo "serve --$place"
+    timeout ${T_SERVE:-560} python3 benchmarks/serve_bench.py --config $CFG --load-format dummy --device cuda \
+        --concurrency ${SERVE_CONC:-64,256} --chat-concurrency 64 --prompt-len 512 --output-len 128 --$place \
+        --server-log "$OUT/serve_log_$place.txt" --json-out "$OUT/serve_$place.json" > "$OUT/serve_$place.txt" 2>&1
+    grep -vE '^\{|^http ' "$OUT/serve_$place.txt" | tail -8 | cut -c1-220
+  done
 fi
 if has structured; then
   for ml in ${SO_MAX_LENGTHS:-0}; do

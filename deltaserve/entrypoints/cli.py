@@ -142,6 +142,13 @@ def _make_llm(args):
     return LLM(args.model, dtype=args.dtype, device=args.device, **_engine_fields(args))
 
 
+def _engine_arguments(args):
+    """The model folder and EngineConfig that _make_llm(args) would run."""
+    from deltaserve.entrypoints.llm import engine_arguments
+
+    return engine_arguments(args.model, dtype=args.dtype, device=args.device, **_engine_fields(args))
+
+
 def cmd_generate(args) -> None:
     prompts = list(args.prompt) + [{"prompt_token_ids": ids} for ids in args.prompt_token_ids]
     if not prompts:
@@ -204,7 +211,8 @@ def cmd_make_tiny(args) -> None:
 
 
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "make-tiny": cmd_make_tiny, "parity": cmd_parity,
-            "serve": lambda args: cmd_serve(args, _make_llm), "chat": lambda args: cmd_chat(args, _make_llm)}
+            "serve": lambda args: cmd_serve(args, _make_llm, _engine_arguments),
+            "chat": lambda args: cmd_chat(args, _make_llm)}
 
 
 DEBUG_ENV = "DELTASERVE_DEBUG"

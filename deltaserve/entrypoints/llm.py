@@ -27,6 +27,19 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def engine_arguments(model: str | Path | None = None, dtype: str | None = None, device: str | None = None,
+                     **engine_options) -> tuple[str, EngineConfig]:
+    """The model folder and EngineConfig that LLM(model, dtype=..., device=..., **engine_options) runs: the demo model
+    when model is None, the machine's device, its dtype (float32 on the CPU, else bfloat16)."""
+    device = device or default_device()
+    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+    if model is None and engine_options.get("threads") is None:
+        # the demo model's ops are too small to gain from a second thread, and on a busy machine every op
+        # waits for that thread to be scheduled: a hundred times slower
+        engine_options["threads"] = 1
+    return str(model or BUNDLED_MODEL), EngineConfig(dtype=dtype, device=device, **engine_options)
+
+
 class LLM:
     def __init__(self, model: str | Path | None = None, *, dtype: str | None = None, device: str | None = None,
                  progress: Callable[[int, int], None] | None = None, **engine_options):
@@ -34,13 +47,7 @@ class LLM:
         and bfloat16 on a GPU; progress(step, total) is called as the weights load; engine_options are
         EngineConfig's fields (max_model_len, max_num_seqs, ...). With tensor_parallel_size N > 1 this process is
         rank 0 and starts N - 1 worker processes (or joins torchrun's ranks); call shutdown() when done."""
-        device = device or default_device()
-        dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
-        if model is None and engine_options.get("threads") is None:
-            # the demo model's ops are too small to gain from a second thread, and on a busy machine every op
-            # waits for that thread to be scheduled: a hundred times slower
-            engine_options["threads"] = 1
-        model, config = str(model or BUNDLED_MODEL), EngineConfig(dtype=dtype, device=device, **engine_options)
+        model, config = engine_arguments(model, dtype, device, **engine_options)
         self.generation_defaults = generation_defaults(model)  # before the load: a bad file fails fast
         if config.tensor_parallel_size == 1:
             self.engine, self._workers = Engine(model, config, progress), None

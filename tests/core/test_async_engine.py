@@ -1,4 +1,6 @@
-"""AsyncEngine: the engine loop between asyncio handlers and the synchronous Engine.
+"""The engine clients between asyncio handlers and the synchronous Engine: AsyncEngine (the engine in a thread) and
+ProcessClient (the engine process; here its core loop runs in a thread of this process, so that a test can break a
+step), each test over both.
 
 Adds are all or none, an abort frees the request's pages and slot between steps and ends its stream, the bound
 on requests in flight holds, and a failed step fails only the requests it ran (the loop goes on).
@@ -10,68 +12,81 @@ import asyncio
 import threading
 
 import pytest
+from helpers.engine_core import CoreInThread
 
 from deltaserve import SamplingParams
 from deltaserve.core.async_engine import AsyncEngine, EngineInput, QueueFullError, RequestStream
 from deltaserve.core.outputs import CompletionOutput, RequestOutput
 
+PLACES = ["thread", "process"]
 
-def run(make_llm, body, max_queue: int = 4, **options):
-    """asyncio.run(body(async_engine)) with the loop started and shut down around it."""
+
+def run(place, make_llm, body, max_queue: int = 4, **options):
+    """asyncio.run(body(client, engine)) with the client started and shut down around it."""
     engine = make_llm(**options).engine
+    core = CoreInThread(engine) if place == "process" else None
 
     async def main():
-        async_engine = AsyncEngine(engine, max_queue)
-        async_engine.start()
+        client = core.client(max_queue) if core else AsyncEngine(engine, max_queue)
+        client.start()
         try:
-            return await asyncio.wait_for(body(async_engine), timeout=60)
+            return await asyncio.wait_for(body(client, engine), timeout=60)
         finally:
-            await async_engine.shutdown()
+            await client.shutdown()
 
     return asyncio.run(main())
+
+
+def queued_adds(client) -> list:
+    """The adds sent and not yet answered (AsyncEngine applies them between steps; the core reads its pipe then)."""
+    return client._pending_adds if isinstance(client, AsyncEngine) else list(client._adds)
 
 
 def greedy(max_tokens: int, prompt=(5, 6, 7)) -> EngineInput:
     return EngineInput(list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
 
-def test_outputs_reach_their_stream_until_finished(make_llm):
-    async def body(async_engine):
+@pytest.mark.parametrize("place", PLACES)
+def test_outputs_reach_their_stream_until_finished(place, make_llm):
+    async def body(async_engine, engine):
         stream = await async_engine.add([greedy(3), greedy(5, (9, 10))], "r")
         return [(index, output.finished, len(output.outputs[0].token_ids)) async for index, output in stream]
 
-    seen = run(make_llm, body)
+    seen = run(place, make_llm, body)
     assert [(i, n) for i, done, n in seen if done] == [(0, 3), (1, 5)]
     assert all(n >= 1 for _, _, n in seen)
 
 
-def test_add_is_all_or_none(make_llm):
-    async def body(async_engine):
+@pytest.mark.parametrize("place", PLACES)
+def test_add_is_all_or_none(place, make_llm):
+    async def body(async_engine, engine):
         with pytest.raises(ValueError, match="out of range"):
             await async_engine.add([greedy(3), greedy(3, (1, 10**6))], "bad")
-        assert not async_engine.engine.has_unfinished_requests() and async_engine.num_reserved == 0
+        assert not engine.has_unfinished_requests() and async_engine.num_reserved == 0
         return [o async for o in await async_engine.add([greedy(2)], "good")]
 
-    assert run(make_llm, body)[-1][1].finished
+    assert run(place, make_llm, body)[-1][1].finished
 
 
-def test_abort_frees_the_cache_between_steps_and_ends_the_stream(make_llm):
-    async def body(async_engine):
-        cache = async_engine.engine.scheduler.cache
+@pytest.mark.parametrize("place", PLACES)
+def test_abort_frees_the_cache_between_steps_and_ends_the_stream(place, make_llm):
+    async def body(async_engine, engine):
+        cache = engine.scheduler.cache
         stream = await async_engine.add([greedy(400)], "long")
         async for _, output in stream:
             assert cache.num_free_blocks < cache.num_blocks
             stream.abort()
-        while async_engine.engine.has_unfinished_requests():
+        while engine.has_unfinished_requests():
             await asyncio.sleep(0.01)
         return output, cache.num_free_blocks == cache.num_blocks, async_engine.num_reserved
 
-    last, cache_full, reserved = run(make_llm, body)
+    last, cache_full, reserved = run(place, make_llm, body)
     assert not last.finished and cache_full and reserved == 0
 
 
-def test_requests_beyond_running_plus_queue_are_refused(make_llm):
-    async def body(async_engine):
+@pytest.mark.parametrize("place", PLACES)
+def test_requests_beyond_running_plus_queue_are_refused(place, make_llm):
+    async def body(async_engine, engine):
         held = await async_engine.add([greedy(50), greedy(50)], "held")  # max_num_seqs 1 + max_queue 1
         with pytest.raises(QueueFullError, match="capacity"):
             await async_engine.add([greedy(1)], "refused")
@@ -80,45 +95,47 @@ def test_requests_beyond_running_plus_queue_are_refused(make_llm):
             await asyncio.sleep(0.01)
         return [o async for o in await async_engine.add([greedy(1)], "after")]
 
-    assert run(make_llm, body, max_queue=1, max_num_seqs=1)[-1][1].finished
+    assert run(place, make_llm, body, max_queue=1, max_num_seqs=1)[-1][1].finished
 
 
-def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(make_llm):
-    async def body(async_engine):
-        step = async_engine.engine.step
+@pytest.mark.parametrize("place", PLACES)
+def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(place, make_llm):
+    async def body(async_engine, engine):
+        step = engine.step
 
         def broken_step():
-            async_engine.engine.step = step
+            engine.step = step
             raise RuntimeError("boom")
 
-        async_engine.engine.step = broken_step
+        engine.step = broken_step
         with pytest.raises(RuntimeError, match="boom"):
             [o async for o in await async_engine.add([greedy(3)], "first")]
         return [o async for o in await async_engine.add([greedy(3)], "second")]
 
-    assert run(make_llm, body)[-1][1].finished
+    assert run(place, make_llm, body)[-1][1].finished
 
 
-def test_a_failed_step_spares_the_adds_queued_while_it_ran(make_llm):
-    async def body(async_engine):
-        step, queued = async_engine.engine.step, threading.Event()
+@pytest.mark.parametrize("place", PLACES)
+def test_a_failed_step_spares_the_adds_queued_while_it_ran(place, make_llm):
+    async def body(async_engine, engine):
+        step, queued = engine.step, threading.Event()
 
         def broken_step():
             queued.wait(timeout=30)  # fail only once "second" waits in the queue
-            async_engine.engine.step = step
+            engine.step = step
             raise RuntimeError("boom")
 
-        async_engine.engine.step = broken_step
+        engine.step = broken_step
         first = await async_engine.add([greedy(3)], "first")
         second = asyncio.ensure_future(async_engine.add([greedy(3)], "second"))
-        while not async_engine._pending_adds:
+        while not queued_adds(async_engine):
             await asyncio.sleep(0.001)
         queued.set()
         with pytest.raises(RuntimeError, match="boom"):
             [o async for o in first]
         return [o async for o in await second], async_engine.num_reserved
 
-    outputs, reserved = run(make_llm, body)
+    outputs, reserved = run(place, make_llm, body)
     assert outputs[-1][1].finished and reserved == 0
 
 

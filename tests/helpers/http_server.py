@@ -15,6 +15,7 @@ import uvicorn
 
 from deltaserve.config import EngineConfig
 from deltaserve.core.engine import Engine
+from deltaserve.core.engine_process import EngineProcess
 from deltaserve.entrypoints.openai.api_server import build_app
 from deltaserve.entrypoints.openai.serving import ServerConfig
 
@@ -23,11 +24,13 @@ MODEL_NAME = "tiny"
 
 
 class ServerThread:
-    """build_app(engine, config) served by uvicorn in a daemon thread; stop() drains and joins it."""
+    """build_app(engine, config) served by uvicorn in a daemon thread; stop() drains and joins it. With
+    engine_process the engine runs in a process of its own (EngineProcess), as `deltaserve serve` runs it."""
 
-    def __init__(self, model_dir, server_config: ServerConfig, **engine_options):
+    def __init__(self, model_dir, server_config: ServerConfig, engine_process: bool = False, **engine_options):
         engine_options.setdefault("threads", 1)  # a second torch thread only fights other jobs on 2 cores
-        self.engine = Engine(str(model_dir), EngineConfig(**engine_options))
+        make = EngineProcess if engine_process else Engine
+        self.engine = make(str(model_dir), EngineConfig(**engine_options))
         self.config = server_config
         self.app = build_app(self.engine, server_config)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -49,6 +52,8 @@ class ServerThread:
         self.server.should_exit = True
         self._thread.join(30)
         self._sock.close()
+        if isinstance(self.engine, EngineProcess):
+            self.engine.close()
 
     def http(self, api_key: str | None = API_KEY, timeout: float = 60) -> httpx.Client:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
@@ -56,9 +61,9 @@ class ServerThread:
 
 
 def start_server(model_dir, api_key: str | None = API_KEY, max_queue: int = 256, max_body_bytes: int = 1 << 20,
-                 **engine_options) -> ServerThread:
+                 engine_process: bool = False, **engine_options) -> ServerThread:
     config = ServerConfig(MODEL_NAME, api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes)
-    return ServerThread(model_dir, config, **engine_options).start()
+    return ServerThread(model_dir, config, engine_process, **engine_options).start()
 
 
 _SAMPLE = re.compile(r"^(deltaserve_\w+?)(?:\{([^}]*)\})? (\S+)$")

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from deltaserve.core.async_engine import AsyncEngine
 from deltaserve.core.engine import Engine
+from deltaserve.core.engine_process import EngineProcess
 from deltaserve.entrypoints.openai.errors import OpenAIError, install_handlers
 from deltaserve.entrypoints.openai.guard import RequestGuard
 from deltaserve.entrypoints.openai.metrics import ServerMetrics
@@ -29,14 +30,18 @@ _ERROR = {"description": "an error in OpenAI's shape: {\"error\": {\"message\", 
 ERROR_RESPONSES = {status: _ERROR for status in (400, 401, 404, 413, 429, 503)}
 
 
-def build_app(engine: Engine, config: ServerConfig) -> FastAPI:
+def build_app(engine: Engine | EngineProcess, config: ServerConfig) -> FastAPI:
+    """The app over an engine of this process (driven from a thread) or an engine process."""
     metrics = ServerMetrics(config.served_model_name)
-    async_engine = AsyncEngine(engine, config.max_queue, metrics)
+    if isinstance(engine, EngineProcess):
+        async_engine = engine.client(config.max_queue, metrics)
+    else:
+        async_engine = AsyncEngine(engine, config.max_queue, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         async_engine.start()
-        metrics.on_step(engine)
+        metrics.on_step(async_engine.info.stats)
         yield
         await async_engine.shutdown()
 
@@ -96,7 +101,7 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def run_server(engine: Engine, config: ServerConfig, host: str, port: int, drain_timeout: float | None,
+def run_server(engine: Engine | EngineProcess, config: ServerConfig, host: str, port: int, drain_timeout: float | None,
                log_level: str = "info") -> None:
     """Serve until SIGINT/SIGTERM; then drain (at most drain_timeout seconds) and return normally."""
     import uvicorn

@@ -22,6 +22,10 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies are answered 413")
     g.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before exiting")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own, so that the HTTP handlers never slow its steps "
+                        "(default: on); off: in a thread of the server's process (always so with "
+                        "--tensor-parallel-size > 1)")
 
 
 def server_config(args):
@@ -43,11 +47,21 @@ def server_config(args):
                         max_body_bytes=args.max_body_bytes, max_queue=args.max_queue, default_seed=args.seed)
 
 
-def cmd_serve(args, make_llm) -> None:
-    """Load the model (make_llm(args), as generate does), then serve until SIGINT/SIGTERM."""
+def cmd_serve(args, make_llm, engine_arguments) -> None:
+    """Start the engine (in its own process, from engine_arguments(args); else in this one: make_llm(args), as
+    generate does), then serve until SIGINT/SIGTERM."""
     from deltaserve.entrypoints.openai.api_server import run_server
 
     config = server_config(args)
+    if args.engine_process and args.tensor_parallel_size == 1:
+        from deltaserve.core.engine_process import EngineProcess
+
+        process = EngineProcess(*engine_arguments(args))
+        try:
+            run_server(process, config, args.host, args.port, args.drain_timeout)
+        finally:
+            process.close()
+        return
     llm = make_llm(args)
     try:
         run_server(llm.engine, config, args.host, args.port, args.drain_timeout)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from deltaserve.core.async_engine import EngineObserver
-from deltaserve.core.engine import Engine
+from deltaserve.core.async_engine import EngineObserver, EngineStats
 from deltaserve.core.outputs import RequestOutput
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -46,10 +45,10 @@ class ServerMetrics(EngineObserver):
                                 labelnames=["model_name", "status"], registry=self.registry)
         self.model_name = model_name
 
-    def on_step(self, engine: Engine) -> None:
-        cache = engine.cache_occupancy()
-        self.running.set(engine.num_running)
-        self.waiting.set(engine.num_waiting)
+    def on_step(self, stats: EngineStats) -> None:
+        cache = stats.cache
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
         self.cache_usage.set(cache.usage)
         self.free_blocks.set(cache.num_free_blocks)
         self.num_blocks.set(cache.num_blocks)

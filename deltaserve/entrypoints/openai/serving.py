@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from deltaserve.core.async_engine import AsyncEngine, EngineInput, EngineStoppedError, QueueFullError, RequestStream
+from deltaserve.core.async_engine import EngineClient, EngineInput, EngineStoppedError, QueueFullError, RequestStream
 from deltaserve.core.outputs import RequestOutput
 from deltaserve.entrypoints.chat_tools import ChatPrompt, ToolRequestError, render_chat_prompt
 from deltaserve.entrypoints.openai.errors import OpenAIError, bad_request, error_body
@@ -38,14 +38,12 @@ class ClientGone(Exception):
 
 
 class ServingContext:
-    def __init__(self, async_engine: AsyncEngine, config: ServerConfig):
-        engine = async_engine.engine
+    def __init__(self, async_engine: EngineClient, config: ServerConfig):
         self.async_engine = async_engine
         self.config = config
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        cache = engine.cache_occupancy()
-        self.cache_tokens = cache.num_blocks * cache.block_size
+        self.tokenizer = async_engine.info.tokenizer
+        self.max_model_len = async_engine.info.max_model_len
+        self.cache_tokens = async_engine.info.cache_tokens
         self.max_token_bytes = _longest_token_bytes(self.tokenizer)
 
     def token_text(self, token_id: int, entry: dict | None) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from deltaserve.core.async_engine import AsyncEngine
+from deltaserve.core.async_engine import EngineClient, EngineStoppedError
 from deltaserve.entrypoints.forced_tools import ForcedTools
 from deltaserve.entrypoints.openai.errors import OpenAIError, bad_request
 from deltaserve.entrypoints.openai.protocol import SamplingFields
@@ -49,17 +49,19 @@ def _response_format(fmt) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
 
-async def compile_constraint(async_engine: AsyncEngine, spec: StructuredOutputsParams, param: str) -> None:
+async def compile_constraint(async_engine: EngineClient, spec: StructuredOutputsParams, param: str) -> None:
     """Compile spec on the engine's grammar pool (cached) and wait for it here, off the engine's step; a 400 naming
     the field when the constraint cannot be used, takes longer than COMPILE_TIMEOUT_S to compile, or xgrammar is not
     installed."""
     try:  # shielded: a timeout leaves the compile running, for the cache
-        future = async_engine.engine.structured_outputs().submit(spec)  # what needs no xgrammar is checked here
-        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), errors.COMPILE_TIMEOUT_S)
+        future = async_engine.compile(spec)  # what needs no xgrammar may be refused at once
+        await asyncio.wait_for(asyncio.shield(future), errors.COMPILE_TIMEOUT_S)
     except TimeoutError:
         raise bad_request(str(errors.CompileTimeout()), param) from None
     except errors.CompilesBusy as e:
         raise OpenAIError(429, str(e), param, "compiles_busy", {"retry-after": "1"}) from e
+    except EngineStoppedError as e:
+        raise OpenAIError(503, str(e), None, "unavailable") from e
     except StructuredOutputsUnavailable as e:
         raise bad_request(str(e), param) from e
     except GrammarError as e:

@@ -31,29 +31,31 @@ def test_dropped_stream_is_aborted_and_frees_its_cache(client, http):
     assert generated < 480  # stopped, not run to the end
 
 
-def test_client_leaving_a_non_streaming_request_aborts_it(server, http, monkeypatch):
+def test_client_leaving_a_non_streaming_request_aborts_it(thread_server, monkeypatch):
     """The client leaves while the engine is held after its request's first step (not after some wall time, which a
-    fast engine could outrun); every later step passes through the event loop, which hears the disconnect."""
-    before = read_metrics(http)
-    first_step, left = threading.Event(), threading.Event()
-    step = server.engine.step
+    fast engine could outrun); every later step passes through the event loop, which hears the disconnect. The
+    engine runs in a thread of the server's process here, where its step can be held."""
+    with thread_server.http() as http:
+        before = read_metrics(http)
+        first_step, left = threading.Event(), threading.Event()
+        step = thread_server.engine.step
 
-    def held_step():
-        outputs = step()
-        if outputs and not first_step.is_set():
-            first_step.set()
-            left.wait(timeout=30)
-        return outputs
+        def held_step():
+            outputs = step()
+            if outputs and not first_step.is_set():
+                first_step.set()
+                left.wait(timeout=30)
+            return outputs
 
-    monkeypatch.setattr(server.engine, "step", held_step)
-    body = json.dumps({"model": "tiny", "prompt": "Tell me a long story", "max_tokens": 480, "ignore_eos": True})
-    host, port = server.base_url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=30) as client:
-        client.sendall((f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {API_KEY}\r\n"
-                        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n{body}").encode())
-        assert first_step.wait(timeout=30)
-    left.set()
-    after = wait_idle(http, timeout=10)
+        monkeypatch.setattr(thread_server.engine, "step", held_step)
+        body = json.dumps({"model": "tiny", "prompt": "Tell me a long story", "max_tokens": 480, "ignore_eos": True})
+        host, port = thread_server.base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as client:
+            client.sendall((f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {API_KEY}\r\n"
+                            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n{body}").encode())
+            assert first_step.wait(timeout=30)
+        left.set()
+        after = wait_idle(http, timeout=10)
     assert after['deltaserve_requests_finished_total{finished_reason="abort"}'] == \
         before.get('deltaserve_requests_finished_total{finished_reason="abort"}', 0) + 1
     assert after["deltaserve_generation_tokens_total"] - before["deltaserve_generation_tokens_total"] < 480
