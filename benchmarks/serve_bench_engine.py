@@ -14,6 +14,7 @@ starts its own process, whose engine runs the warm-up anew (tuning decisions are
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -89,7 +90,7 @@ def main() -> None:
 
 def serve_in_engine_process(serve_args, config) -> None:
     """The server as `deltaserve serve --engine-process` runs it."""
-    process = EngineProcess(*_engine_arguments(serve_args))
+    process = EngineProcess(functools.partial(_engine_arguments, serve_args))
     try:
         run_server(process, config, serve_args.host, serve_args.port, serve_args.drain_timeout, log_level="warning")
     finally:

@@ -14,11 +14,14 @@ import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from deltaserve.cache.manager import CacheOccupancy
-from deltaserve.core.engine import Engine
 from deltaserve.core.outputs import RequestOutput
 from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:  # the server's process of an engine process imports no torch before it starts the engine
+    from deltaserve.core.engine import Engine
 
 log = logging.getLogger("deltaserve")
 

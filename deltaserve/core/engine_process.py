@@ -18,6 +18,7 @@ import multiprocessing
 import queue
 import signal
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,16 +193,20 @@ class _Core:
         return "step", deltas, EngineStats.of(self.engine)
 
 
-def _child_main(model: str, config: EngineConfig, conn_in, conn_out) -> None:
+def _child_main(engine_arguments: Callable[[], tuple[str, EngineConfig]], conn_in, conn_out) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server drains, then stops us
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         from deltaserve.core.engine import Engine
 
+        model, config = engine_arguments()
+        if config.tensor_parallel_size != 1:
+            raise ValueError("the engine process runs one rank; with tensor_parallel_size > 1 serve without it "
+                             "(--no-engine-process)")
         engine = Engine(model, config)
         info = EngineInfo.of(engine)
-        conn_out.send(("ready", EngineInfo(None, info.max_model_len, info.cache_tokens, info.max_num_seqs,
-                                           info.stats), engine.async_scheduling))
+        conn_out.send(("ready", model, EngineInfo(None, info.max_model_len, info.cache_tokens, info.max_num_seqs,
+                                                  info.stats), engine.async_scheduling))
     except Exception as e:  # a bad input (ValueError, OSError) says what to do; anything else is ours
         conn_out.send(("error", isinstance(e, ValueError | OSError), str(e) if isinstance(e, ValueError | OSError)
                        else f"{type(e).__name__}: {e}"))
@@ -215,31 +220,38 @@ def _child_main(model: str, config: EngineConfig, conn_in, conn_out) -> None:
 
 
 class EngineProcess:
-    """A started engine process: its pipes, what the server reads of it (info), and its stop."""
+    """An engine process: its pipes, what the server reads of it (info, once it is ready), and its stop."""
 
-    def __init__(self, model: str, config: EngineConfig):
-        """Start the child and wait until its engine is built: ValueError for a bad input, EngineStartError for
-        anything else, with the child's message. The model folder's tokenizer is loaded here too, for the server's
-        own tokenizing."""
-        if config.tensor_parallel_size != 1:
-            raise ValueError("the engine process runs one rank; with tensor_parallel_size > 1 serve without it "
-                             "(--no-engine-process)")
+    def __init__(self, engine_arguments: Callable[[], tuple[str, EngineConfig]]):
+        """Start the child, which builds Engine(*engine_arguments()) (a picklable callable: the defaults that depend
+        on the machine are settled there, so that this process need not import torch first). Returns at once; the
+        server's own imports overlap the child's start, and info waits for it."""
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or OpenMP state
         self.to_child, child_in = context.Pipe(duplex=False)[::-1]
         child_out, self.from_child = context.Pipe(duplex=False)[::-1]
-        self.process = context.Process(target=_child_main, args=(model, config, child_in, child_out),
+        self.process = context.Process(target=_child_main, args=(engine_arguments, child_in, child_out),
                                        name="deltaserve-engine", daemon=True)
         self.process.start()
         child_in.close()
         child_out.close()
-        message = self._first_message()
-        if message[0] == "error":
-            self.close()
-            raise ValueError(message[2]) if message[1] else EngineStartError(
-                f"the engine process failed to start: {message[2]}")
-        info, self.async_scheduling = message[1], message[2]
-        tokenizer = load_tokenizer(model) if Path(model).is_dir() else None
-        self.info = EngineInfo(tokenizer, info.max_model_len, info.cache_tokens, info.max_num_seqs, info.stats)
+        self._info: EngineInfo | None = None
+        self.async_scheduling: bool | None = None
+
+    @property
+    def info(self) -> EngineInfo:
+        """What the server reads of the engine, waiting for the child to build it: ValueError for a bad input,
+        EngineStartError for anything else, with the child's message. The model folder's tokenizer is loaded here
+        too, for the server's own tokenizing."""
+        if self._info is None:
+            message = self._first_message()
+            if message[0] == "error":
+                self.close()
+                raise ValueError(message[2]) if message[1] else EngineStartError(
+                    f"the engine process failed to start: {message[2]}")
+            model, info, self.async_scheduling = message[1:]
+            tokenizer = load_tokenizer(model) if Path(model).is_dir() else None
+            self._info = EngineInfo(tokenizer, info.max_model_len, info.cache_tokens, info.max_num_seqs, info.stats)
+        return self._info
 
     def _first_message(self) -> tuple:
         if not self.from_child.poll(STARTUP_TIMEOUT_S):

@@ -4,6 +4,7 @@ server's process, and a child that dies fails its requests and stops the client 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 
 import pytest
@@ -46,15 +47,23 @@ def test_deltas_rebuild_every_output_as_the_engine_made_it(seed):
         assert assembly.apply(_delta(expected, sent)) == expected
 
 
-def test_a_start_that_fails_says_why_here():
-    with pytest.raises(ValueError, match="/nonexistent"):
-        EngineProcess("/nonexistent/model", EngineConfig(device="cpu", threads=1))
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineProcess("/nonexistent/model", EngineConfig(device="cpu", tensor_parallel_size=2))
+def _arguments(model: str, **options) -> tuple[str, EngineConfig]:
+    return model, EngineConfig(device="cpu", threads=1, **options)
+
+
+@pytest.mark.parametrize("model, options, words", [
+    ("/nonexistent/model", {}, "/nonexistent"),
+    ("/nonexistent/model", {"tensor_parallel_size": 2}, "tensor_parallel_size > 1"),
+])
+def test_a_start_that_fails_says_why_in_the_servers_process(model, options, words):
+    process = EngineProcess(functools.partial(_arguments, model, **options))
+    with pytest.raises(ValueError, match=words):
+        process.info
+    assert not process.process.is_alive()
 
 
 def test_a_child_that_dies_fails_its_requests_and_stops_the_client(tiny_model):
-    process = EngineProcess(str(tiny_model), EngineConfig(device="cpu", threads=1, max_model_len=512))
+    process = EngineProcess(functools.partial(_arguments, str(tiny_model), max_model_len=512))
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 
     async def main():

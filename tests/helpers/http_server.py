@@ -5,6 +5,7 @@ Only loopback addresses are used; every wait here is bounded.
 
 from __future__ import annotations
 
+import functools
 import re
 import socket
 import threading
@@ -16,6 +17,7 @@ import uvicorn
 from deltaserve.config import EngineConfig
 from deltaserve.core.engine import Engine
 from deltaserve.core.engine_process import EngineProcess
+from deltaserve.entrypoints.llm import engine_arguments
 from deltaserve.entrypoints.openai.api_server import build_app
 from deltaserve.entrypoints.openai.serving import ServerConfig
 
@@ -29,8 +31,10 @@ class ServerThread:
 
     def __init__(self, model_dir, server_config: ServerConfig, engine_process: bool = False, **engine_options):
         engine_options.setdefault("threads", 1)  # a second torch thread only fights other jobs on 2 cores
-        make = EngineProcess if engine_process else Engine
-        self.engine = make(str(model_dir), EngineConfig(**engine_options))
+        if engine_process:
+            self.engine = EngineProcess(functools.partial(engine_arguments, str(model_dir), **engine_options))
+        else:
+            self.engine = Engine(str(model_dir), EngineConfig(**engine_options))
         self.config = server_config
         self.app = build_app(self.engine, server_config)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

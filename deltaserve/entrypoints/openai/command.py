@@ -5,6 +5,7 @@ Nothing heavy is imported here at module level, so `deltaserve --help` stays fas
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 
 API_KEY_ENV = "DELTASERVE_API_KEY"
@@ -50,18 +51,20 @@ def server_config(args):
 def cmd_serve(args, make_llm, engine_arguments) -> None:
     """Start the engine (in its own process, from engine_arguments(args); else in this one: make_llm(args), as
     generate does), then serve until SIGINT/SIGTERM."""
-    from deltaserve.entrypoints.openai.api_server import run_server
-
     config = server_config(args)
     if args.engine_process and args.tensor_parallel_size == 1:
         from deltaserve.core.engine_process import EngineProcess
 
-        process = EngineProcess(*engine_arguments(args))
+        process = EngineProcess(functools.partial(engine_arguments, args))  # starts now, beside the imports below
         try:
+            from deltaserve.entrypoints.openai.api_server import run_server
+
             run_server(process, config, args.host, args.port, args.drain_timeout)
         finally:
             process.close()
         return
+    from deltaserve.entrypoints.openai.api_server import run_server
+
     llm = make_llm(args)
     try:
         run_server(llm.engine, config, args.host, args.port, args.drain_timeout)
