@@ -1,27 +1,32 @@
-"""The engine driven from asyncio, for the HTTP server: EngineClient's streams, bound and routing over an engine
-that runs in a thread of this process (AsyncEngine, here) or in a process of its own (core/engine_process.py).
+"""The engine driven from asyncio, for the HTTP server: EngineClient.
 
-AsyncEngine: one asyncio task, the engine loop, owns the Engine. Each turn it (1) applies the adds and aborts that
-handlers queued since the last step, (2) runs engine.step() in a one-thread executor, so the event loop keeps
-serving HTTP while the model runs, and (3) routes each RequestOutput to its handler's stream. So the Engine is
-touched by one thing at a time, and an abort frees its pages and slot at a step boundary, never in the middle of a
-step. The step's host work and the handlers still share this process's GIL; EngineProcess does not."""
+The engine runs its core loop (core/engine_process.py) in a process of its own (EngineProcess: serve's default, so
+that a step's host work never waits for the handlers on one GIL) or in a thread of the server's process
+(EngineThread, over an engine built here). Either way the server talks to it over two pipes. Handlers add requests
+(all or none, under a bound) and iterate a RequestStream of their outputs. A writer thread sends the adds, aborts and
+compiles, so that the event loop never blocks on a full pipe while the core is in a step; a reader thread hands each
+message of the core to the event loop, which answers the adds and routes each step's outputs (sent as what they
+added) to the streams. The core applies adds and aborts between steps: an abort frees its pages and slot at a step
+boundary, never in the middle of a step."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from deltaserve.cache.manager import CacheOccupancy
-from deltaserve.core.outputs import RequestOutput
+from deltaserve.core.outputs import CompletionOutput, RequestOutput
 from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
+from deltaserve.structured import errors
 
 if TYPE_CHECKING:  # the server's process of an engine process imports no torch before it starts the engine
     from deltaserve.core.engine import Engine
+    from deltaserve.core.engine_process import Delta
 
 log = logging.getLogger("deltaserve")
 
@@ -147,32 +152,107 @@ class PendingAdd:
     added: asyncio.Future
 
 
-class EngineClient:
-    """What the server drives, wherever the engine runs: adds under a bound, streams, aborts and the routing of
-    outputs to them. A subclass moves adds and aborts to its engine (_send_add, _send_aborts) and hands back what
-    the engine answered (_accept or _refuse an add, _dispatch outputs, _fail_streams)."""
+class EngineHandle(Protocol):
+    """Where the core loop runs (EngineProcess, EngineThread): its pipes, what the server reads of the engine
+    (info: it may wait for the engine to be built), whether it runs, and its stop."""
 
-    def __init__(self, info: EngineInfo, max_queue: int, observer: EngineObserver | None = None):
+    to_child: object
+    from_child: object
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    def is_alive(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+def rebuild_error(kind: str, message: str, param: str | None) -> BaseException:
+    """An error the core sent as (kind, message, param) (engine_process.error_message), as the server maps it:
+    structured outputs' own ValueErrors keep their class (a 400 naming the field, or a 429), other ValueErrors are
+    ValueErrors (a 400), anything else a RuntimeError."""
+    if kind == "GrammarError":
+        return errors.GrammarError(message, param)
+    if kind in ("StructuredOutputsUnavailable", "CompilesBusy"):
+        error = getattr(errors, kind).__new__(getattr(errors, kind))
+        ValueError.__init__(error, message)
+        return error
+    return ValueError(message) if kind == "ValueError" else RuntimeError(message)
+
+
+@dataclass
+class _Assembly:
+    """A request's output so far, rebuilt from the core's deltas."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+
+    def apply(self, d: Delta) -> RequestOutput:
+        self.token_ids[d.token_start:] = d.token_ids
+        self.text = self.text[:d.text_start] + d.text
+        if d.logprobs is not None:  # None: not asked for
+            self.logprobs = self.logprobs or []
+            self.logprobs[d.logprobs_start:] = d.logprobs
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = self.prompt_logprobs or []
+            self.prompt_logprobs[d.prompt_logprobs_start:] = d.prompt_logprobs
+        completion = CompletionOutput(0, self.text, list(self.token_ids), d.finish_reason, d.stop_reason,
+                                      None if self.logprobs is None else list(self.logprobs), d.cumulative_logprob)
+        return RequestOutput(d.req_id, self.prompt, self.prompt_token_ids, [completion], d.finished,
+                             None if self.prompt_logprobs is None else list(self.prompt_logprobs), d.metrics,
+                             d.num_cached_tokens)
+
+
+class EngineClient:
+    """The server's side of an engine's core loop; see the module docstring."""
+
+    def __init__(self, handle: EngineHandle, max_queue: int, observer: EngineObserver | None = None):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue = {max_queue!r}: must be an integer >= 0 (requests that may wait)")
-        self.info = info
-        self.capacity = info.max_num_seqs + max_queue  # engine requests accepted at once
+        self.handle = handle
+        self.info = handle.info
+        self.capacity = self.info.max_num_seqs + max_queue  # engine requests accepted at once
         self.observer = observer or EngineObserver()
         self.num_reserved = 0  # engine requests accepted and not yet finished or aborted
         self._streams: dict[str, RequestStream] = {}
         self._stopped = False
+        self._keys = iter(range(1 << 62))
+        self._adds: dict[int, PendingAdd] = {}  # sent, not yet answered
+        self._compiles: dict[int, asyncio.Future] = {}
+        self._assemblies: dict[str, _Assembly] = {}
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._threads: list[threading.Thread] = []
 
     @property
     def is_running(self) -> bool:
-        raise NotImplementedError
+        return self._loop is not None and not self._stopped and self.handle.is_alive()
 
     def start(self) -> None:
         """Start routing (on the running event loop)."""
-        raise NotImplementedError
+        self._loop = asyncio.get_running_loop()
+        self._threads = [threading.Thread(target=target, name=name, daemon=True) for target, name in
+                         ((self._write, "deltaserve-engine-writer"), (self._read, "deltaserve-engine-reader"))]
+        for thread in self._threads:
+            thread.start()
 
     async def shutdown(self) -> None:
-        """Stop the engine (after the server drained its requests) and fail what is left."""
-        raise NotImplementedError
+        """Stop the engine's loop (after the server drained its requests), fail what is left."""
+        self._stopped = True
+        self._outbox.put(("shutdown",))
+        self._outbox.put(None)  # the writer's last message: only it writes to the pipe
+
+        def stop():
+            for thread in self._threads[:1]:  # the writer, if started
+                thread.join()
+            self.handle.close()
+
+        await asyncio.get_running_loop().run_in_executor(None, stop)
+        self._fail_all(EngineStoppedError("the server is shutting down"))
 
     async def add(self, inputs: list[EngineInput], request_id: str) -> RequestStream:
         """Queue inputs as engine requests `{request_id}-{i}`, all or none.
@@ -187,7 +267,9 @@ class EngineClient:
         stream = RequestStream(self, [f"{request_id}-{i}" for i in range(len(inputs))])
         pending = PendingAdd(stream, inputs, asyncio.get_running_loop().create_future())
         self.num_reserved += len(inputs)
-        self._send_add(pending)
+        key = next(self._keys)
+        self._adds[key] = pending
+        self._outbox.put(("add", key, list(zip(stream.req_ids, inputs))))
         try:
             await pending.added  # a cancelled wait cancels the future: the answer to the add then aborts it
         except asyncio.CancelledError:
@@ -198,167 +280,108 @@ class EngineClient:
 
     def compile(self, spec: StructuredOutputsParams) -> asyncio.Future:
         """A future of spec's grammar compiled on the engine's pool (cached there), or the ValueError that refuses
-        it (structured/errors.py; raised at once where no compile is needed to know)."""
-        raise NotImplementedError
-
-    def _send_add(self, pending: PendingAdd) -> None:
-        raise NotImplementedError
-
-    def _send_aborts(self, req_ids: list[str]) -> None:
-        raise NotImplementedError
+        it (structured/errors.py)."""
+        if self._stopped or not self.is_running:
+            raise EngineStoppedError("the engine is not running (the server is shutting down or failed)")
+        key = next(self._keys)
+        self._compiles[key] = future = asyncio.get_running_loop().create_future()
+        self._outbox.put(("compile", key, spec))
+        return future
 
     def _abort(self, req_ids: list[str]) -> None:
-        self._send_aborts(req_ids)
-
-    def _accept(self, pending: PendingAdd) -> bool:
-        """The engine queued pending's requests: route their outputs to its stream. False when the client left
-        before (the caller then aborts them)."""
-        if pending.added.cancelled():
-            self.num_reserved -= len(pending.stream.req_ids)
-            return False
-        self._streams.update(dict.fromkeys(pending.stream.req_ids, pending.stream))
-        pending.added.set_result(None)
-        return True
-
-    def _refuse(self, pending: PendingAdd, error: BaseException) -> None:
-        """The engine queued none of pending's requests (error says why)."""
-        self.num_reserved -= len(pending.stream.req_ids)
-        if not pending.added.done():
-            pending.added.set_exception(error)
-
-    def _forget_aborted(self, req_ids: list[str]) -> list[str]:
-        """Stop routing req_ids (aborted by their streams); those still routed, which the engine must abort."""
         aborted = [req_id for req_id in req_ids if self._streams.pop(req_id, None) is not None]
+        for req_id in aborted:
+            self._assemblies.pop(req_id, None)
         self.num_reserved -= len(aborted)
         if aborted:
             self.observer.on_abort(len(aborted))
-        return aborted
+        self._outbox.put(("abort", req_ids))
+
+    def _write(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self.handle.to_child.send(message)
+            except (BrokenPipeError, OSError):
+                return  # the reader sees the core gone
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self.handle.from_child.recv()
+                self._loop.call_soon_threadsafe(self._on_message, message)
+            # EOF: the core's loop ended; OSError: its pipe was closed here; RuntimeError: the event loop is closed
+        except (EOFError, OSError, RuntimeError):
+            pass
+        if not self._stopped:
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._on_core_gone)
+
+    def _on_message(self, message: tuple) -> None:
+        if message[0] == "answers":
+            for kind, key, error in message[1]:
+                self._on_answer(kind, key, None if error is None else rebuild_error(*error))
+        elif message[0] == "step":
+            self._dispatch([self._assemblies[d.req_id].apply(d) for d in message[1] if d.req_id in self._assemblies])
+        else:  # "failed": the core aborted every request it held; adds not yet answered took no part
+            log.error("engine step failed; every request it held is aborted: %s", message[1])
+            self._fail_streams(RuntimeError(f"engine step failed: {message[1]}"))
+            return
+        self.observer.on_step(message[-1])
+
+    def _on_answer(self, kind: str, key: int, error: BaseException | None) -> None:
+        if kind == "compile":
+            future = self._compiles.pop(key)
+            if future.done():  # its handler gave up waiting
+                return
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+            return
+        pending = self._adds.pop(key)
+        if error is not None or pending.added.cancelled():  # refused, or the client left while its add was on its way
+            self.num_reserved -= len(pending.stream.req_ids)
+            if error is None:
+                self._outbox.put(("abort", pending.stream.req_ids))
+            elif not pending.added.done():
+                pending.added.set_exception(error)
+            return
+        self._streams.update(dict.fromkeys(pending.stream.req_ids, pending.stream))
+        for req_id, item in zip(pending.stream.req_ids, pending.inputs):
+            self._assemblies[req_id] = _Assembly(item.prompt, item.prompt_token_ids)
+        pending.added.set_result(None)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue
+            stream = self._streams[output.request_id]
             num_tokens = len(output.outputs[0].token_ids)
             seen = stream.num_tokens[output.request_id]
             stream.num_tokens[output.request_id] = num_tokens
             self.observer.on_output(output, num_tokens - seen, seen == 0 and num_tokens > 0)
             if output.finished:
-                del self._streams[output.request_id]
+                del self._streams[output.request_id], self._assemblies[output.request_id]
                 self.num_reserved -= 1
             stream._put(output)
 
+    def _on_core_gone(self) -> None:
+        log.error("the engine's loop ended (exit code %s); failing every request", self.handle.exitcode)
+        self._stopped = True
+        self._fail_all(EngineStoppedError("the engine stopped; the server must be restarted"))
+
     def _fail_streams(self, error: BaseException) -> None:
-        """Hand `error` to the handlers of every request routed (which the engine no longer holds); adds not yet
-        answered stay queued, as they took no part in what failed."""
+        """Hand `error` to the handlers of every request routed (which the engine no longer holds)."""
         for stream in set(self._streams.values()):
             stream._put(error)
         self.num_reserved -= len(self._streams)
         self._streams.clear()
-
-
-class AsyncEngine(EngineClient):
-    """Runs one Engine of this process from an asyncio loop; see the module docstring for the design."""
-
-    def __init__(self, engine: Engine, max_queue: int, observer: EngineObserver | None = None):
-        super().__init__(EngineInfo.of(engine), max_queue, observer)
-        self.engine = engine
-        self._pending_adds: list[PendingAdd] = []
-        self._pending_aborts: list[str] = []
-        self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltaserve-engine")
-        self._task: asyncio.Task | None = None
-
-    @property
-    def is_running(self) -> bool:
-        return self._task is not None and not self._task.done()
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name="deltaserve-engine-loop")
-
-    async def shutdown(self) -> None:
-        """Stop the loop (after the server drained its requests), fail what is left, release the thread."""
-        self._stopped = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self._executor.shutdown(wait=True)  # a step still running finishes before the engine is touched again
-        self._fail_all(EngineStoppedError("the server is shutting down"))
-
-    def compile(self, spec: StructuredOutputsParams) -> asyncio.Future:
-        return asyncio.wrap_future(self.engine.structured_outputs().submit(spec))
-
-    def _send_add(self, pending: PendingAdd) -> None:
-        self._pending_adds.append(pending)
-        self._wakeup.set()
-
-    def _send_aborts(self, req_ids: list[str]) -> None:
-        self._pending_aborts.extend(req_ids)
-        self._wakeup.set()
-
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                self._apply_pending()
-                if not self.engine.has_unfinished_requests():
-                    await self._wakeup.wait()
-                    self._wakeup.clear()
-                    continue
-                try:
-                    outputs = await loop.run_in_executor(self._executor, self.engine.step)
-                except Exception as e:  # a failed step: fail its requests, keep serving the next ones
-                    log.exception("engine step failed; aborting every request the engine holds")
-                    self._fail_streams(e)
-                    continue
-                self._dispatch(outputs)
-                self.observer.on_step(EngineStats.of(self.engine))
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:
-            log.exception("engine loop died")
-            self._fail_all(e)
-            raise
-
-    def _apply_pending(self) -> None:
-        if not (self._pending_adds or self._pending_aborts):
-            return
-        aborts, self._pending_aborts = self._pending_aborts, []
-        for req_id in self._forget_aborted(aborts):
-            self.engine.abort(req_id)
-        adds, self._pending_adds = self._pending_adds, []
-        for pending in adds:
-            self._apply_add(pending)
-        self.observer.on_step(EngineStats.of(self.engine))
-
-    def _apply_add(self, pending: PendingAdd) -> None:
-        if pending.added.cancelled():  # the client left before its request was queued
-            self._refuse(pending, asyncio.CancelledError())
-            return
-        added = []
-        try:
-            for req_id, item in zip(pending.stream.req_ids, pending.inputs):
-                self.engine.add_request(item.prompt_token_ids, item.params, prompt=item.prompt, request_id=req_id)
-                added.append(req_id)
-        except Exception as e:  # all or none: take back the ones already queued
-            for req_id in added:
-                self.engine.abort(req_id)
-            self._refuse(pending, e)
-            return
-        self._accept(pending)
-
-    def _fail_streams(self, error: BaseException) -> None:
-        for req_id in self._streams:
-            self.engine.abort(req_id)
-        super()._fail_streams(error)
+        self._assemblies.clear()
 
     def _fail_all(self, error: BaseException) -> None:
-        """Fail every request in flight, the queued adds too (the loop is stopping)."""
+        """Fail every request in flight, and the adds and compiles not yet answered (the loop is stopping)."""
         self._fail_streams(error)
-        for pending in self._pending_adds:
-            if not pending.added.done():
-                pending.added.set_exception(error)
-        self._pending_adds.clear()
-        self._pending_aborts.clear()
+        for future in [p.added for p in self._adds.values()] + list(self._compiles.values()):
+            if not future.done():
+                future.set_exception(error)
+        self._adds.clear()
+        self._compiles.clear()
         self.num_reserved = 0

@@ -1,6 +1,5 @@
-"""The engine clients between asyncio handlers and the synchronous Engine: AsyncEngine (the engine in a thread) and
-ProcessClient (the engine process; here its core loop runs in a thread of this process, so that a test can break a
-step), each test over both.
+"""EngineClient between asyncio handlers and the synchronous Engine, over the engine's core loop in a thread of this
+process (EngineThread: so that a test can break a step; tests/core/test_engine_process.py runs it in a process).
 
 Adds are all or none, an abort frees the request's pages and slot between steps and ends its stream, the bound
 on requests in flight holds, and a failed step fails only the requests it ran (the loop goes on).
@@ -12,22 +11,19 @@ import asyncio
 import threading
 
 import pytest
-from helpers.engine_core import CoreInThread
 
 from deltaserve import SamplingParams
-from deltaserve.core.async_engine import AsyncEngine, EngineInput, QueueFullError, RequestStream
+from deltaserve.core.async_engine import EngineClient, EngineInput, QueueFullError, RequestStream
+from deltaserve.core.engine_process import EngineThread
 from deltaserve.core.outputs import CompletionOutput, RequestOutput
 
-PLACES = ["thread", "process"]
 
-
-def run(place, make_llm, body, max_queue: int = 4, **options):
+def run(make_llm, body, max_queue: int = 4, **options):
     """asyncio.run(body(client, engine)) with the client started and shut down around it."""
     engine = make_llm(**options).engine
-    core = CoreInThread(engine) if place == "process" else None
 
     async def main():
-        client = core.client(max_queue) if core else AsyncEngine(engine, max_queue)
+        client = EngineClient(EngineThread(engine), max_queue)
         client.start()
         try:
             return await asyncio.wait_for(body(client, engine), timeout=60)
@@ -37,70 +33,60 @@ def run(place, make_llm, body, max_queue: int = 4, **options):
     return asyncio.run(main())
 
 
-def queued_adds(client) -> list:
-    """The adds sent and not yet answered (AsyncEngine applies them between steps; the core reads its pipe then)."""
-    return client._pending_adds if isinstance(client, AsyncEngine) else list(client._adds)
-
-
 def greedy(max_tokens: int, prompt=(5, 6, 7)) -> EngineInput:
     return EngineInput(list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
 
-@pytest.mark.parametrize("place", PLACES)
-def test_outputs_reach_their_stream_until_finished(place, make_llm):
-    async def body(async_engine, engine):
-        stream = await async_engine.add([greedy(3), greedy(5, (9, 10))], "r")
+def test_outputs_reach_their_stream_until_finished(make_llm):
+    async def body(client, engine):
+        stream = await client.add([greedy(3), greedy(5, (9, 10))], "r")
         return [(index, output.finished, len(output.outputs[0].token_ids)) async for index, output in stream]
 
-    seen = run(place, make_llm, body)
+    seen = run(make_llm, body)
     assert [(i, n) for i, done, n in seen if done] == [(0, 3), (1, 5)]
     assert all(n >= 1 for _, _, n in seen)
 
 
-@pytest.mark.parametrize("place", PLACES)
-def test_add_is_all_or_none(place, make_llm):
-    async def body(async_engine, engine):
+def test_add_is_all_or_none(make_llm):
+    async def body(client, engine):
         with pytest.raises(ValueError, match="out of range"):
-            await async_engine.add([greedy(3), greedy(3, (1, 10**6))], "bad")
-        assert not engine.has_unfinished_requests() and async_engine.num_reserved == 0
-        return [o async for o in await async_engine.add([greedy(2)], "good")]
+            await client.add([greedy(3), greedy(3, (1, 10**6))], "bad")
+        assert not engine.has_unfinished_requests() and client.num_reserved == 0
+        return [o async for o in await client.add([greedy(2)], "good")]
 
-    assert run(place, make_llm, body)[-1][1].finished
+    assert run(make_llm, body)[-1][1].finished
 
 
-@pytest.mark.parametrize("place", PLACES)
-def test_abort_frees_the_cache_between_steps_and_ends_the_stream(place, make_llm):
-    async def body(async_engine, engine):
+def test_abort_frees_the_cache_between_steps_and_ends_the_stream(make_llm):
+    async def body(client, engine):
         cache = engine.scheduler.cache
-        stream = await async_engine.add([greedy(400)], "long")
+        stream = await client.add([greedy(400)], "long")
         async for _, output in stream:
             assert cache.num_free_blocks < cache.num_blocks
             stream.abort()
         while engine.has_unfinished_requests():
             await asyncio.sleep(0.01)
-        return output, cache.num_free_blocks == cache.num_blocks, async_engine.num_reserved
+        return output, cache.num_free_blocks == cache.num_blocks, client.num_reserved
 
-    last, cache_full, reserved = run(place, make_llm, body)
+    last, cache_full, reserved = run(make_llm, body)
     assert not last.finished and cache_full and reserved == 0
 
 
-@pytest.mark.parametrize("place", PLACES)
-def test_requests_beyond_running_plus_queue_are_refused(place, make_llm):
-    async def body(async_engine, engine):
-        held = await async_engine.add([greedy(50), greedy(50)], "held")  # max_num_seqs 1 + max_queue 1
+def test_requests_beyond_running_plus_queue_are_refused(make_llm):
+    async def body(client, engine):
+        held = await client.add([greedy(50), greedy(50)], "held")  # max_num_seqs 1 + max_queue 1
         with pytest.raises(QueueFullError, match="capacity"):
-            await async_engine.add([greedy(1)], "refused")
+            await client.add([greedy(1)], "refused")
         held.abort()
-        while async_engine.num_reserved:  # the abort is applied at the next step boundary
+        while client.num_reserved:  # the abort is applied at the next step boundary
             await asyncio.sleep(0.01)
-        return [o async for o in await async_engine.add([greedy(1)], "after")]
+        return [o async for o in await client.add([greedy(1)], "after")]
 
-    assert run(place, make_llm, body, max_queue=1, max_num_seqs=1)[-1][1].finished
+    assert run(make_llm, body, max_queue=1, max_num_seqs=1)[-1][1].finished
 
 
-@pytest.mark.parametrize("place", PLACES)
-def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(place, make_llm):
-    async def body(async_engine, engine):
+def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(make_llm):
+    async def body(client, engine):
         step = engine.step
 
         def broken_step():
@@ -109,15 +95,14 @@ def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(place, make_llm):
 
         engine.step = broken_step
         with pytest.raises(RuntimeError, match="boom"):
-            [o async for o in await async_engine.add([greedy(3)], "first")]
-        return [o async for o in await async_engine.add([greedy(3)], "second")]
+            [o async for o in await client.add([greedy(3)], "first")]
+        return [o async for o in await client.add([greedy(3)], "second")]
 
-    assert run(place, make_llm, body)[-1][1].finished
+    assert run(make_llm, body)[-1][1].finished
 
 
-@pytest.mark.parametrize("place", PLACES)
-def test_a_failed_step_spares_the_adds_queued_while_it_ran(place, make_llm):
-    async def body(async_engine, engine):
+def test_a_failed_step_spares_the_adds_queued_while_it_ran(make_llm):
+    async def body(client, engine):
         step, queued = engine.step, threading.Event()
 
         def broken_step():
@@ -126,16 +111,16 @@ def test_a_failed_step_spares_the_adds_queued_while_it_ran(place, make_llm):
             raise RuntimeError("boom")
 
         engine.step = broken_step
-        first = await async_engine.add([greedy(3)], "first")
-        second = asyncio.ensure_future(async_engine.add([greedy(3)], "second"))
-        while not queued_adds(async_engine):
+        first = await client.add([greedy(3)], "first")
+        second = asyncio.ensure_future(client.add([greedy(3)], "second"))
+        while not client._adds:
             await asyncio.sleep(0.001)
         queued.set()
         with pytest.raises(RuntimeError, match="boom"):
             [o async for o in first]
-        return [o async for o in await second], async_engine.num_reserved
+        return [o async for o in await second], client.num_reserved
 
-    outputs, reserved = run(place, make_llm, body)
+    outputs, reserved = run(make_llm, body)
     assert outputs[-1][1].finished and reserved == 0
 
 

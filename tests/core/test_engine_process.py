@@ -11,8 +11,8 @@ import pytest
 
 from deltaserve import SamplingParams
 from deltaserve.config import EngineConfig
-from deltaserve.core.async_engine import EngineInput, EngineStoppedError
-from deltaserve.core.engine_process import EngineProcess, _Assembly, _delta, _Sent
+from deltaserve.core.async_engine import EngineClient, EngineInput, EngineStoppedError, _Assembly
+from deltaserve.core.engine_process import EngineProcess, _delta, _Sent
 from deltaserve.core.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -67,10 +67,10 @@ def test_a_child_that_dies_fails_its_requests_and_stops_the_client(tiny_model):
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 
     async def main():
-        client = process.client(max_queue=4)
+        client = EngineClient(process, max_queue=4)
         client.start()
         stream = await client.add([EngineInput([5, 6, 7], params)], "long")
-        with pytest.raises(EngineStoppedError, match="engine process exited"):
+        with pytest.raises(EngineStoppedError, match="engine stopped"):
             async for _, output in stream:
                 if output.outputs[0].token_ids:
                     process.process.kill()

@@ -15,9 +15,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from deltaserve.core.async_engine import AsyncEngine
+from deltaserve.core.async_engine import EngineClient
 from deltaserve.core.engine import Engine
-from deltaserve.core.engine_process import EngineProcess
+from deltaserve.core.engine_process import EngineProcess, EngineThread
 from deltaserve.entrypoints.openai.errors import OpenAIError, install_handlers
 from deltaserve.entrypoints.openai.guard import RequestGuard
 from deltaserve.entrypoints.openai.metrics import ServerMetrics
@@ -31,12 +31,10 @@ ERROR_RESPONSES = {status: _ERROR for status in (400, 401, 404, 413, 429, 503)}
 
 
 def build_app(engine: Engine | EngineProcess, config: ServerConfig) -> FastAPI:
-    """The app over an engine of this process (driven from a thread) or an engine process."""
+    """The app over an engine process, or an engine of this process (its loop then runs in a thread)."""
     metrics = ServerMetrics(config.served_model_name)
-    if isinstance(engine, EngineProcess):
-        async_engine = engine.client(config.max_queue, metrics)
-    else:
-        async_engine = AsyncEngine(engine, config.max_queue, metrics)
+    handle = engine if isinstance(engine, EngineProcess) else EngineThread(engine)
+    async_engine = EngineClient(handle, config.max_queue, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,5 +1,5 @@
 """What the completions and chat endpoints share: limits checked before tokenizing, sampling parameters,
-handing requests to the AsyncEngine, watching for a client that leaves, and server-sent events."""
+handing requests to the EngineClient, watching for a client that leaves, and server-sent events."""
 
 from __future__ import annotations
 
