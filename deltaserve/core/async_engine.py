@@ -23,6 +23,7 @@ from deltaserve.cache.manager import CacheOccupancy
 from deltaserve.core.outputs import CompletionOutput, RequestOutput
 from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.structured import errors
+from deltaserve.structured.schema_check import checked
 
 if TYPE_CHECKING:  # the server's process of an engine process imports no torch before it starts the engine
     from deltaserve.core.engine import Engine
@@ -246,10 +247,12 @@ class EngineClient:
         self._outbox.put(("shutdown",))
         self._outbox.put(None)  # the writer's last message: only it writes to the pipe
 
-        def stop():
-            for thread in self._threads[:1]:  # the writer, if started
-                thread.join()
+        def stop():  # the writer sends what it holds, the core stops, then the reader reads its last words
+            if self._threads:
+                self._threads[0].join(timeout=30)
             self.handle.close()
+            if self._threads:
+                self._threads[1].join(timeout=30)
 
         await asyncio.get_running_loop().run_in_executor(None, stop)
         self._fail_all(EngineStoppedError("the server is shutting down"))
@@ -280,9 +283,10 @@ class EngineClient:
 
     def compile(self, spec: StructuredOutputsParams) -> asyncio.Future:
         """A future of spec's grammar compiled on the engine's pool (cached there), or the ValueError that refuses
-        it (structured/errors.py)."""
+        it (structured/errors.py; raised here for what needs no xgrammar, a schema's keywords and depth)."""
         if self._stopped or not self.is_running:
             raise EngineStoppedError("the engine is not running (the server is shutting down or failed)")
+        checked(spec)
         key = next(self._keys)
         self._compiles[key] = future = asyncio.get_running_loop().create_future()
         self._outbox.put(("compile", key, spec))
@@ -303,6 +307,12 @@ class EngineClient:
                 self.handle.to_child.send(message)
             except (BrokenPipeError, OSError):
                 return  # the reader sees the core gone
+            except Exception as e:  # a message that does not pickle (a schema nested too deep): it alone fails
+                log.warning("a %s message could not be sent to the engine: %s: %s", message[0], type(e).__name__, e)
+                if message[0] in ("add", "compile"):
+                    error = ValueError(f"the request cannot be sent to the engine: {type(e).__name__}: {e}")
+                    with contextlib.suppress(RuntimeError):  # the event loop is closed
+                        self._loop.call_soon_threadsafe(self._on_answer, message[0], message[1], error)
 
     def _read(self) -> None:
         try:
@@ -313,6 +323,7 @@ class EngineClient:
         except (EOFError, OSError, RuntimeError):
             pass
         if not self._stopped:
+            self.handle.close(timeout=5)  # reaped: its exit code for the log
             with contextlib.suppress(RuntimeError):
                 self._loop.call_soon_threadsafe(self._on_core_gone)
 
@@ -325,20 +336,21 @@ class EngineClient:
         else:  # "failed": the core aborted every request it held; adds not yet answered took no part
             log.error("engine step failed; every request it held is aborted: %s", message[1])
             self._fail_streams(RuntimeError(f"engine step failed: {message[1]}"))
-            return
         self.observer.on_step(message[-1])
 
     def _on_answer(self, kind: str, key: int, error: BaseException | None) -> None:
         if kind == "compile":
-            future = self._compiles.pop(key)
-            if future.done():  # its handler gave up waiting
+            future = self._compiles.pop(key, None)
+            if future is None or future.done():  # failed with the engine, or its handler gave up waiting
                 return
             if error is None:
                 future.set_result(None)
             else:
                 future.set_exception(error)
             return
-        pending = self._adds.pop(key)
+        pending = self._adds.pop(key, None)
+        if pending is None:  # failed with the engine already
+            return
         if error is not None or pending.added.cancelled():  # refused, or the client left while its add was on its way
             self.num_reserved -= len(pending.stream.req_ids)
             if error is None:

@@ -141,7 +141,7 @@ class _Core:
     def _compile(self, key: int, spec: StructuredOutputsParams) -> list:
         try:
             self.compiles[key] = self.engine.structured_outputs().submit(spec)
-        except ValueError as e:
+        except Exception as e:  # one request's constraint never ends the loop
             return [("compile", key, error_message(e))]
         return []
 
@@ -161,7 +161,7 @@ class _Core:
             for req_id in self.sent:
                 self.engine.abort(req_id)
             self.sent.clear()
-            return "failed", f"{type(e).__name__}: {e}"
+            return "failed", f"{type(e).__name__}: {e}", EngineStats.of(self.engine)
         deltas = []
         for output in outputs:
             sent = self.sent.get(output.request_id)
@@ -173,7 +173,8 @@ class _Core:
 
 
 def _child_main(engine_arguments: Callable[[], tuple[str, EngineConfig]], conn_in, conn_out) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server drains, then stops us
+    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, or a stop of the whole group (systemd, kill -TERM -PGID):
+        signal.signal(signum, signal.SIG_IGN)  # the server drains its requests, then stops us through the pipe
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         from deltaserve.core.engine import Engine
@@ -191,23 +192,23 @@ def _child_main(engine_arguments: Callable[[], tuple[str, EngineConfig]], conn_i
                        else f"{type(e).__name__}: {e}"))
         return
     try:
-        _serve(engine, conn_in, conn_out)
+        _serve(_Core(engine, conn_in, conn_out))
     finally:
         engine.shutdown()
 
 
-def _serve(engine, conn_in, conn_out) -> None:
+def _serve(core: _Core) -> None:
     """The core loop until shutdown; its pipe ends closed after, so that the server's reader sees the loop end."""
     try:
-        _Core(engine, conn_in, conn_out).run()
+        core.run()
     except (BrokenPipeError, EOFError):
         pass  # the server is gone
     except BaseException:
         log.exception("the engine's loop died")
         raise
     finally:
-        conn_in.close()
-        conn_out.close()
+        core.conn_in.close()
+        core.conn_out.close()
 
 
 class EngineProcess:
@@ -263,15 +264,14 @@ class EngineProcess:
         return self.process.exitcode
 
     def close(self, timeout: float = 30.0) -> None:
-        """Ask the child to stop, then end it if it does not within timeout seconds."""
-        with contextlib.suppress(OSError):  # gone already, or closed by an earlier call
+        """Ask the child to stop, then end it if it does not within timeout seconds. The pipes close with this
+        object (the server's reader may still be reading the child's last words)."""
+        with contextlib.suppress(OSError):  # gone already
             self.to_child.send(("shutdown",))
         self.process.join(timeout)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
-        self.to_child.close()
-        self.from_child.close()
 
 
 class EngineThread:
@@ -286,8 +286,8 @@ class EngineThread:
         self.engine = engine
         self.info = EngineInfo.of(engine)
         self.async_scheduling = engine.async_scheduling
-        self._thread = threading.Thread(target=_serve, args=(engine, child_in, child_out), name="deltaserve-engine",
-                                        daemon=True)
+        self.core = _Core(engine, child_in, child_out)
+        self._thread = threading.Thread(target=_serve, args=(self.core,), name="deltaserve-engine", daemon=True)
         self._thread.start()
 
     def is_alive(self) -> bool:

@@ -46,13 +46,6 @@ def param_name(spec: StructuredOutputsParams) -> str:
     return spec.key[0]
 
 
-def checked(spec: StructuredOutputsParams) -> StructuredOutputsParams:
-    """spec, after the checks that need no xgrammar (a JSON schema's keywords); GrammarError names the problem."""
-    if spec.json is not None:
-        parse_schema(spec.json, "json")
-    return spec
-
-
 class GrammarBackend:
     """xgrammar's compiler for one model: its vocabulary size, tokenizer and stop ids."""
 

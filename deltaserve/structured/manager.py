@@ -21,7 +21,8 @@ from deltaserve.kernels.token_bitmask import apply_token_bitmask
 from deltaserve.kernels.varlen import to_device
 from deltaserve.sampling_params import StructuredOutputsParams
 from deltaserve.structured import errors
-from deltaserve.structured.backend import GrammarBackend, checked
+from deltaserve.structured.backend import GrammarBackend
+from deltaserve.structured.schema_check import checked
 
 log = logging.getLogger("deltaserve")
 MAX_CACHED_GRAMMARS = 256

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from deltaserve.sampling_params import StructuredOutputsParams
 from deltaserve.structured.errors import GrammarError
 
 # keywords that say nothing about which values are valid
@@ -28,6 +29,13 @@ _SUBSCHEMA_MAPS = {"properties", "$defs", "definitions"}
 MAX_DEPTH = 32  # schemas nested deeper are refused: compiling cost grows steeply with depth, and recursion is bounded
 
 
+def checked(spec: StructuredOutputsParams) -> StructuredOutputsParams:
+    """spec, after the checks that need no xgrammar (a JSON schema's keywords); GrammarError names the problem."""
+    if spec.json is not None:
+        parse_schema(spec.json, "json")
+    return spec
+
+
 def parse_schema(schema: dict | str, param: str) -> dict:
     """The schema as a dict (parsed from JSON text when given as text), checked by check_schema."""
     if isinstance(schema, str):
@@ -35,6 +43,8 @@ def parse_schema(schema: dict | str, param: str) -> dict:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
             raise GrammarError(f"{param} is not valid JSON: {e}", param) from e
+        except RecursionError:
+            raise GrammarError(f"{param} nests deeper than JSON text can be read; flatten it", param) from None
     if not isinstance(schema, dict):
         raise GrammarError(f"{param} must be a JSON object (a JSON schema), got {type(schema).__name__}", param)
     check_schema(schema, param)

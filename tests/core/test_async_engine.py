@@ -149,3 +149,127 @@ async def _take(stream, count: int):
     iterator = aiter(stream)
     for _ in range(count):
         yield await anext(iterator)
+
+
+def held(client, engine, req_id: str) -> bool:
+    """Whether the engine still holds req_id, or its core loop still routes it."""
+    return req_id in engine._tracked or req_id in client.handle.core.sent
+
+
+def test_an_add_whose_handler_left_before_its_answer_is_taken_back(make_llm):
+    """A handler cancelled while its add is on its way to the engine (the client disconnected): the request must not
+    run on (its answer aborts it) and its place under the bound is given back. A later add travels the same pipe,
+    so once it is answered the first has been dealt with."""
+
+    async def body(client, engine):
+        add = asyncio.ensure_future(client.add([greedy(400)], "left"))
+        while not client._adds:
+            await asyncio.sleep(0)
+        add.cancel()
+        while client._adds:  # answered: the abort it calls for is sent before the next add
+            await asyncio.sleep(0)
+        probe = await client.add([greedy(1)], "probe")
+        left_held = held(client, engine, "left-0")
+        outputs = [o async for o in probe]
+        return add.cancelled(), left_held, outputs[-1][1].finished, client.num_reserved
+
+    assert run(make_llm, body) == (True, False, True, 0)
+
+
+def test_an_add_cancelled_just_after_it_was_queued_is_aborted(make_llm):
+    """The engine queued the request, then the handler was cancelled before it resumed (the answer and the
+    cancellation cross): add() raises CancelledError and must abort the request it can no longer hand back, else it
+    runs to its end for no one and holds its place under the bound."""
+
+    async def body(client, engine):
+        add = asyncio.ensure_future(client.add([greedy(400)], "late"))
+        while not client._adds:
+            await asyncio.sleep(0)
+        pending = list(client._adds.values())[-1]
+        while not pending.added.done():  # answered; add() resumes only at the loop's next turn
+            await asyncio.sleep(0)
+        add.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await add
+        probe = await client.add([greedy(1)], "probe")  # the abort went the same way, before it
+        late_held = held(client, engine, "late-0")
+        outputs = [o async for o in probe]
+        return late_held, outputs[-1][1].finished, client.num_reserved
+
+    assert run(make_llm, body) == (False, True, 0)
+
+
+def test_a_failed_steps_requests_leave_the_engine_before_their_streams_fail(make_llm):
+    """A failed step's requests are aborted in the engine before their handlers
+    hear of it: else they would run on to their end, unseen, with their pages and slots (the stream's error is
+    the only sign the client gets). Long requests, so that one left running is still there when the error comes."""
+
+    async def body(client, engine):
+        step = engine.step
+
+        def broken_step():
+            engine.step = step
+            raise RuntimeError("boom")
+
+        engine.step = broken_step
+        stream = await client.add([greedy(400), greedy(400, (9, 10))], "failed")
+        with pytest.raises(RuntimeError, match="boom"):
+            [o async for o in stream]
+        return [held(client, engine, f"failed-{i}") for i in range(2)], client.num_reserved
+
+    assert run(make_llm, body) == ([False, False], 0)
+
+
+def test_compile_refusals_keep_their_kind_and_field(make_llm, monkeypatch):
+    """compile() is how the server tells a bad constraint (400 naming the field: GrammarError.param) from a busy
+    compile pool (429: CompilesBusy); from the engine process these cross the pipe as (kind, message, param), so each
+    must come out as the same class, message and param as raised. A good constraint compiles."""
+    from deltaserve.sampling_params import StructuredOutputsParams
+    from deltaserve.structured import errors
+
+    async def body(client, engine):
+        await client.compile(StructuredOutputsParams(regex="[ab]{3}"))
+        with pytest.raises(errors.GrammarError, match="parenthesis is not closed") as bad:
+            await client.compile(StructuredOutputsParams(regex="a(b"))
+        manager = engine.structured_outputs()
+        release, compile_ = threading.Event(), manager._compile
+        monkeypatch.setattr(manager, "_compile", lambda spec: release.wait(30) and compile_(spec))
+        monkeypatch.setattr(errors, "MAX_COMPILES_IN_FLIGHT", 1)
+        blocked = client.compile(StructuredOutputsParams(regex="[cd]{3}"))
+        try:
+            with pytest.raises(errors.CompilesBusy, match="1 constraints are compiling already"):
+                await client.compile(StructuredOutputsParams(regex="[ef]{3}"))
+        finally:
+            release.set()
+        await blocked
+        return bad.value.param
+
+    assert run(make_llm, body) == "regex"
+
+
+def test_the_pipes_halves_forget_every_request_that_ended(make_llm):
+    """The bookkeeping of a request on both sides of the pipe (the core's _Sent, the client's _Assembly) goes when it
+    ends: finished, aborted, or failed with its step. A server runs for weeks: one entry left per request is a
+    leak, and a child that still thinks a request routed would send its deltas to no one."""
+
+    async def body(client, engine):
+        core = client.handle.core
+        [o async for o in await client.add([greedy(3)], "finished")]
+        after_finish = (dict(client._assemblies), dict(core.sent))
+        stream = await client.add([greedy(400)], "aborted")
+        async for _ in stream:
+            stream.abort()
+        [o async for o in await client.add([greedy(1)], "probe")]  # the abort reached the child before it
+        after_abort = (dict(client._assemblies), dict(core.sent))
+        step = engine.step
+
+        def broken_step():
+            engine.step = step
+            raise RuntimeError("boom")
+
+        engine.step = broken_step
+        with pytest.raises(RuntimeError, match="boom"):
+            [o async for o in await client.add([greedy(400)], "failed")]
+        return after_finish, after_abort, (dict(client._assemblies), dict(core.sent))
+
+    assert run(make_llm, body) == (({}, {}),) * 3

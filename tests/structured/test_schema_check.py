@@ -21,6 +21,7 @@ from deltaserve.structured.schema_check import parse_schema
     ({"anyOf": []}, r"'/anyOf' must be a non-empty list of schemas"),
     ("[1, 2]", r"must be a JSON object \(a JSON schema\), got list"),
     ("{not json", r"json is not valid JSON"),
+    ("[" * 100000, r"json nests deeper than JSON text can be read"),  # json.loads: a RecursionError, not a 500
 ])
 def test_refused(schema, message):
     with pytest.raises(GrammarError, match=message) as err:
