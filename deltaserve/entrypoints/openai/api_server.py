@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import time
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -16,7 +17,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from deltaserve.core.async_engine import EngineClient
-from deltaserve.core.engine import Engine
 from deltaserve.core.engine_process import EngineProcess, EngineThread
 from deltaserve.entrypoints.openai.errors import OpenAIError, install_handlers
 from deltaserve.entrypoints.openai.guard import RequestGuard
@@ -25,6 +25,9 @@ from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, Comple
 from deltaserve.entrypoints.openai.serving import ServerConfig, ServingContext
 from deltaserve.entrypoints.openai.serving_chat import ChatServing
 from deltaserve.entrypoints.openai.serving_completions import CompletionServing
+
+if TYPE_CHECKING:  # the server's process of an engine process needs no torch
+    from deltaserve.core.engine import Engine
 
 _ERROR = {"description": "an error in OpenAI's shape: {\"error\": {\"message\", \"type\", \"param\", \"code\"}}"}
 ERROR_RESPONSES = {status: _ERROR for status in (400, 401, 404, 413, 429, 503)}

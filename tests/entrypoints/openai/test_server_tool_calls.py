@@ -4,6 +4,7 @@ every chat with some content and then one Kimi tool call (tests/helpers/rigged_m
 from __future__ import annotations
 
 import json
+import time
 
 import openai
 import pytest
@@ -49,7 +50,17 @@ def test_tool_call_comes_back_as_tool_calls(client, tool_choice):
     assert json.loads(call.function.arguments) == {"city": "Paris"}
 
 
-def test_streamed_tool_call_comes_as_openai_deltas(client):
+def test_streamed_tool_call_comes_as_openai_deltas(client, rigged_server, monkeypatch):
+    """The engine's loop does not wait for the server: a handler that lags a step gets that step's tokens folded
+    into the next chunk. Each step here waits 50 ms (the rigged model's own take well under one), so that the handler
+    keeps up and every argument token is a chunk of its own, which shows that the arguments stream."""
+    step = rigged_server.engine.step
+
+    def slow_step():
+        time.sleep(0.05)
+        return step()
+
+    monkeypatch.setattr(rigged_server.engine, "step", slow_step)
     chunks = list(client.chat.completions.create(**REQUEST, stream=True))
     deltas = [chunk.choices[0].delta for chunk in chunks]
     assert deltas[0].role == "assistant"
