@@ -33,6 +33,17 @@ def run(make_llm, body, max_queue: int = 4, **options):
     return asyncio.run(main())
 
 
+def break_next_step(engine) -> None:
+    """The engine's next step raises RuntimeError("boom"); the steps after it run as before."""
+    step = engine.step
+
+    def broken_step():
+        engine.step = step
+        raise RuntimeError("boom")
+
+    engine.step = broken_step
+
+
 def greedy(max_tokens: int, prompt=(5, 6, 7)) -> EngineInput:
     return EngineInput(list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
@@ -87,13 +98,7 @@ def test_requests_beyond_running_plus_queue_are_refused(make_llm):
 
 def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(make_llm):
     async def body(client, engine):
-        step = engine.step
-
-        def broken_step():
-            engine.step = step
-            raise RuntimeError("boom")
-
-        engine.step = broken_step
+        break_next_step(engine)
         with pytest.raises(RuntimeError, match="boom"):
             [o async for o in await client.add([greedy(3)], "first")]
         return [o async for o in await client.add([greedy(3)], "second")]
@@ -205,13 +210,7 @@ def test_a_failed_steps_requests_leave_the_engine_before_their_streams_fail(make
     the only sign the client gets). Long requests, so that one left running is still there when the error comes."""
 
     async def body(client, engine):
-        step = engine.step
-
-        def broken_step():
-            engine.step = step
-            raise RuntimeError("boom")
-
-        engine.step = broken_step
+        break_next_step(engine)
         stream = await client.add([greedy(400), greedy(400, (9, 10))], "failed")
         with pytest.raises(RuntimeError, match="boom"):
             [o async for o in stream]
@@ -261,13 +260,7 @@ def test_the_pipes_halves_forget_every_request_that_ended(make_llm):
             stream.abort()
         [o async for o in await client.add([greedy(1)], "probe")]  # the abort reached the child before it
         after_abort = (dict(client._assemblies), dict(core.sent))
-        step = engine.step
-
-        def broken_step():
-            engine.step = step
-            raise RuntimeError("boom")
-
-        engine.step = broken_step
+        break_next_step(engine)
         with pytest.raises(RuntimeError, match="boom"):
             [o async for o in await client.add([greedy(400)], "failed")]
         return after_finish, after_abort, (dict(client._assemblies), dict(core.sent))
