@@ -234,12 +234,15 @@ if has servestart; then
       --timeout 300 --json-out "$OUT/serve_start.json" > "$OUT/serve_start.txt" 2>&1; tail -12 "$OUT/serve_start.txt"
 fi
 if has serve; then
+  chat=${SERVE_CHAT-64}  # SERVE_CHAT= (empty): no chat run
   for place in ${SERVE_PLACES:-engine-process no-engine-process}; do
-    echo "serve --$place"
+    echo "serve --$place $(date +%T)"
     timeout ${T_SERVE:-560} python3 benchmarks/serve_bench.py --config $CFG --load-format dummy --device cuda \
-        --concurrency ${SERVE_CONC:-64,256} --chat-concurrency 64 --prompt-len 512 --output-len 128 --$place \
-        --server-log "$OUT/serve_log_$place.txt" --json-out "$OUT/serve_$place.json" > "$OUT/serve_$place.txt" 2>&1
+        --concurrency ${SERVE_CONC:-64,256} ${chat:+--chat-concurrency $chat} --prompt-len 512 --output-len 128 \
+        --$place --server-log "$OUT/serve_log_$place.txt" --json-out "$OUT/serve_$place.json" \
+        > "$OUT/serve_$place.txt" 2>&1
     grep -vE '^\{|^http ' "$OUT/serve_$place.txt" | tail -8 | cut -c1-220
+    pkill -f serve_bench_engine.py; pkill -f multiprocessing.spawn; sleep 2  # a run cut by its limit leaves these
   done
 fi
 if has structured; then
