@@ -75,9 +75,9 @@ class EngineInfo:
 
     @classmethod
     def of(cls, engine: Engine) -> EngineInfo:
-        cache = engine.cache_occupancy()
-        return cls(engine.tokenizer, engine.max_model_len, cache.num_blocks * cache.block_size,
-                   engine.config.max_num_seqs, EngineStats.of(engine))
+        stats = EngineStats.of(engine)
+        return cls(engine.tokenizer, engine.max_model_len, stats.cache.num_blocks * stats.cache.block_size,
+                   engine.config.max_num_seqs, stats)
 
 
 class EngineObserver:

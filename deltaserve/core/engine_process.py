@@ -17,7 +17,7 @@ import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from deltaserve.config import EngineConfig
@@ -184,9 +184,8 @@ def _child_main(engine_arguments: Callable[[], tuple[str, EngineConfig]], conn_i
             raise ValueError("the engine process runs one rank; with tensor_parallel_size > 1 serve without it "
                              "(--no-engine-process)")
         engine = Engine(model, config)
-        info = EngineInfo.of(engine)
-        conn_out.send(("ready", model, EngineInfo(None, info.max_model_len, info.cache_tokens, info.max_num_seqs,
-                                                  info.stats), engine.async_scheduling))
+        # the tokenizer stays here: the server loads its own from the model folder
+        conn_out.send(("ready", model, replace(EngineInfo.of(engine), tokenizer=None), engine.async_scheduling))
     except Exception as e:  # a bad input (ValueError, OSError) says what to do; anything else is ours
         conn_out.send(("error", isinstance(e, ValueError | OSError), str(e) if isinstance(e, ValueError | OSError)
                        else f"{type(e).__name__}: {e}"))
@@ -241,8 +240,7 @@ class EngineProcess:
                 raise ValueError(message[2]) if message[1] else EngineStartError(
                     f"the engine process failed to start: {message[2]}")
             model, info, self.async_scheduling = message[1:]
-            tokenizer = load_tokenizer(model) if Path(model).is_dir() else None
-            self._info = EngineInfo(tokenizer, info.max_model_len, info.cache_tokens, info.max_num_seqs, info.stats)
+            self._info = replace(info, tokenizer=load_tokenizer(model) if Path(model).is_dir() else None)
         return self._info
 
     def _first_message(self) -> tuple:
