@@ -1,7 +1,7 @@
 """Compile our Triton kernels for sm_90 (Hopper) on a machine without a GPU: Triton ships ptxas, so typing and
 lowering errors that the CPU interpreter never meets show up here, before a lease is spent. Prints ok (with the
 shared memory a program takes) or the error, per kernel and variant, at the 48B model's shapes. With --asm, also
-what ptxas reports (registers a thread, bytes spilled) and the widths of the global loads in the machine code (e.g.
+the machine code's registers a thread and bytes of stack (spills) and the widths of its global loads (e.g.
 LDGSTS.E.BYPASS.128: 16-byte asynchronous copies; LDG.E.U16: one bf16 a load).
 
 Like the JIT, which specializes every launch, pointers are taken as 16-byte aligned, and so are the integer
@@ -14,6 +14,7 @@ compiler cannot prove a row's alignment and loads bf16 tiles two bytes at a time
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import re
 import subprocess
@@ -33,7 +34,6 @@ from deltaserve.kernels.moe import triton_combine, triton_decode, triton_routing
 from deltaserve.kernels.quant import triton_linear
 
 TARGET = GPUTarget("cuda", 90, 32)
-TARGET_ARCH = "sm_90a"
 # the MLA decode kernel's strides: multiples of 16 elements at the model's shapes (576-wide latent rows, 16-token pages)
 MLA_STRIDES = ("q_stride_b", "q_stride_h", "qr_stride_b", "qr_stride_h", "bt_stride", "page_stride", "token_stride")
 TYPES = ("*", "i32", "i64", "fp32")  # an argument given as a string starting so is a runtime argument of that type
@@ -57,22 +57,24 @@ def check(name: str, fn, args: dict, num_warps: int = 4, num_stages: int = 3, al
     except Exception as e:  # noqa: BLE001 -- report every kernel's outcome, then fail
         print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
         return False
-    print(f"ok   {name}: shared {kernel.metadata.shared} B" + (f"; {machine_code(kernel.asm['ptx'])}" if ASM else ""))
+    print(f"ok   {name}: shared {kernel.metadata.shared} B" + (f"; {machine_code(kernel.asm['cubin'])}" if ASM else ""))
     return True
 
 
-def machine_code(ptx: str) -> str:
-    """ptxas's registers and spills for the kernel, and its global loads by instruction (the most used first)."""
+def machine_code(cubin: bytes) -> str:
+    """Registers a thread and bytes of stack (spills) the kernel's machine code takes (cuobjdump's resource usage:
+    the ptxas a Triton release ships may be older than the PTX version it writes, so the cubin Triton built is read,
+    not the PTX assembled again), and its global loads by instruction (the most used first)."""
     with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "k.ptx").write_text(ptx)
-        cubin = str(Path(tmp, "k.cubin"))
-        stats = subprocess.run([os.path.join(BIN, "ptxas"), "-v", f"-arch={TARGET_ARCH}", str(Path(tmp, "k.ptx")),
-                                "-o", cubin], capture_output=True, text=True).stderr
-        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
-    regs = re.search(r"Used (\d+) registers", stats)
-    spills = re.search(r"(\d+) bytes spill stores", stats)
+        Path(tmp, "k.cubin").write_bytes(cubin)
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", str(Path(tmp, "k.cubin"))],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", str(Path(tmp, "k.cubin"))],
+                              capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
     loads = collections.Counter(re.findall(r"\b(LDG[.\w]*|LDGSTS[.\w]*|UTMALDG[.\w]*)", sass))
-    return (f"{regs.group(1) if regs else '?'} registers, {spills.group(1) if spills else '?'} B spilled; loads "
+    return (f"{regs.group(1) if regs else '?'} registers, {stack.group(1) if stack else '?'} B of stack; loads "
             + ", ".join(f"{op} x{n}" for op, n in loads.most_common(3)))
 
 
@@ -149,14 +151,19 @@ def main() -> int:
                             cu_ptr="*i64", o_ptr="*bf16", qkv_stride="i32", g_stride="i32", b_stride="i32",
                             scale="fp32", H=32, K=K, V=K, BK=triton.next_power_of_2(K),
                             BV=min(triton.next_power_of_2(K), 32), VARLEN=varlen, PDL=True))
-    for dtype in ("bf16", "fp32"):
-        ok &= check(f"MLA decode, {dtype}", mla_triton_decode._mla_decode_split_kernel, dict(
-            q_ptr=f"*{dtype}", qr_ptr=f"*{dtype}", cache_ptr=f"*{dtype}", bt_ptr="*i64", lens_ptr="*i64",
+    mla_cases = itertools.product((("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp8e4nv")), (False, True))
+    for (dtype, cache), token_rows in mla_cases:  # the transposed kernel at its Hopper tile (64 tokens, 8 warps)
+        split = mla_triton_decode._mla_decode_split_tokens_kernel if token_rows else \
+            mla_triton_decode._mla_decode_split_kernel
+        wide = token_rows and dtype != "fp32"
+        ok &= check(f"MLA decode, {dtype}, cache {cache}{', token rows' if token_rows else ''}", split, dict(
+            q_ptr=f"*{dtype}", qr_ptr=f"*{dtype}", cache_ptr=f"*{cache}", bt_ptr="*i64", lens_ptr="*i64",
             mid_o_ptr="*fp32", mid_lse_ptr="*fp32", q_stride_b="i32", q_stride_h="i32", qr_stride_b="i32",
             qr_stride_h="i32", bt_stride="i32", page_stride="i32", token_stride="i32", scale="fp32", page_size="i32",
             num_splits="i32", min_split="i32", H=32, R=512, DR=64, BR=512, BDR=64,
-            BLOCK_H=32, BLOCK_N=32, IEEE=dtype == "fp32", PDL=True),
-            num_stages=mla_triton_decode.NUM_STAGES, aligned=MLA_STRIDES)
+            BLOCK_H=32, BLOCK_N=64 if wide else 32, IEEE=dtype == "fp32", PDL=True),
+            num_warps=8 if wide else 4, num_stages=mla_triton_decode.NUM_STAGES, aligned=MLA_STRIDES)
+    for dtype in ("bf16", "fp32"):
         ok &= check(f"MLA merge, {dtype}", mla_triton_decode._mla_decode_merge_kernel, dict(
             mid_o_ptr="*fp32", mid_lse_ptr="*fp32", lens_ptr="*i64", o_ptr=f"*{dtype}", num_splits="i32",
             min_split="i32", H=32, R=512, BR=512, BLOCK_N=32, PDL=True))
