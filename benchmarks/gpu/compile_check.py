@@ -30,7 +30,7 @@ from triton.compiler import ASTSource
 from deltaserve.kernels import conv1d_triton, gemv, norm_gemv, triton_norm
 from deltaserve.kernels.kda import triton_decode as kda_triton_decode
 from deltaserve.kernels.mla import triton_decode as mla_triton_decode
-from deltaserve.kernels.moe import triton_combine, triton_decode, triton_routing
+from deltaserve.kernels.moe import triton_blocks, triton_combine, triton_decode, triton_routing
 from deltaserve.kernels.quant import triton_linear
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -126,6 +126,16 @@ def main() -> int:
         y_ptr="*fp32", out_ptr="*bf16", SLOTS=9, D=2304, BLOCK_D=triton_decode._SUM_BLOCK_D, PDL=True))
     ok &= check("moe weighted sum", triton_combine._weighted_sum_kernel, dict(
         y_ptr="*bf16", where_ptr="*i64", w_ptr="*fp32", out_ptr="*bf16", D=2304, K_SLOTS=8, BLOCK_D=512))
+    blocks = dict(order_ptr="*i64", expert_ptr="*i32", first_ptr="*i32", rows_ptr="*i32", K_SLOTS=8, D=2304, I=1024,
+                  BLOCK_M=triton_blocks.BLOCK_M, IEEE=False, PDL=True)
+    for name, kernel, tile, args in (
+            ("gate/up", triton_blocks._gate_up_kernel, triton_blocks.GATE_UP_TILE, dict(x_ptr="*bf16", w13_ptr="*bf16",
+                                                                                       act_ptr="*bf16")),
+            ("down", triton_blocks._down_kernel, triton_blocks.DOWN_TILE, dict(act_ptr="*bf16", w2_ptr="*bf16",
+                                                                             y_ptr="*fp32"))):
+        given = {**args, **blocks, "BLOCK_N": tile[0], "BLOCK_K": tile[1]}
+        ok &= check(f"expert blocks {name} {tile[0]}x{tile[1]}", kernel, {k: given[k] for k in kernel.arg_names},
+                    num_stages=triton_blocks.NUM_STAGES)
     ok &= check("conv update", conv1d_triton._conv_update_kernel, dict(
         x_ptr="*bf16", w_ptr="*bf16", state_ptr="*bf16", slots_ptr="*i64", y_ptr="*bf16", x_stride="i32", C=12288, W=4,
         BLOCK_C=256, PDL=True))

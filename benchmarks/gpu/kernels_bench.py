@@ -9,6 +9,8 @@ outputs cross-checked (relative error against the first variant) so a fast wrong
                 chunk at a time and running the bf16 grouped GEMMs (and bf16 weights, for scale), per token count
   decode_experts  the few-token expert GEMVs with the shared expert as a slot: autotuned, every candidate tile, and
                 the shared expert run on its own as before
+  batch_experts  a decode batch's routed experts (64 and 256 tokens): the sorted-block Triton kernels at their
+                launch knobs against torch._grouped_mm
   gemv          the few-token dense projections (o_proj, in_proj, ...): our GEMV, autotuned and each tile, against
                 cuBLAS
   router        the router's logits for a few tokens: our GEMV, autotuned and each tile, against the float32 copy
@@ -266,6 +268,45 @@ def decode_expert_rows(device: str, smoke: bool) -> list[dict]:
     return rows
 
 
+# (gate/up tile, down tile, warps, stages) of kernels.moe.triton_blocks around its defaults
+BLOCK_KNOBS = [((64, 128), (64, 128), 4, 4), ((64, 128), (64, 128), 4, 3), ((128, 128), (128, 128), 4, 3),
+               ((128, 64), (128, 64), 4, 4), ((64, 256), (64, 256), 4, 3), ((64, 128), (128, 128), 8, 4),
+               ((32, 128), (32, 128), 4, 4)]
+
+
+def batch_expert_rows(device: str, smoke: bool) -> list[dict]:
+    """A decode batch's routed experts (64 and 256 tokens, 8 of 256 experts each, chosen uniformly as balanced
+    routing does): the sorted-block Triton kernels (kernels.moe.triton_blocks) at each launch of BLOCK_KNOBS against
+    torch._grouped_mm (experts.grouped_experts, the path they would replace). GB/s of the chosen experts' weights."""
+    from deltaserve.kernels.moe.experts import grouped_experts
+    from deltaserve.kernels.moe.triton_blocks import block_experts
+
+    E, k, D, I = (8, 2, 160, 72) if smoke else (256, 8, 2304, 1024)
+    dtype = torch.float32 if smoke else torch.bfloat16
+    w13 = (torch.randn(E, 2 * I, D, device=device) * 0.02).to(dtype)
+    w2 = (torch.randn(E, D, I, device=device) * 0.02).to(dtype)
+    rows = []
+    for T in (3, 9) if smoke else (64, 256):
+        x = torch.randn(T, D, device=device).to(dtype)
+        ids = torch.rand(T, E, device=device).topk(k, dim=-1).indices
+        weights = torch.rand(T, k, device=device)
+        weight_bytes = ids.unique().numel() * 3 * D * I * w13.element_size()
+        reference = grouped_experts(x, w13, w2, weights, ids)
+        variants = {"grouped_mm": lambda: grouped_experts(x, w13, w2, weights, ids)}
+        for gate_up, down, warps, stages in BLOCK_KNOBS[:1] if smoke else BLOCK_KNOBS:
+            name = f"blocks {gate_up[0]}x{gate_up[1]},{down[0]}x{down[1]}/{warps}/{stages}"
+            variants[name] = (lambda g=gate_up, d=down, w=warps, st=stages:
+                              block_experts(x, w13, w2, weights, ids, g, d, w, st))
+        for name, fn in variants.items():
+            try:
+                us = timed(fn, device)
+                emit("batch_experts", rows, {"tokens": T, "variant": name, "us": us, "GBps": weight_bytes / us / 1e3,
+                                             "rel_err": rel_err(fn(), reference)})
+            except Exception as e:  # noqa: BLE001 -- a launch the card cannot run is a result, not the end
+                emit("batch_experts", rows, {"tokens": T, "variant": name, "error": f"{type(e).__name__}: {e}"[:200]})
+    return rows
+
+
 def gemv_rows(device: str, smoke: bool) -> list[dict]:
     """The few-token dense projections: cuBLAS (F.linear, which Linear ran before), our GEMV autotuned, and each
     candidate tile, at the 48B model's projection shapes."""
@@ -436,7 +477,8 @@ def _as_tuple(value) -> tuple:
 
 
 PARTS = {"mla_decode": mla_decode_rows, "mla_prefill": mla_prefill_rows, "fp8_experts": fp8_expert_rows,
-         "decode_experts": decode_expert_rows, "gemv": gemv_rows, "router": router_rows, "norm_gemv": norm_gemv_rows,
+         "decode_experts": decode_expert_rows, "batch_experts": batch_expert_rows, "gemv": gemv_rows,
+         "router": router_rows, "norm_gemv": norm_gemv_rows,
          "norms": norm_rows, "kda_prefill": kda_prefill_rows}
 
 

@@ -9,6 +9,7 @@ from deltaserve.kernels.kda.chunk import chunk_kda
 from deltaserve.kernels.mla.naive import naive_mla
 from deltaserve.kernels.moe.experts import grouped_experts
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk
+from deltaserve.kernels.moe.triton_blocks import block_experts
 from deltaserve.kernels.moe.triton_routing import router_logits, triton_topk
 from deltaserve.kernels.varlen import pack_seqs
 
@@ -91,8 +92,10 @@ def test_short_bf16_prefill_runs_the_recurrent_kernel_and_matches_torch_chunk(le
     assert rel_err(state[slots], twin_state[slots]) < 1e-4
 
 
-@pytest.mark.parametrize("T,E,k", [(1, 256, 8), (5, 16, 2), (300, 64, 8)])
-def test_grouped_experts_match_naive(T, E, k):
+@pytest.mark.parametrize("T,E,k", [(1, 256, 8), (5, 16, 2), (300, 64, 8), (64, 256, 8)])
+@pytest.mark.parametrize("path", [grouped_experts, block_experts])
+def test_grouped_experts_match_naive(T, E, k, path):
+    """Both batch paths (torch._grouped_mm, and the sorted-block Triton kernels) against the per-pair spec."""
     gen = torch.Generator(device=DEV).manual_seed(T)
     D, I = 256, 128
     x = torch.randn(T, D, generator=gen, device=DEV).bfloat16()
@@ -100,7 +103,7 @@ def test_grouped_experts_match_naive(T, E, k):
     w2 = (torch.randn(E, D, I, generator=gen, device=DEV) * 0.05).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=gen, device=DEV)[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=gen, device=DEV)
-    out = grouped_experts(x, w13, w2, weights, ids)
+    out = path(x, w13, w2, weights, ids)
     ref = naive_experts(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu())
     assert rel_err(out.cpu(), ref) < 2e-2
 

@@ -22,6 +22,7 @@ def kernels_bench():
 
 @pytest.mark.parametrize("part,errors", [("mla_decode", ["rel_err"]), ("mla_prefill", ["naive_rel_err"]),
                                          ("fp8_experts", ["rel_err_dequantized"]), ("decode_experts", ["rel_err"]),
+                                         ("batch_experts", ["rel_err"]),
                                          ("norm_gemv", ["rel_err"]), ("norms", ["rel_err"]),
                                          ("kda_prefill", ["rel_err"])])
 def test_each_part_runs_and_its_variants_agree(kernels_bench, part, errors):

@@ -176,3 +176,23 @@ def test_grouped_experts_in_chunks_equal_all_at_once_bitwise(chunk):
     out = grouped_experts_in_chunks(x, weights, ids, E, chunk, weights_of)
     assert torch.equal(out, grouped_experts(x, *weights_of(0, E), weights, ids))
     assert all(e1 - e0 <= chunk for e0, e1 in made[:-1]) and (4, 5) not in made  # unhit chunks are skipped
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (64, 256, 8), (40, 4, 2), (7, 3, 3)])
+def test_expert_blocks_cover_every_pair_once_within_their_bound(T, E, k):
+    """The block layout of kernels.moe.triton_blocks (pure torch): each (token, slot) pair in exactly one block,
+    every block's rows on its expert, at most 16 rows a block, and the blocks past the last empty."""
+    from deltaserve.kernels.moe.triton_blocks import BLOCK_M, expert_blocks
+
+    gen = torch.Generator().manual_seed(T * E)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    order, expert, first, rows = expert_blocks(ids, E)
+    assert rows.numel() == min(E, T * k) + T * k // BLOCK_M and int(rows.max()) <= BLOCK_M
+    covered = []
+    for e, f, n in zip(expert.tolist(), first.tolist(), rows.tolist()):
+        pairs = order[f:f + n].tolist()
+        assert all(int(ids.flatten()[p]) == e for p in pairs)
+        covered += pairs
+    assert sorted(covered) == list(range(T * k))
+    used = int((rows > 0).sum())
+    assert bool((rows[used:] == 0).all()) and used == sum(-(-int((ids == e).sum()) // BLOCK_M) for e in range(E))

@@ -25,6 +25,7 @@ from deltaserve.kernels.mla.attention import torch_mla_decode  # noqa: E402
 from deltaserve.kernels.mla.triton_decode import triton_mla_decode  # noqa: E402
 from deltaserve.kernels.moe.experts import _weighted_sum  # noqa: E402
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk  # noqa: E402
+from deltaserve.kernels.moe.triton_blocks import block_experts  # noqa: E402
 from deltaserve.kernels.moe.triton_combine import weighted_sum  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import _sum_slots, decode_experts  # noqa: E402
 from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, router_logits, triton_topk  # noqa: E402
@@ -391,3 +392,21 @@ def test_slot_sum_kernel_matches_torch_sum(T, slots, D):
     y = torch.randn(T, slots, D, generator=torch.Generator().manual_seed(T + D))
     assert torch.equal(_sum_slots(y, torch.float32), y.sum(1))
     assert within_ulps(_sum_slots(y, torch.bfloat16), y.sum(1).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("T,E,k,D,I,tiles", [
+    (1, 8, 2, 48, 40, ((64, 128), (64, 128))),  # one token: blocks of one row
+    (5, 16, 4, 100, 72, ((16, 32), (32, 16))),  # reductions over several ragged steps
+    (40, 4, 2, 64, 32, ((32, 64), (16, 64))),  # 20 rows an expert: two blocks each, the second partial
+])
+def test_block_experts_match_naive(T, E, k, D, I, tiles):
+    """Pairs sorted by expert in blocks of 16 rows, each block's expert read once per tile, against the per-pair
+    spec, at ragged widths and with experts that no token chose."""
+    gen = torch.Generator().manual_seed(T * E + D)
+    x = torch.randn(T, D, generator=gen)
+    w13, w2 = torch.randn(E, 2 * I, D, generator=gen) * 0.1, torch.randn(E, D, I, generator=gen) * 0.1
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    ids[ids == E - 1] = 0  # the last expert unchosen: a block table entry past the experts that were
+    weights = torch.rand(T, k, generator=gen)
+    out = block_experts(x, w13, w2, weights, ids, *tiles)
+    assert rel_err(out, naive_experts(x, w13, w2, weights, ids)) < 1e-5
