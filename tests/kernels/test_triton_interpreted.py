@@ -410,3 +410,10 @@ def test_block_experts_match_naive(T, E, k, D, I, tiles):
     weights = torch.rand(T, k, generator=gen)
     out = block_experts(x, w13, w2, weights, ids, *tiles)
     assert rel_err(out, naive_experts(x, w13, w2, weights, ids)) < 1e-5
+
+
+def test_block_experts_with_no_tokens():
+    x = torch.randn(0, 16)
+    out = block_experts(x, torch.randn(4, 8, 16), torch.randn(4, 16, 4), torch.rand(0, 2),
+                        torch.zeros(0, 2, dtype=torch.long))
+    assert out.shape == (0, 16)

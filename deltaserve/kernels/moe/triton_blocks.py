@@ -122,6 +122,8 @@ def block_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * k, D, dtype=torch.float32, device=x.device)
     blocks, ieee, launch = rows.numel(), x.dtype == torch.float32, pdl_args(x.device, pdl)
+    if not blocks:  # no tokens
+        return torch.zeros_like(x)
     tables = (order, expert, first, rows)
     _gate_up_kernel[(blocks, triton.cdiv(I, gate_up_tile[0]))](
         x.contiguous(), w13.contiguous(), *tables, act, K_SLOTS=k, D=D, I=I, BLOCK_M=BLOCK_M,
