@@ -169,8 +169,8 @@ def main() -> int:
         ok &= check(f"MLA decode, {dtype}, cache {cache}{', token rows' if token_rows else ''}", split, dict(
             q_ptr=f"*{dtype}", qr_ptr=f"*{dtype}", cache_ptr=f"*{cache}", bt_ptr="*i64", lens_ptr="*i64",
             mid_o_ptr="*fp32", mid_lse_ptr="*fp32", q_stride_b="i32", q_stride_h="i32", qr_stride_b="i32",
-            qr_stride_h="i32", bt_stride="i32", page_stride="i32", token_stride="i32", scale="fp32", page_size="i32",
-            num_splits="i32", min_split="i32", H=32, R=512, DR=64, BR=512, BDR=64,
+            qr_stride_h="i32", bt_stride="i32", page_stride="i32", token_stride="i32", scale="fp32",
+            num_splits="i32", min_split="i32", PAGE=16, H=32, R=512, DR=64, BR=512, BDR=64,
             BLOCK_H=32, BLOCK_N=64 if wide else 32, IEEE=dtype == "fp32", PDL=True),
             num_warps=8 if wide else 4, num_stages=mla_triton_decode.NUM_STAGES, aligned=MLA_STRIDES)
     for dtype in ("bf16", "fp32"):

@@ -31,14 +31,15 @@ def _used_slices(ctx, num_splits, min_split, BLOCK_N: tl.constexpr):
 @triton.jit
 def _mla_decode_split_kernel(
     q_ptr, qr_ptr, cache_ptr, bt_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
-    q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale, page_size,
-    num_splits, min_split, H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale,
+    num_splits, min_split, PAGE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr,
+    BDR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """page_size, num_splits and min_split are runtime arguments: the split count follows the batch and the table
-    width, and a constant would compile a variant per value while serving. A sequence uses _used_slices of the
-    num_splits slices (a short context in a wide table: few, each partial output worth its traffic); the slices
-    past those are empty. PDL: kernels.pdl."""
+    """num_splits and min_split are runtime arguments: the split count follows the batch and the table width, and a
+    constant would compile a variant per value while serving. The page size (PAGE) is the engine's, one value: a
+    constant, so a token's page and row are shifts, not divisions. A sequence uses _used_slices of the num_splits
+    slices (a short context in a wide table: few, each partial output worth its traffic); the slices past those are
+    empty. PDL: kernels.pdl."""
     pdl_enter(PDL)
     i_hb, i_split, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b = i_b.to(tl.int64)
@@ -64,8 +65,8 @@ def _mla_decode_split_kernel(
         for n0 in range(start, end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
             mt = toks < end
-            page = tl.load(bt_ptr + b * bt_stride + toks // page_size, mask=mt, other=0).to(tl.int64)
-            row = page * page_stride + (toks % page_size).to(tl.int64) * token_stride  # [BLOCK_N]
+            page = tl.load(bt_ptr + b * bt_stride + toks // PAGE, mask=mt, other=0).to(tl.int64)
+            row = page * page_stride + (toks % PAGE).to(tl.int64) * token_stride  # [BLOCK_N]
             kv = tl.load(cache_ptr + row[:, None] + offs_r[None, :], mask=mt[:, None] & mr[None, :], other=0.0)
             kr = tl.load(cache_ptr + row[:, None] + R + offs_dr[None, :], mask=mt[:, None] & mdr[None, :], other=0.0)
             kv, kr = kv.to(q.dtype), kr.to(q.dtype)  # a float8 cache widened as read (no-ops otherwise)
@@ -92,9 +93,9 @@ def _mla_decode_split_kernel(
 @triton.jit
 def _mla_decode_split_tokens_kernel(
     q_ptr, qr_ptr, cache_ptr, bt_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
-    q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale, page_size,
-    num_splits, min_split, H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale,
+    num_splits, min_split, PAGE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr,
+    BDR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
 ):
     """_mla_decode_split_kernel with the products transposed: context tokens are the rows. Scores are [BLOCK_N,
     BLOCK_H] = latents x queries^T and the output [BR, BLOCK_H] = latents^T x probabilities, so the long side of each
@@ -126,8 +127,8 @@ def _mla_decode_split_tokens_kernel(
         for n0 in range(start, end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
             mt = toks < end
-            page = tl.load(bt_ptr + b * bt_stride + toks // page_size, mask=mt, other=0).to(tl.int64)
-            row = page * page_stride + (toks % page_size).to(tl.int64) * token_stride  # [BLOCK_N]
+            page = tl.load(bt_ptr + b * bt_stride + toks // PAGE, mask=mt, other=0).to(tl.int64)
+            row = page * page_stride + (toks % PAGE).to(tl.int64) * token_stride  # [BLOCK_N]
             kv = tl.load(cache_ptr + row[:, None] + offs_r[None, :], mask=mt[:, None] & mr[None, :], other=0.0)
             kr = tl.load(cache_ptr + row[:, None] + R + offs_dr[None, :], mask=mt[:, None] & mdr[None, :], other=0.0)
             kv, kr = kv.to(q.dtype), kr.to(q.dtype)  # a float8 cache widened as read (no-ops otherwise)
@@ -212,7 +213,7 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     split_kernel[(head_blocks, splits, B)](
         q_latent, q_rope, cache, block_tables, context_lens, mid_o, mid_lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
-        cache.stride(0), cache.stride(1), scale, page, splits, min_split,
+        cache.stride(0), cache.stride(1), scale, splits, min_split, PAGE=page,
         H=H, R=R, DR=DR, BR=triton.next_power_of_2(R), BDR=max(16, triton.next_power_of_2(DR)), BLOCK_H=block_h,
         BLOCK_N=block_n, IEEE=q_latent.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
         **pdl_args(q_latent.device, pdl),
