@@ -275,7 +275,7 @@ BLOCK_KNOBS = [((64, 128), (64, 128), 4, 4), ((64, 128), (64, 128), 4, 3), ((128
 
 
 def batch_expert_rows(device: str, smoke: bool) -> list[dict]:
-    """A decode batch's routed experts (64 and 256 tokens, 8 of 256 experts each, chosen uniformly as balanced
+    """A decode batch's routed experts (8, 64 and 256 tokens, 8 of 256 experts each, chosen uniformly as balanced
     routing does): the sorted-block Triton kernels (kernels.moe.triton_blocks) at each launch of BLOCK_KNOBS against
     torch._grouped_mm (experts.grouped_experts, the path they would replace). GB/s of the chosen experts' weights."""
     from deltaserve.kernels.moe.experts import grouped_experts
@@ -286,7 +286,7 @@ def batch_expert_rows(device: str, smoke: bool) -> list[dict]:
     w13 = (torch.randn(E, 2 * I, D, device=device) * 0.02).to(dtype)
     w2 = (torch.randn(E, D, I, device=device) * 0.02).to(dtype)
     rows = []
-    for T in (3, 9) if smoke else (64, 256):
+    for T in (3, 9) if smoke else (8, 64, 256):
         x = torch.randn(T, D, device=device).to(dtype)
         ids = torch.rand(T, E, device=device).topk(k, dim=-1).indices
         weights = torch.rand(T, k, device=device)
