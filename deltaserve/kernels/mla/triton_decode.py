@@ -29,6 +29,29 @@ def _used_slices(ctx, num_splits, min_split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _slice_of(lens_ptr, b, i_split, num_splits, min_split, BLOCK_N: tl.constexpr):
+    """(start, end) of this program's slice of sequence b's context: empty for the slices past those it uses."""
+    ctx = tl.load(lens_ptr + b).to(tl.int32)
+    used = _used_slices(ctx, num_splits, min_split, BLOCK_N)
+    per_split = tl.cdiv(tl.cdiv(ctx, used), BLOCK_N) * BLOCK_N
+    start = i_split * per_split
+    return start, tl.minimum(start + per_split, ctx)
+
+
+@triton.jit
+def _tile(row_ptrs, row_mask, cols, col_mask):
+    """The [rows, cols] tile whose rows start at row_ptrs, 0 where a row or column is masked."""
+    return tl.load(row_ptrs[:, None] + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _token_rows(cache_ptr, table_ptr, toks, mask, page_stride, token_stride, PAGE: tl.constexpr):
+    """Where each context token's latent row starts in the paged cache, through the sequence's block table."""
+    page = tl.load(table_ptr + toks // PAGE, mask=mask, other=0).to(tl.int64)
+    return cache_ptr + page * page_stride + (toks % PAGE).to(tl.int64) * token_stride
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     q_ptr, qr_ptr, cache_ptr, bt_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
     q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale,
@@ -41,13 +64,8 @@ def _mla_decode_split_kernel(
     slices (a short context in a wide table: few, each partial output worth its traffic); the slices past those are
     empty. PDL: kernels.pdl."""
     pdl_enter(PDL)
-    i_hb, i_split, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b = i_b.to(tl.int64)
-    ctx = tl.load(lens_ptr + b).to(tl.int32)
-    used = _used_slices(ctx, num_splits, min_split, BLOCK_N)
-    per_split = tl.cdiv(tl.cdiv(ctx, used), BLOCK_N) * BLOCK_N
-    start = i_split * per_split
-    end = tl.minimum(start + per_split, ctx)
+    i_hb, i_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    start, end = _slice_of(lens_ptr, b, i_split, num_splits, min_split, BLOCK_N)
 
     heads = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mh = heads < H
@@ -55,21 +73,17 @@ def _mla_decode_split_kernel(
     if start < end:  # a slice past the context reads nothing: weight zero in the merge
         offs_r, offs_dr = tl.arange(0, BR), tl.arange(0, BDR)
         mr, mdr = offs_r < R, offs_dr < DR
-        q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + offs_r[None, :],
-                    mask=mh[:, None] & mr[None, :], other=0.0)  # [BLOCK_H, BR]
-        qr = tl.load(qr_ptr + b * qr_stride_b + heads[:, None] * qr_stride_h + offs_dr[None, :],
-                     mask=mh[:, None] & mdr[None, :], other=0.0)  # [BLOCK_H, BDR]
+        q = _tile(q_ptr + b * q_stride_b + heads * q_stride_h, mh, offs_r, mr)  # [BLOCK_H, BR]
+        qr = _tile(qr_ptr + b * qr_stride_b + heads * qr_stride_h, mh, offs_dr, mdr)  # [BLOCK_H, BDR]
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BR], dtype=tl.float32)
         for n0 in range(start, end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
             mt = toks < end
-            page = tl.load(bt_ptr + b * bt_stride + toks // PAGE, mask=mt, other=0).to(tl.int64)
-            row = page * page_stride + (toks % PAGE).to(tl.int64) * token_stride  # [BLOCK_N]
-            kv = tl.load(cache_ptr + row[:, None] + offs_r[None, :], mask=mt[:, None] & mr[None, :], other=0.0)
-            kr = tl.load(cache_ptr + row[:, None] + R + offs_dr[None, :], mask=mt[:, None] & mdr[None, :], other=0.0)
-            kv, kr = kv.to(q.dtype), kr.to(q.dtype)  # a float8 cache widened as read (no-ops otherwise)
+            row = _token_rows(cache_ptr, bt_ptr + b * bt_stride, toks, mt, page_stride, token_stride, PAGE)
+            kv = _tile(row, mt, offs_r, mr).to(q.dtype)  # a float8 cache widened as read
+            kr = _tile(row + R, mt, offs_dr, mdr).to(q.dtype)
             if IEEE:
                 s = tl.dot(q, tl.trans(kv), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
             else:
@@ -103,13 +117,8 @@ def _mla_decode_split_tokens_kernel(
     warpgroup; 32 heads are too few), the latent tile is its operand straight from shared memory for both products,
     and the float32 accumulator is spread over the warpgroups' registers."""
     pdl_enter(PDL)
-    i_hb, i_split, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b = i_b.to(tl.int64)
-    ctx = tl.load(lens_ptr + b).to(tl.int32)
-    used = _used_slices(ctx, num_splits, min_split, BLOCK_N)
-    per_split = tl.cdiv(tl.cdiv(ctx, used), BLOCK_N) * BLOCK_N
-    start = i_split * per_split
-    end = tl.minimum(start + per_split, ctx)
+    i_hb, i_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    start, end = _slice_of(lens_ptr, b, i_split, num_splits, min_split, BLOCK_N)
 
     heads = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mh = heads < H
@@ -117,21 +126,17 @@ def _mla_decode_split_tokens_kernel(
     if start < end:
         offs_r, offs_dr = tl.arange(0, BR), tl.arange(0, BDR)
         mr, mdr = offs_r < R, offs_dr < DR
-        q = tl.trans(tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + offs_r[None, :],
-                             mask=mh[:, None] & mr[None, :], other=0.0))  # [BR, BLOCK_H]
-        qr = tl.trans(tl.load(qr_ptr + b * qr_stride_b + heads[:, None] * qr_stride_h + offs_dr[None, :],
-                              mask=mh[:, None] & mdr[None, :], other=0.0))  # [BDR, BLOCK_H]
+        q = tl.trans(_tile(q_ptr + b * q_stride_b + heads * q_stride_h, mh, offs_r, mr))  # [BR, BLOCK_H]
+        qr = tl.trans(_tile(qr_ptr + b * qr_stride_b + heads * qr_stride_h, mh, offs_dr, mdr))  # [BDR, BLOCK_H]
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BR, BLOCK_H], dtype=tl.float32)
         for n0 in range(start, end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
             mt = toks < end
-            page = tl.load(bt_ptr + b * bt_stride + toks // PAGE, mask=mt, other=0).to(tl.int64)
-            row = page * page_stride + (toks % PAGE).to(tl.int64) * token_stride  # [BLOCK_N]
-            kv = tl.load(cache_ptr + row[:, None] + offs_r[None, :], mask=mt[:, None] & mr[None, :], other=0.0)
-            kr = tl.load(cache_ptr + row[:, None] + R + offs_dr[None, :], mask=mt[:, None] & mdr[None, :], other=0.0)
-            kv, kr = kv.to(q.dtype), kr.to(q.dtype)  # a float8 cache widened as read (no-ops otherwise)
+            row = _token_rows(cache_ptr, bt_ptr + b * bt_stride, toks, mt, page_stride, token_stride, PAGE)
+            kv = _tile(row, mt, offs_r, mr).to(q.dtype)  # a float8 cache widened as read
+            kr = _tile(row + R, mt, offs_dr, mdr).to(q.dtype)
             if IEEE:
                 s = tl.dot(kv, q, input_precision="ieee") + tl.dot(kr, qr, input_precision="ieee")
             else:
