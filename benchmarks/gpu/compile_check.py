@@ -14,7 +14,6 @@ compiler cannot prove a row's alignment and loads bf16 tiles two bytes at a time
 from __future__ import annotations
 
 import collections
-import itertools
 import os
 import re
 import subprocess
@@ -161,18 +160,14 @@ def main() -> int:
                             cu_ptr="*i64", o_ptr="*bf16", qkv_stride="i32", g_stride="i32", b_stride="i32",
                             scale="fp32", H=32, K=K, V=K, BK=triton.next_power_of_2(K),
                             BV=min(triton.next_power_of_2(K), 32), VARLEN=varlen, PDL=True))
-    mla_cases = itertools.product((("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp8e4nv")), (False, True))
-    for (dtype, cache), token_rows in mla_cases:  # the transposed kernel at its Hopper tile (64 tokens, 8 warps)
-        split = mla_triton_decode._mla_decode_split_tokens_kernel if token_rows else \
-            mla_triton_decode._mla_decode_split_kernel
-        wide = token_rows and dtype != "fp32"
-        ok &= check(f"MLA decode, {dtype}, cache {cache}{', token rows' if token_rows else ''}", split, dict(
+    for dtype, cache in (("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp8e4nv")):
+        ok &= check(f"MLA decode, {dtype}, cache {cache}", mla_triton_decode._mla_decode_split_kernel, dict(
             q_ptr=f"*{dtype}", qr_ptr=f"*{dtype}", cache_ptr=f"*{cache}", bt_ptr="*i64", lens_ptr="*i64",
             mid_o_ptr="*fp32", mid_lse_ptr="*fp32", q_stride_b="i32", q_stride_h="i32", qr_stride_b="i32",
             qr_stride_h="i32", bt_stride="i32", page_stride="i32", token_stride="i32", scale="fp32",
             num_splits="i32", min_split="i32", PAGE=16, H=32, R=512, DR=64, BR=512, BDR=64,
-            BLOCK_H=32, BLOCK_N=64 if wide else 32, IEEE=dtype == "fp32", PDL=True),
-            num_warps=8 if wide else 4, num_stages=mla_triton_decode.NUM_STAGES, aligned=MLA_STRIDES)
+            BLOCK_H=32, BLOCK_N=32, IEEE=dtype == "fp32", PDL=True),
+            num_stages=mla_triton_decode.NUM_STAGES, aligned=MLA_STRIDES)
     for dtype in ("bf16", "fp32"):
         ok &= check(f"MLA merge, {dtype}", mla_triton_decode._mla_decode_merge_kernel, dict(
             mid_o_ptr="*fp32", mid_lse_ptr="*fp32", lens_ptr="*i64", o_ptr=f"*{dtype}", num_splits="i32",

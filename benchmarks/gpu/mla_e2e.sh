@@ -7,7 +7,7 @@ set -uo pipefail
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD/.gpu/site:$PWD
 CFG=${CONFIG:-benchmarks/configs/kimi-linear-48b-a3b.json}
-KNOBS=${MLA_KNOBS:-'{"token_rows": true, "block_n": 64, "num_warps": 8}'}
+KNOBS=${MLA_KNOBS:-'{"max_head_block": 32}'}  # at batch 1, 32 heads a program (the default: 16)
 for round in $(seq 1 "${ROUNDS:-1}"); do
   for name in default candidate; do
     knobs='{}'; [ "$name" = candidate ] && knobs=$KNOBS

@@ -1,7 +1,7 @@
 """Run a deltaserve command with other launch knobs for the paged MLA decode kernel, to time a candidate end to end
 before it becomes the default (issue 24: the long-context TPOT is the MLA decode kernel's).
 
-    python3 benchmarks/gpu/with_mla_knobs.py '{"token_rows": true, "block_n": 64, "num_warps": 8}' \\
+    python3 benchmarks/gpu/with_mla_knobs.py '{"max_head_block": 32}' \\
         bench --config ... --long-prompt-len 262144
 
 The knobs (a JSON object of triton_mla_decode's keyword arguments) replace its defaults for every call in this

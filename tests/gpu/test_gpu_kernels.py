@@ -258,8 +258,7 @@ def test_routing_kernel_matches_naive(T, E, k):
 
 @pytest.mark.parametrize("lengths,width", [([1], None), ([17, 300, 1, 4097], None), ([33, 2, 700], 65536 // 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("token_rows", [False, True])
-def test_triton_mla_decode_matches_torch_twin(lengths, width, dtype, token_rows):
+def test_triton_mla_decode_matches_torch_twin(lengths, width, dtype):
     """The 48B model's MLA shape (32 heads, R 512, Dr 64, pages of 16) against the torch path in float32 on the same
     values; the widest table is a CUDA graph's for a 64k model length, its entries past each context unread."""
     from deltaserve.kernels.mla.attention import torch_mla_decode
@@ -272,15 +271,13 @@ def test_triton_mla_decode_matches_torch_twin(lengths, width, dtype, token_rows)
     q_latent = (torch.randn(len(lengths), H, R, generator=gen) * 0.05).to(dtype).to(DEV)
     q_rope = (torch.randn(len(lengths), H, DR, generator=gen) * 0.05).to(dtype).to(DEV)
     lens = torch.tensor(lengths, device=DEV)
-    knobs = dict(token_rows=True, block_n=32 if dtype == torch.float32 else 64, num_warps=8) if token_rows else {}
-    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 192 ** -0.5, **knobs)
+    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 192 ** -0.5)
     used = tables[:, : -(-max(lengths) // 16)]
     twin = torch_mla_decode(q_latent.float(), q_rope.float(), paged.cache.float(), used, lens, 192 ** -0.5)
     assert rel_err(out, twin) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("token_rows", [False, True])
-def test_triton_mla_decode_reads_a_float8_cache(token_rows):
+def test_triton_mla_decode_reads_a_float8_cache():
     """--kv-cache-dtype fp8 at the 48B shape: bf16 queries against a float8_e4m3fn cache, widened as read, against
     the torch path in float32 on the same float8 values."""
     from deltaserve.kernels.mla.attention import torch_mla_decode
@@ -293,8 +290,7 @@ def test_triton_mla_decode_reads_a_float8_cache(token_rows):
     q_latent = (torch.randn(len(lengths), H, R, generator=gen) * 0.05).bfloat16().to(DEV)
     q_rope = (torch.randn(len(lengths), H, DR, generator=gen) * 0.05).bfloat16().to(DEV)
     lens = torch.tensor(lengths, device=DEV)
-    knobs = dict(token_rows=True, block_n=64, num_warps=8) if token_rows else {}
-    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 192 ** -0.5, **knobs)
+    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 192 ** -0.5)
     used = tables[:, : -(-max(lengths) // 16)]
     twin = torch_mla_decode(q_latent.float(), q_rope.float(), paged.cache, used, lens, 192 ** -0.5)
     assert out.dtype == torch.bfloat16 and rel_err(out, twin) < 1e-2

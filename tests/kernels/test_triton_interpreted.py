@@ -208,12 +208,10 @@ def test_routing_kernel_gives_distinct_valid_ids_for_a_nan_row():
 ])
 @pytest.mark.parametrize("min_split,max_head_block,block_n", [(256, 32, 32), (32, 16, 32), (33, 32, 16),
                                                                (64, None, 32), (16, 16, 64)])
-@pytest.mark.parametrize("token_rows", [False, True])
-def test_mla_decode_kernel_matches_torch_twin(lengths, H, R, DR, page, width, min_split, max_head_block, block_n,
-                                              token_rows):
+def test_mla_decode_kernel_matches_torch_twin(lengths, H, R, DR, page, width, min_split, max_head_block, block_n):
     """Paged, split-context MLA decode against the torch path (gather every page, masked softmax); slices of at
     least min_split tokens (a context of one slice, of many, of slices past its end), heads one or more blocks,
-    block_n context tokens an inner step (a slice rounds up to whole steps), either split kernel."""
+    block_n context tokens an inner step (a slice rounds up to whole steps)."""
     gen = torch.Generator().manual_seed(sum(lengths) * H)
     paged = PagedLatents(lengths, R + DR, page, 64, gen)
     tables = paged.block_tables(width)
@@ -223,7 +221,7 @@ def test_mla_decode_kernel_matches_torch_twin(lengths, H, R, DR, page, width, mi
     lens = torch.tensor(lengths)
     twin = torch_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
     out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3, min_split, max_head_block,
-                            block_n=block_n, token_rows=token_rows)
+                            block_n=block_n)
     assert rel_err(out, twin) < 1e-5
 
 

@@ -45,7 +45,7 @@ def _tile(row_ptrs, row_mask, cols, col_mask):
 
 
 @triton.jit
-def _token_rows(cache_ptr, table_ptr, toks, mask, page_stride, token_stride, PAGE: tl.constexpr):
+def _latent_rows(cache_ptr, table_ptr, toks, mask, page_stride, token_stride, PAGE: tl.constexpr):
     """Where each context token's latent row starts in the paged cache, through the sequence's block table."""
     page = tl.load(table_ptr + toks // PAGE, mask=mask, other=0).to(tl.int64)
     return cache_ptr + page * page_stride + (toks % PAGE).to(tl.int64) * token_stride
@@ -81,7 +81,7 @@ def _mla_decode_split_kernel(
         for n0 in range(start, end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
             mt = toks < end
-            row = _token_rows(cache_ptr, bt_ptr + b * bt_stride, toks, mt, page_stride, token_stride, PAGE)
+            row = _latent_rows(cache_ptr, bt_ptr + b * bt_stride, toks, mt, page_stride, token_stride, PAGE)
             kv = _tile(row, mt, offs_r, mr).to(q.dtype)  # a float8 cache widened as read
             kr = _tile(row + R, mt, offs_dr, mdr).to(q.dtype)
             if IEEE:
@@ -99,59 +99,6 @@ def _mla_decode_split_kernel(
                 acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
             m_i = m_new
         tl.store(mid_o_ptr + mid[:, None] * R + offs_r[None, :], acc / l_i[:, None], mask=mh[:, None] & mr[None, :])
-        tl.store(mid_lse_ptr + mid, m_i + tl.log(l_i), mask=mh)
-    else:
-        tl.store(mid_lse_ptr + mid, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mh)
-
-
-@triton.jit
-def _mla_decode_split_tokens_kernel(
-    q_ptr, qr_ptr, cache_ptr, bt_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
-    q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale,
-    num_splits, min_split, PAGE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr,
-    BDR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
-):
-    """_mla_decode_split_kernel with the products transposed: context tokens are the rows. Scores are [BLOCK_N,
-    BLOCK_H] = latents x queries^T and the output [BR, BLOCK_H] = latents^T x probabilities, so the long side of each
-    product (BLOCK_N >= 64 tokens, then the latent's 512 columns) is the one Hopper's warpgroup MMA needs (64 rows a
-    warpgroup; 32 heads are too few), the latent tile is its operand straight from shared memory for both products,
-    and the float32 accumulator is spread over the warpgroups' registers."""
-    pdl_enter(PDL)
-    i_hb, i_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    start, end = _slice_of(lens_ptr, b, i_split, num_splits, min_split, BLOCK_N)
-
-    heads = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    mh = heads < H
-    mid = (b * H + heads) * num_splits + i_split  # [BLOCK_H]
-    if start < end:
-        offs_r, offs_dr = tl.arange(0, BR), tl.arange(0, BDR)
-        mr, mdr = offs_r < R, offs_dr < DR
-        q = tl.trans(_tile(q_ptr + b * q_stride_b + heads * q_stride_h, mh, offs_r, mr))  # [BR, BLOCK_H]
-        qr = tl.trans(_tile(qr_ptr + b * qr_stride_b + heads * qr_stride_h, mh, offs_dr, mdr))  # [BDR, BLOCK_H]
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BR, BLOCK_H], dtype=tl.float32)
-        for n0 in range(start, end, BLOCK_N):
-            toks = n0 + tl.arange(0, BLOCK_N)
-            mt = toks < end
-            row = _token_rows(cache_ptr, bt_ptr + b * bt_stride, toks, mt, page_stride, token_stride, PAGE)
-            kv = _tile(row, mt, offs_r, mr).to(q.dtype)  # a float8 cache widened as read
-            kr = _tile(row + R, mt, offs_dr, mdr).to(q.dtype)
-            if IEEE:
-                s = tl.dot(kv, q, input_precision="ieee") + tl.dot(kr, qr, input_precision="ieee")
-            else:
-                s = tl.dot(kv, q) + tl.dot(kr, qr)  # [BLOCK_N, BLOCK_H] float32
-            s = tl.where(mt[:, None], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[None, :])
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            if IEEE:
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(kv), p.to(kv.dtype), input_precision="ieee")
-            else:
-                acc = acc * alpha[None, :] + tl.dot(tl.trans(kv), p.to(kv.dtype))
-            m_i = m_new
-        tl.store(mid_o_ptr + mid[None, :] * R + offs_r[:, None], acc / l_i[None, :], mask=mh[None, :] & mr[:, None])
         tl.store(mid_lse_ptr + mid, m_i + tl.log(l_i), mask=mh)
     else:
         tl.store(mid_lse_ptr + mid, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mh)
@@ -192,16 +139,14 @@ def num_splits(batch: int, head_blocks: int, max_tokens: int, min_split: int = M
 def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, min_split: int = MIN_SPLIT_TOKENS,
                       max_head_block: int | None = None, num_warps: int = 4, num_stages: int = NUM_STAGES,
-                      splits: int | None = None, pdl: bool = True, block_n: int = _BLOCK_N,
-                      token_rows: bool = False) -> torch.Tensor:
+                      splits: int | None = None, pdl: bool = True, block_n: int = _BLOCK_N) -> torch.Tensor:
     """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr] (in
     q_latent's dtype or float8_e4m3fn), block_tables [B, max_blocks], context_lens [B] (>= 1 each). Returns [B, H, R]
     in q_latent's dtype. Only the first context_lens[b] tokens of each table are read; entries past them may hold
     anything. The launch knobs (shortest long-context slice, heads a program, warps, pipeline stages, slices at most:
     num_splits' by default, context tokens an inner step: a power of two >= 16) have the defaults the benchmark
     chose; kernels_bench sweeps them. Heads a program: 16 for one sequence (twice the programs: a short context's
-    step is latency), 32 for a batch (the latents read once for all heads). token_rows: the transposed split kernel
-    (_mla_decode_split_tokens_kernel; block_n >= 64 for Hopper's warpgroup MMA)."""
+    step is latency), 32 for a batch (the latents read once for all heads)."""
     B, H, R = q_latent.shape
     DR = q_rope.shape[-1]
     page = cache.shape[1]
@@ -214,8 +159,7 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     mid_o = torch.empty(B, H, splits, R, dtype=torch.float32, device=q_latent.device)
     mid_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q_latent.device)
     q_rope = q_rope.to(q_latent.dtype)
-    split_kernel = _mla_decode_split_tokens_kernel if token_rows else _mla_decode_split_kernel
-    split_kernel[(head_blocks, splits, B)](
+    _mla_decode_split_kernel[(head_blocks, splits, B)](
         q_latent, q_rope, cache, block_tables, context_lens, mid_o, mid_lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
         cache.stride(0), cache.stride(1), scale, splits, min_split, PAGE=page,

@@ -13,6 +13,10 @@ from deltaserve.kernels import cpu_gemv
 
 _FEW_ASSIGNMENTS = 64  # up to this many (token, expert) pairs, group on the host: fewer ops for decode steps
 FEW_ASSIGNMENTS_GPU = 32  # up to this many pairs, one GEMV per pair beats sorting for a grouped GEMM
+# up to this many pairs (a decode batch of 256 tokens, 8 experts each), bf16 experts run in kernels.moe.triton_blocks'
+# sorted blocks, which read each chosen expert once per block of 16 rows (BENCHMARKS.md: faster than
+# torch._grouped_mm from 8 to 256 tokens); past it (prefill chunks), the grouped GEMMs
+MOST_BLOCK_PAIRS_GPU = 2048
 
 
 def fused_experts(
@@ -28,6 +32,10 @@ def fused_experts(
         from deltaserve.kernels.moe.triton_decode import decode_experts
 
         return decode_experts(x, w13, w2, weights, ids, pdl=pdl)
+    if x.is_cuda and x.dtype == torch.bfloat16 and ids.numel() <= MOST_BLOCK_PAIRS_GPU:
+        from deltaserve.kernels.moe.triton_blocks import block_experts
+
+        return block_experts(x, w13, w2, weights, ids, pdl=pdl)
     if x.is_cuda and x.dtype == torch.bfloat16:
         return grouped_experts(x, w13, w2, weights, ids)
     if not x.is_cuda and torch.compiler.is_compiling():  # a traced CPU decode step (runner: compile_decode)
