@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Batch-1 TPOT at long contexts with the paged MLA decode kernel's default launch and with candidate knobs
 # (benchmarks/gpu/with_mla_knobs.py), one process each, alternated (issue 24). After run_h200.sh has installed the
-# wheels (STAGES= with no stage does only that). MLA_KNOBS: the candidate (JSON); MLA_LENS: the long prompts;
+# wheels (STAGES=none does only that). MLA_KNOBS: the candidate (JSON); MLA_LENS: the long prompts;
 # CONFIG: the model shape; ROUNDS: how many baseline/candidate pairs.
 set -uo pipefail
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
