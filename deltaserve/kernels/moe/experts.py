@@ -32,11 +32,11 @@ def fused_experts(
         from deltaserve.kernels.moe.triton_decode import decode_experts
 
         return decode_experts(x, w13, w2, weights, ids, pdl=pdl)
-    if x.is_cuda and x.dtype == torch.bfloat16 and ids.numel() <= MOST_BLOCK_PAIRS_GPU:
-        from deltaserve.kernels.moe.triton_blocks import block_experts
-
-        return block_experts(x, w13, w2, weights, ids, pdl=pdl)
     if x.is_cuda and x.dtype == torch.bfloat16:
+        if ids.numel() <= MOST_BLOCK_PAIRS_GPU:
+            from deltaserve.kernels.moe.triton_blocks import block_experts
+
+            return block_experts(x, w13, w2, weights, ids, pdl=pdl)
         return grouped_experts(x, w13, w2, weights, ids)
     if not x.is_cuda and torch.compiler.is_compiling():  # a traced CPU decode step (runner: compile_decode)
         return _gathered(x, w13, w2, weights, ids)
@@ -120,7 +120,7 @@ def _group_by_expert(ids: torch.Tensor) -> Iterator[tuple[int, torch.Tensor, tor
 def grouped_experts(x, w13, w2, weights, ids) -> torch.Tensor:
     """The GPU path of fused_experts: tokens sorted by expert, two grouped GEMMs (bf16), no host sync, so it
     is CUDA-graph safe. Same contract as fused_experts."""
-    order, token, ends = _sort_by_expert(ids, w13.shape[0])
+    order, token, ends = sort_by_expert(ids, w13.shape[0])
     y = _grouped_swiglu(x.index_select(0, token), w13, w2, ends.to(torch.int32))  # [T*k, D]
     return _weighted_sum(y, order, weights, x.dtype)
 
@@ -129,7 +129,7 @@ def grouped_experts_in_chunks(x, weights, ids, num_experts: int, chunk: int, wei
     """grouped_experts over `chunk` experts at a time, their weights made by weights_of(e0, e1) -> (w13, w2) of
     experts e0..e1-1 (FP8 dequantized on the fly: only a chunk's high-precision copy exists at once). The chunk
     bounds come to the host (one sync): for prefill steps, not CUDA graphs. Same contract as fused_experts."""
-    order, token, ends = _sort_by_expert(ids, num_experts)
+    order, token, ends = sort_by_expert(ids, num_experts)
     bounds = [0] + ends.tolist()
     rows = x.index_select(0, token)
     y = torch.empty(rows.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
@@ -142,7 +142,7 @@ def grouped_experts_in_chunks(x, weights, ids, num_experts: int, chunk: int, wei
     return _weighted_sum(y, order, weights, x.dtype)
 
 
-def _sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order: the flat (token, slot) pairs sorted by expert, stably; each sorted pair's token; ends [E]: where
     each expert's run of sorted pairs ends)."""
     flat = ids.flatten()

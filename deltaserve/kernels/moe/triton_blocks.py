@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.moe.experts import sort_by_expert
 from deltaserve.kernels.pdl import pdl_args, pdl_enter
 
 BLOCK_M = 16  # rows (pairs) a block: tl.dot's smallest; a decode batch gives an expert a few
@@ -25,11 +26,9 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     """ids [T, k] -> (order: the flat pairs sorted by expert, stably; and per block, up to a bound that depends on the
     shapes only (min(E, T*k) + T*k // block_m): its expert, its first row in sorted order, its rows, 0 for the blocks
     past the last)."""
-    flat = ids.flatten()
-    pairs = flat.numel()
-    order = flat.argsort(stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
-    ends = counts.cumsum(0)
+    pairs = ids.numel()
+    order, _, ends = sort_by_expert(ids, num_experts)
+    counts = ends.diff(prepend=ends.new_zeros(1))
     blocks = (counts + block_m - 1) // block_m
     block_ends = blocks.cumsum(0)
     index = torch.arange(min(num_experts, pairs) + pairs // block_m, device=ids.device)
