@@ -205,6 +205,8 @@ def test_routing_kernel_gives_distinct_valid_ids_for_a_nan_row():
     ([1], 3, 32, 16, 4, None),
     ([5, 1, 70, 33], 20, 48, 8, 8, None),  # two head blocks, the second ragged; R and Dr not powers of two
     ([40, 2], 16, 64, 16, 16, 64),  # a table far wider than the contexts, as a CUDA graph's: entries past unread
+    ([37, 130], 4, 32, 16, 6, None),  # a page size not a power of two: every token's page looked up
+    ([100, 9], 16, 32, 16, 64, 3),  # pages longer than an inner step: one page holds several tiles
 ])
 @pytest.mark.parametrize("min_split,max_head_block,block_n", [(256, 32, 32), (32, 16, 32), (33, 32, 16),
                                                                (64, None, 32), (16, 16, 64)])
@@ -321,6 +323,26 @@ def test_norm_gemv_wrappers_refuse_inputs_of_another_dtype():
     gated = norm_gemv_inputs(1, 16, 8, torch.bfloat16, seed=2, gated_heads=2)
     with pytest.raises(AssertionError, match="share one dtype"):
         gated_norm_gemv(gated["o"], gated["gate"].float(), gated["norm_weight"], gated["eps"], gated["weight"])
+
+
+@pytest.mark.parametrize("lazy_slack", [0.0, 2.0, 8.0])
+def test_mla_decode_kernel_rescales_as_scores_rise(lazy_slack):
+    """Scores that rise along the context (each latent scaled up with its position): a head's running max moves
+    many times, by less and by more than the slack, and the output stays the twin's."""
+    gen = torch.Generator().manual_seed(11)
+    lengths, H, R, DR, page = [300, 77], 16, 32, 16, 8
+    paged = PagedLatents(lengths, R + DR, page, 64, gen)
+    for n, pages in zip(lengths, paged.tables):
+        for pos, scale in enumerate(torch.linspace(0.05, 3.0, n).tolist()):
+            paged.cache[pages[pos // page], pos % page] *= scale
+    tables = paged.block_tables()
+    q_latent = 2 * torch.randn(len(lengths), H, R, generator=gen)
+    q_rope = 2 * torch.randn(len(lengths), H, DR, generator=gen)
+    lens = torch.tensor(lengths)
+    twin = torch_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
+    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3, min_split=128, block_n=16,
+                            lazy_slack=lazy_slack)
+    assert rel_err(out, twin) < 1e-5
 
 
 def test_mla_decode_kernel_reads_a_float8_cache_as_its_twin_does():

@@ -19,6 +19,7 @@ _TARGET_PROGRAMS = 264  # ~2 per SM of an H100/H200, each streaming its slice wi
 MIN_SPLIT_TOKENS = 64  # a long context's slices: ~_TARGET_PROGRAMS of them, each at least this long
 SHORT_SLICES = tl.constexpr(64)  # a short context: up to this many slices of _BLOCK_N tokens (one step each)
 NUM_STAGES = 2  # software pipelining of the split kernel's loads (benchmarks/gpu/compile_check.py uses it too)
+LAZY_SLACK = 8.0  # how far a head's score max may rise before the accumulator is rescaled (0: at every rise)
 
 
 @triton.jit
@@ -45,10 +46,37 @@ def _tile(row_ptrs, row_mask, cols, col_mask):
 
 
 @triton.jit
-def _latent_rows(cache_ptr, table_ptr, toks, mask, page_stride, token_stride, PAGE: tl.constexpr):
-    """Where each context token's latent row starts in the paged cache, through the sequence's block table."""
-    page = tl.load(table_ptr + toks // PAGE, mask=mask, other=0).to(tl.int64)
-    return cache_ptr + page * page_stride + (toks % PAGE).to(tl.int64) * token_stride
+def _latent_rows(cache_ptr, table_ptr, n0, end, page_stride, token_stride, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where each of the tile's context tokens n0 + [0, BLOCK_N) starts its latent row in the paged cache, through
+    the sequence's block table. n0 is a multiple of BLOCK_N. A page size that is a power of two holds whole tiles or
+    is held whole by one, so the tile's pages are loaded once each (NP of them) and each row is its page's base plus
+    a constant offset; any other page size looks up every token's page."""
+    if (PAGE & (PAGE - 1)) == 0:
+        NP: tl.constexpr = max(BLOCK_N // PAGE, 1)  # pages of the tile
+        ROWS: tl.constexpr = min(PAGE, BLOCK_N)  # its rows in each
+        rows = tl.arange(0, BLOCK_N)
+        page = tl.zeros([BLOCK_N], dtype=tl.int64)
+        for j in tl.static_range(NP):  # one scalar load a page, then each row's page by a select
+            first = n0 // PAGE + j
+            page = tl.where(rows // ROWS == j, tl.load(table_ptr + first, mask=first * PAGE < end, other=0), page)
+        in_page = n0 % PAGE + rows % ROWS
+    else:
+        toks = n0 + tl.arange(0, BLOCK_N)
+        page = tl.load(table_ptr + toks // PAGE, mask=toks < end, other=0)
+        in_page = toks % PAGE
+    # the page's offset multiplied here, after the select: the compiler then knows each row is as aligned as the
+    # strides are, and reads it in 16-byte vectors
+    return cache_ptr + page.to(tl.int64) * page_stride + in_page.to(tl.int64) * token_stride
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    """a @ b (+ acc), exact in float32 where IEEE (the float32 twin tests), else on the tensor cores."""
+    if IEEE:
+        out = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc)
+    return out
 
 
 @triton.jit
@@ -56,7 +84,8 @@ def _mla_decode_split_kernel(
     q_ptr, qr_ptr, cache_ptr, bt_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
     q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale,
     num_splits, min_split, PAGE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr,
-    BDR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    BDR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, LAZY_SLACK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """num_splits and min_split are runtime arguments: the split count follows the batch and the table width, and a
     constant would compile a variant per value while serving. The page size (PAGE) is the engine's, one value: a
@@ -81,23 +110,23 @@ def _mla_decode_split_kernel(
         for n0 in range(start, end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
             mt = toks < end
-            row = _latent_rows(cache_ptr, bt_ptr + b * bt_stride, toks, mt, page_stride, token_stride, PAGE)
+            row = _latent_rows(cache_ptr, bt_ptr + b * bt_stride, n0, end, page_stride, token_stride, PAGE, BLOCK_N)
             kv = _tile(row, mt, offs_r, mr).to(q.dtype)  # a float8 cache widened as read
             kr = _tile(row + R, mt, offs_dr, mdr).to(q.dtype)
-            if IEEE:
-                s = tl.dot(q, tl.trans(kv), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(kv)) + tl.dot(qr, tl.trans(kr))  # [BLOCK_H, BLOCK_N] float32
+            s = _dot(q, tl.trans(kv), _dot(qr, tl.trans(kr), None, IEEE), IEEE)  # [BLOCK_H, BLOCK_N] float32
             s = tl.where(mt[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
-            m_i = m_new
+            m_tile = tl.max(s, axis=1)
+            # the running max moves (and the accumulator is rescaled) only when a head's max grows by more than
+            # LAZY_SLACK: until then p stays below exp(LAZY_SLACK), which float32 sums and bfloat16 weights hold
+            if tl.max(m_tile - m_i, axis=0) > LAZY_SLACK:
+                m_new = tl.maximum(m_i, m_tile)
+                alpha = tl.exp(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            p = tl.exp(s - m_i[:, None])
+            l_i = l_i + tl.sum(p, axis=1)
+            acc = _dot(p.to(kv.dtype), kv, acc, IEEE)
         tl.store(mid_o_ptr + mid[:, None] * R + offs_r[None, :], acc / l_i[:, None], mask=mh[:, None] & mr[None, :])
         tl.store(mid_lse_ptr + mid, m_i + tl.log(l_i), mask=mh)
     else:
@@ -139,7 +168,8 @@ def num_splits(batch: int, head_blocks: int, max_tokens: int, min_split: int = M
 def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, min_split: int = MIN_SPLIT_TOKENS,
                       max_head_block: int | None = None, num_warps: int = 4, num_stages: int = NUM_STAGES,
-                      splits: int | None = None, pdl: bool = True, block_n: int = _BLOCK_N) -> torch.Tensor:
+                      splits: int | None = None, pdl: bool = True, block_n: int = _BLOCK_N,
+                      lazy_slack: float = LAZY_SLACK) -> torch.Tensor:
     """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr] (in
     q_latent's dtype or float8_e4m3fn), block_tables [B, max_blocks], context_lens [B] (>= 1 each). Returns [B, H, R]
     in q_latent's dtype. Only the first context_lens[b] tokens of each table are read; entries past them may hold
@@ -164,7 +194,8 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
         cache.stride(0), cache.stride(1), scale, splits, min_split, PAGE=page,
         H=H, R=R, DR=DR, BR=triton.next_power_of_2(R), BDR=max(16, triton.next_power_of_2(DR)), BLOCK_H=block_h,
-        BLOCK_N=block_n, IEEE=q_latent.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, IEEE=q_latent.dtype == torch.float32, LAZY_SLACK=lazy_slack, num_warps=num_warps,
+        num_stages=num_stages,
         **pdl_args(q_latent.device, pdl),
     )
     out = torch.empty(B, H, R, dtype=q_latent.dtype, device=q_latent.device)
