@@ -25,7 +25,9 @@ from deltaserve.kernels.mla import triton_decode as current  # noqa: E402
 ROWS = [(1, 4096, 1 << 20), (1, 32768, 1 << 20), (1, 131072, 1 << 20), (1, 262144, 1 << 20), (1, 1 << 20, 1 << 20),
         (64, 512, 65536), (64, 4096, 65536), (256, 512, 65536)]
 # launch knobs both trees take (each tree's defaults for the rest), then knobs of this tree only
-SHARED_KNOBS = [{}, {"max_head_block": 32}, {"max_head_block": 32, "num_warps": 8}]
+SHARED_KNOBS = [{}, {"max_head_block": 32}, {"max_head_block": 32, "num_warps": 8},
+                {"max_head_block": 32, "num_warps": 8, "num_stages": 3},
+                {"max_head_block": 32, "num_warps": 8, "block_n": 64}]
 CURRENT_ONLY = [{"lazy_slack": 0.0}, {"max_head_block": 32, "lazy_slack": 0.0}]
 
 
