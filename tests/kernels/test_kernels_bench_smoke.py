@@ -2,6 +2,10 @@
 and its variants agree, so the script a GPU lease relies on is known to work before the lease."""
 
 import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,3 +35,16 @@ def test_each_part_runs_and_its_variants_agree(kernels_bench, part, errors):
     for row in rows:
         assert all(row[e] < 1e-5 for e in errors), row
         assert all(v > 0 for key, v in row.items() if key.endswith("_us")), row
+
+
+def test_mla_decode_ab_runs_against_a_kernel_file(tmp_path):
+    """benchmarks/gpu/mla_decode_ab.py at its --smoke shapes, this tree's kernel against a copy of itself: every
+    launch timed, the outputs equal."""
+    ab = SCRIPT.parent / "mla_decode_ab.py"
+    before = Path(__file__).resolve().parents[2] / "deltaserve" / "kernels" / "mla" / "triton_decode.py"
+    out = tmp_path / "ab.json"
+    subprocess.run([sys.executable, str(ab), "--before", str(before), "--smoke", "--rounds", "1", "--json-out",
+                    str(out)], check=True, capture_output=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 and all(row["rel_err_vs_before"] == 0 for row in rows)
+    assert all(v > 0 for row in rows for v in row["GBps"].values())
