@@ -64,8 +64,9 @@ def _latent_rows(cache_ptr, table_ptr, n0, end, page_stride, token_stride, PAGE:
         toks = n0 + tl.arange(0, BLOCK_N)
         page = tl.load(table_ptr + toks // PAGE, mask=toks < end, other=0)
         in_page = toks % PAGE
-    # the page's offset multiplied here, after the select: the compiler then knows each row is as aligned as the
-    # strides are, and reads it in 16-byte vectors
+    # the page id is selected above and multiplied here: the compiler then knows each row is as aligned as the
+    # strides are and reads it in 16-byte vectors (a select of the products lost that on Triton 3.9, a reshape of
+    # the page ids on 3.6)
     return cache_ptr + page.to(tl.int64) * page_stride + in_page.to(tl.int64) * token_stride
 
 
@@ -167,22 +168,26 @@ def num_splits(batch: int, head_blocks: int, max_tokens: int, min_split: int = M
 
 def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, min_split: int = MIN_SPLIT_TOKENS,
-                      max_head_block: int | None = None, num_warps: int = 4, num_stages: int = NUM_STAGES,
-                      splits: int | None = None, pdl: bool = True, block_n: int = _BLOCK_N,
-                      lazy_slack: float = LAZY_SLACK) -> torch.Tensor:
+                      max_head_block: int | None = None, num_warps: int | None = None,
+                      num_stages: int = NUM_STAGES, splits: int | None = None, pdl: bool = True,
+                      block_n: int | None = None, lazy_slack: float = LAZY_SLACK) -> torch.Tensor:
     """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr] (in
     q_latent's dtype or float8_e4m3fn), block_tables [B, max_blocks], context_lens [B] (>= 1 each). Returns [B, H, R]
     in q_latent's dtype. Only the first context_lens[b] tokens of each table are read; entries past them may hold
     anything. The launch knobs (shortest long-context slice, heads a program, warps, pipeline stages, slices at most:
     num_splits' by default, context tokens an inner step: a power of two >= 16) have the defaults the benchmark
-    chose; kernels_bench sweeps them. Heads a program: 16 for one sequence (twice the programs: a short context's
-    step is latency), 32 for a batch (the latents read once for all heads)."""
+    chose; kernels_bench and mla_decode_ab sweep them. One sequence: 16 heads a program (twice the programs: a short
+    context's step is latency), 4 warps, 32 tokens a step; a batch: 32 heads (the latents read once for all
+    heads), 8 warps, 64 tokens a step (bf16; float32 keeps 4 warps and 32 tokens)."""
     B, H, R = q_latent.shape
     DR = q_rope.shape[-1]
     page = cache.shape[1]
     assert cache.shape[2] == R + DR and cache.stride(2) == 1 and q_latent.stride(2) == 1 and q_rope.stride(2) == 1
     assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
     max_head_block = max_head_block or (16 if B == 1 else 32)
+    wide = B > 1 and q_latent.element_size() <= 2  # float32 tiles of 64 tokens would not fit in shared memory
+    num_warps = num_warps or (8 if wide else 4)
+    block_n = block_n or (2 * _BLOCK_N if wide else _BLOCK_N)
     block_h = max(min(triton.next_power_of_2(H), max_head_block), 16)  # tl.dot needs 16 rows
     head_blocks = triton.cdiv(H, block_h)
     splits = splits or num_splits(B, head_blocks, block_tables.shape[1] * page, min_split)
