@@ -1,7 +1,8 @@
 """The MLA decode kernel of this tree against another tree's (a copy of its kernels/mla/triton_decode.py), same
-inputs, same launch knobs, alternated (ABAB, --rounds each), medians: GB/s of latents read per row and launch, and
-the ratio. Rows are kernels_bench's mla_decode cases (48B shapes: 32 heads, 512 + 64 wide latents, pages of 16,
-tables as wide as a CUDA graph's).
+inputs, same launch knobs, alternated (ABAB, --rounds each), medians: GB/s of latents read per row and launch (the
+JSON has every launch; the table, the default and 32-head launches of both trees and this tree's best). Rows: most
+of kernels_bench's mla_decode cases (48B shapes: 32 heads, 512 + 64 wide latents, pages of 16, tables as wide as a
+CUDA graph's).
 
     git show HEAD:deltaserve/kernels/mla/triton_decode.py > /tmp/triton_decode_before.py
     python benchmarks/gpu/mla_decode_ab.py --before /tmp/triton_decode_before.py
