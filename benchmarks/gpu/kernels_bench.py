@@ -84,7 +84,7 @@ def mla_decode_rows(device: str, smoke: bool) -> list[dict]:
         row["triton_us"] = timed(lambda: triton_mla_decode(*args), device)
         # the launch before this change: slices of >= 32 tokens, at most 64 a sequence, 16 heads a program
         head_blocks = -(-H // 16)
-        old = dict(min_split=32, max_head_block=16, num_warps=4,
+        old = dict(min_split=32, max_head_block=16, num_warps=4, block_n=32,
                    splits=max(1, min(64, -(-528 // (B * head_blocks)), -(-model_len // 32))))
         row["before_us"] = timed(lambda: triton_mla_decode(*args, **old), device)
         # the same latents in a float8 cache (--kv-cache-dtype fp8): one byte a value to read
@@ -121,9 +121,9 @@ def _decode_inputs(B, H, R, DR, page, ctx, model_len, dtype, device):
     return q, qr, cache, tables, lens, 192 ** -0.5
 
 
-# launch knobs around the defaults: the first eight (shortest slice / heads a program / warps / stages) as timed
-# since 08f3ee5; then more programs than num_splits' ~2 an SM, and other context tokens an inner step (block_n)
-DECODE_KNOBS = [dict(min_split=m, max_head_block=h, num_warps=w, num_stages=st) for m, h, w, st in [
+# launch knobs around the defaults: the first eight (shortest slice / heads a program / warps / stages, 32 tokens a
+# step) as timed since 08f3ee5; then more programs than num_splits' ~2 an SM, and other context tokens an inner step
+DECODE_KNOBS = [dict(min_split=m, max_head_block=h, num_warps=w, num_stages=st, block_n=32) for m, h, w, st in [
     (32, 16, 4, 2), (64, 16, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2), (256, 32, 4, 2), (1024, 32, 4, 2), (64, 32, 4, 3),
     (64, 32, 8, 2)]] + [dict(max_head_block=32, splits=n) for n in (528, 1056)] + [
     dict(max_head_block=16, splits=528), dict(max_head_block=32, block_n=16), dict(max_head_block=32, block_n=64),
@@ -138,7 +138,7 @@ FP8_DECODE_KNOBS = [dict(max_head_block=h, block_n=n, num_warps=w) for h in (16,
 
 def _knob_name(knobs: dict) -> str:
     """"slice/heads/warps/stages" for the first eight (the key of earlier rows), else the knobs as k=v pairs."""
-    if set(knobs) == {"min_split", "max_head_block", "num_warps", "num_stages"}:
+    if set(knobs) == {"min_split", "max_head_block", "num_warps", "num_stages", "block_n"} and knobs["block_n"] == 32:
         return "/".join(str(knobs[k]) for k in ("min_split", "max_head_block", "num_warps", "num_stages"))
     return ",".join(f"{k}={v}" for k, v in knobs.items())
 
