@@ -11,6 +11,7 @@ greedy with ignore_eos and never finish within the steps timed; prefix caching i
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -28,12 +29,18 @@ def main() -> None:
     parser.add_argument("--num-decode-steps", type=int, default=1)
     parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--prompt-len", type=int, default=16,
+                        help="tokens of each prompt (a long one: the host's per-step cost at a long context)")
     args = parser.parse_args()
-    if args.batch < 1 or args.steps < 1:
-        parser.error("--batch and --steps must be at least 1")
+    if args.batch < 1 or args.steps < 1 or args.prompt_len < 1:
+        parser.error("--batch, --steps and --prompt-len must be at least 1")
     with tempfile.TemporaryDirectory() as folder:
         model = make_tiny(Path(folder) / "model", seed=0)
-        llm = LLM(str(model), device="cpu", threads=1, max_model_len=4096, max_num_seqs=max(args.batch, 2),
+        max_len = max(4096, args.prompt_len + (args.steps + 10) * args.num_decode_steps)
+        config = json.loads((model / "config.json").read_text())
+        config["model_max_length"] = max(max_len, config["model_max_length"])  # the demo's limit raised
+        (model / "config.json").write_text(json.dumps(config))
+        llm = LLM(str(model), device="cpu", threads=1, max_model_len=max_len, max_num_seqs=max(args.batch, 2),
                   num_decode_steps=args.num_decode_steps, max_num_batched_tokens=8192,
                   async_scheduling=args.async_scheduling)
         engine = llm.engine
@@ -43,7 +50,10 @@ def main() -> None:
         max_tokens = (args.steps + 10) * args.num_decode_steps
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=args.temperature, seed=0)
         for _ in range(args.batch):
-            engine.add_request(list(range(1, 17)), params)
+            engine.add_request([1 + i % 200 for i in range(args.prompt_len)], params)
+        while engine.scheduler.waiting or any(req.num_computed_tokens < req.num_prompt_tokens
+                                            for req in engine.scheduler.running):
+            engine.step()  # the prompts' prefill chunks, untimed
         for _ in range(5):
             engine.step()
         start = time.perf_counter()

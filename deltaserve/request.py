@@ -48,6 +48,10 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_from(self, start: int) -> list[int]:
+        """all_token_ids[start:], without copying the tokens before start (a long prompt's, every step)."""
+        return self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - len(self.prompt_token_ids)):]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -63,7 +63,8 @@ def main() -> None:
                           num_decode_steps=args.burst, pdl=args.pdl)
     engine, workers = start_engine(args.config, config)
     try:
-        run_batch(engine, args.batch, args.prompt_len, 4, seed=1)  # warm-up: compiles, autotunes
+        # warm-up: compiles, autotunes (a long prompt's shapes past 8k are its chunks', the same as 8k's)
+        run_batch(engine, args.batch, min(args.prompt_len, 8192), 4, seed=1)
         decode = _profile_decode(engine, args)
         prefill = None
         if args.prefill_len:
@@ -127,7 +128,11 @@ def _profile_decode(engine, args):
     for _ in range(args.batch):
         engine.add_request(torch.randint(0, engine.model_config.vocab_size, (args.prompt_len,),
                                          generator=gen).tolist(), params)
-    for _ in range(4):  # prefill, then a few decode steps outside the profile
+    prefilling = lambda: engine.scheduler.waiting or any(  # noqa: E731
+        req.num_computed_tokens < req.num_prompt_tokens for req in engine.scheduler.running)
+    while prefilling():  # the prompts' chunks (a long prompt takes many steps), outside the profile
+        engine.step()
+    for _ in range(3):  # and a few decode steps
         engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -262,7 +262,8 @@ class CacheManager:
 
     def _block_hashes(self, req: Request) -> list[bytes]:
         if len(req.block_hashes) < req.num_tokens // self.block_size:
-            extend_block_hashes(req.block_hashes, req.all_token_ids, self.block_size)
+            covered = len(req.block_hashes) * self.block_size  # only the tokens after: a long prompt is not copied
+            extend_block_hashes(req.block_hashes, req.token_ids_from(covered), self.block_size, covered)
         return req.block_hashes
 
     def _prompt_end(self, req: Request) -> int:

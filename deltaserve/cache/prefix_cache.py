@@ -48,11 +48,16 @@ def hash_block(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
-def extend_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> None:
-    """Append to block_hashes the hashes of the full blocks of token_ids that it does not cover yet."""
-    for start in range(len(block_hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+def extend_block_hashes(block_hashes: list[bytes], token_ids: Sequence[int], block_size: int, offset: int = 0
+                        ) -> None:
+    """Append to block_hashes the hashes of the full blocks of a sequence's tokens that it does not cover yet;
+    token_ids are the sequence's from position `offset` on (at most the first token block_hashes does not cover)."""
+    covered = len(block_hashes) * block_size
+    if offset > covered:
+        raise ValueError(f"tokens from {offset} on cannot extend hashes that cover {covered} tokens")
+    for start in range(covered, offset + len(token_ids) - block_size + 1, block_size):
         parent = block_hashes[-1] if block_hashes else ROOT_HASH
-        block_hashes.append(hash_block(parent, token_ids[start: start + block_size]))
+        block_hashes.append(hash_block(parent, token_ids[start - offset: start - offset + block_size]))
 
 
 class PrefixCache:
@@ -122,17 +127,21 @@ class PrefixCache:
         """Drop one reference to each page; an unreferenced page stays cached if it is in the index, else is freed.
 
         Pages are released last first, so a sequence's tail is evicted before its head, which more requests share."""
-        for block_id in reversed(block_ids):
-            if self._ref_counts[block_id] <= 0:
+        refs, hash_of, unreferenced, freed = self._ref_counts, self._hash_of, self._unreferenced, []
+        for block_id in reversed(block_ids):  # a 1M-token request holds 65k pages: locals, one free() at the end
+            count = refs[block_id]
+            if count <= 0:
+                self.block_pool.free(freed)
                 raise ValueError(f"PrefixCache.release: page {block_id} has no reference to drop (double free); "
                                  "a request's block_ids must be cleared when its pages are returned")
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] > 0:
+            refs[block_id] = count - 1
+            if count > 1:
                 continue
-            if block_id in self._hash_of:
-                self._unreferenced[block_id] = None
+            if block_id in hash_of:
+                unreferenced[block_id] = None
             else:
-                self.block_pool.free([block_id])
+                freed.append(block_id)
+        self.block_pool.free(freed)
 
     def insert(self, block_hash: bytes, block_id: int) -> None:
         """Enter a full, computed, referenced page under block_hash. If another page already holds that block

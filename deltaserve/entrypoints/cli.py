@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output-len", type=int, default=64)
     bench.add_argument("--long-prompt-len", type=_token_ids, default=[],
                        help="also time one prompt of each of these lengths alone (its prefill, then decode at that "
-                            "context), e.g. 8192 or 8192,262144")
+                            "context, 64 tokens), e.g. 8192 or 8192,262144")
     bench.add_argument("--json-out", default=None, help="also write the JSON result to this file")
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     _engine_options(serve)
@@ -186,7 +186,7 @@ def cmd_bench(args) -> None:
         raise ValueError("--config FILE has no weights: add --load-format dummy (or pass --model DIR)")
     if any(n < 1 for n in args.long_prompt_len):
         raise ValueError(f"--long-prompt-len {args.long_prompt_len}: each must be a positive number of tokens")
-    long_output = min(args.output_len, LONG_OUTPUT_LEN)
+    long_output = LONG_OUTPUT_LEN
     if args.max_model_len and args.long_prompt_len and max(args.long_prompt_len) + long_output > args.max_model_len:
         raise ValueError(f"--long-prompt-len {max(args.long_prompt_len)} needs --max-model-len >= "
                          f"{max(args.long_prompt_len) + long_output} (the prompt and {long_output} output tokens); "

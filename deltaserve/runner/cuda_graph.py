@@ -118,8 +118,7 @@ class DecodeGraphs:
             if self.table_staging[side].numel() < B * width:
                 self.table_staging[side] = torch.zeros(max(B * width, 2 * self.table_staging[side].numel()),
                                                        dtype=torch.int64, pin_memory=self.staging.is_pinned())
-            tables = self.table_staging[side][:B * width].view(B, width)
-            tables.copy_(torch.tensor(host.padded_tables(), dtype=torch.int64))
+            tables = host.block_table(out=self.table_staging[side][:B * width].view(B, width))
             self.block_tables[:B, :width].copy_(tables, non_blocking=True)  # entries past a context are never read
         self.graphs[size].replay()
         return self.logits[size][:B]

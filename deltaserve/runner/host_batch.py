@@ -9,6 +9,10 @@ import torch
 from deltaserve.forward_batch import ForwardBatch, PrefillPass, SnapshotSplit
 from deltaserve.kernels.varlen import pack_seqs, to_device
 
+# block tables at least this wide (pages) are built by copying each request's pages from its tensor (table_rows, ~1-3
+# us a row), narrower ones by converting the lists (~0.1 us a page; benchmarks/host_step.py --prompt-len)
+ROW_COPY_MIN_PAGES = 64
+
 
 def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:
     """Where a sequence's token at `position` lies in the MLA cache: its page's first slot plus the offset."""
@@ -29,6 +33,9 @@ class HostBatch:
     block_tables: list[list[int]]  # [B][pages of that sequence]
     # prefix caching's saves inside a prefill chunk: (sequence, tokens of its chunk before the save, snapshot slot)
     snapshot_splits: list[tuple[int, int, int]] = field(default_factory=list)
+    # the same block tables as int64 tensors, one a sequence (RequestState.page_row), where the caller keeps them:
+    # a long context's table is copied from these instead of converted from its list
+    table_rows: list[torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -47,6 +54,21 @@ class HostBatch:
         width = self.table_width
         return [table + [0] * (width - len(table)) for table in self.block_tables]
 
+    def block_table(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The block tables as one int64 tensor [B, table_width], padded with page 0 (into `out` when given: a
+        staging block of that shape). Converting a list costs ~0.1 us a page on the host (~7 ms for a 1M-token
+        context's 65k pages, every step), so a table of ROW_COPY_MIN_PAGES or more is copied from table_rows."""
+        if self.table_rows is None or self.table_width < ROW_COPY_MIN_PAGES:
+            table = torch.tensor(self.padded_tables(), dtype=torch.int64)
+            return table if out is None else out.copy_(table)
+        if out is None:
+            out = torch.zeros(self.num_seqs, self.table_width, dtype=torch.int64)
+        else:
+            out.zero_()
+        for i, row in enumerate(self.table_rows):
+            out[i, :row.numel()] = row
+        return out
+
     def advanced(self, steps: int, block_size: int) -> HostBatch:
         """This batch of decodes `steps` tokens later (a lookahead step): positions, cache slots and contexts moved on,
         the same pages (allocated for every lookahead step) and state slots; the input ids are the device's to fill
@@ -55,7 +77,8 @@ class HostBatch:
         return HostBatch(
             [0] * len(positions), positions,
             [cache_slot(table, p, block_size) for table, p in zip(self.block_tables, positions)],
-            self.query_lens, [s + steps for s in self.start_positions], self.state_slots, self.block_tables)
+            self.query_lens, [s + steps for s in self.start_positions], self.state_slots, self.block_tables,
+            table_rows=self.table_rows)
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, ForwardBatch]:
         """(input_ids [N] int64, ForwardBatch) on device, copied without waiting for the device (to_device). On a GPU
@@ -63,7 +86,7 @@ class HostBatch:
         tensor = lambda x: to_device(x, torch.int64, device)  # noqa: E731
         batch = ForwardBatch(
             positions=tensor(self.positions), slot_mapping=tensor(self.slot_mapping),
-            state_slots=tensor(self.state_slots), block_tables=tensor(self.padded_tables()),
+            state_slots=tensor(self.state_slots), block_tables=self._device_table(device),
             context_lens=tensor(self.context_lens), num_decodes=sum(n == 1 for n in self.query_lens),
             query_lens=self.query_lens, start_positions=self.start_positions, state_slot_list=self.state_slots)
         if self.snapshot_splits:  # the KDA layers run its passes instead of the prefill whole
@@ -71,6 +94,12 @@ class HostBatch:
         elif device.type == "cuda" and batch.num_decodes < batch.num_seqs:
             batch.prefill = pack_seqs(self.state_slots[batch.num_decodes:], batch.prefill_cu_seqlens(), device)
         return tensor(self.input_ids), batch
+
+    def _device_table(self, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self.block_table()
+        table = self.block_table(torch.empty(self.num_seqs, self.table_width, dtype=torch.int64, pin_memory=True))
+        return table.to(device, non_blocking=True)  # from pinned memory: no wait (kernels.varlen.to_device)
 
     def _snapshot_split(self, num_decodes: int, cu_seqlens: list[int], device: torch.device) -> SnapshotSplit:
         """The KDA layers' two passes over the prefill tokens for snapshot_splits (forward_batch.SnapshotSplit)."""

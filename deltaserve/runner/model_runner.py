@@ -320,7 +320,7 @@ class ModelRunner:
         self._copy_states(restores, to_snapshots=False)
         for cached in sched.cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            state.add_pages(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _copy_states(self, pairs: list[tuple[int, int]], to_snapshots: bool) -> None:
@@ -364,7 +364,7 @@ class ModelRunner:
             starts.append(start)
         states = [self.requests[r] for r in order]
         return HostBatch(ids, positions, slots, query_lens, starts, [s.state_slot for s in states],
-                         [s.block_ids for s in states], splits), missing
+                         [s.block_ids for s in states], splits, [s.page_row for s in states]), missing
 
     def _step_done(self) -> torch.cuda.Event | None:
         """An event that completes with the work queued so far (None on the CPU, where it has run already)."""

@@ -30,6 +30,24 @@ class RequestState:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    def __post_init__(self):
+        self._pages = torch.tensor(self.block_ids, dtype=torch.int64)  # block_ids as a tensor, grown in place
+
+    def add_pages(self, block_ids: list[int]) -> None:
+        """Append pages to the block table (block_ids and its tensor, page_row)."""
+        start, end = len(self.block_ids), len(self.block_ids) + len(block_ids)
+        self.block_ids.extend(block_ids)
+        if end > self._pages.numel():  # doubling: appends cost O(1) pages copied each
+            grown = torch.empty(max(end, 2 * self._pages.numel()), dtype=torch.int64)
+            grown[:start] = self._pages[:start]
+            self._pages = grown
+        self._pages[start:end] = torch.tensor(block_ids, dtype=torch.int64)
+
+    @property
+    def page_row(self) -> torch.Tensor:
+        """The block table as an int64 tensor [pages]: a view, which later add_pages leave as it is."""
+        return self._pages[:len(self.block_ids)]
+
 
 class StepSampler:
     """Samples one step's tokens for the requests whose chunk reaches their end (`states`), step after step of a

@@ -35,6 +35,26 @@ def test_block_hashes_cover_full_blocks_only_and_extend_incrementally():
     assert grown == hashes(tokens)
 
 
+def test_block_hashes_extend_from_the_tokens_after_those_covered():
+    """The manager passes only the tokens from the first uncovered block on (a long prompt is not copied each step):
+    the same hashes as from the whole sequence, and an offset past the covered tokens is refused."""
+    tokens = list(range(200, 237))
+    grown = []
+    for end in range(len(tokens) + 1):
+        covered = len(grown) * BS
+        extend_block_hashes(grown, tokens[covered:end], BS, covered)
+    assert grown == hashes(tokens)
+    with pytest.raises(ValueError, match="cover 0 tokens"):
+        extend_block_hashes([], tokens[4:], BS, 4)
+
+
+def test_request_token_ids_from_is_a_suffix_of_all_token_ids():
+    req = Request("r", list(range(10)), SamplingParams(max_tokens=8))
+    req.output_token_ids.extend([50, 51, 52])
+    for start in range(15):
+        assert req.token_ids_from(start) == req.all_token_ids[start:]
+
+
 def test_lookup_returns_the_longest_cached_run_from_the_first_block():
     cache = PrefixCache(BlockPool(8))
     chain = hashes(list(range(16)))

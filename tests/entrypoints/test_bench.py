@@ -44,7 +44,7 @@ def test_bench_rejects_a_non_positive_long_prompt(tiny_model, capsys):
 
 def test_bench_rejects_a_long_prompt_past_max_model_len(tiny_model, capsys):
     assert main(["bench", "--model", str(tiny_model), "--long-prompt-len", "100", "--max-model-len", "64"]) == 2
-    assert "needs --max-model-len >= 116" in capsys.readouterr().err
+    assert "needs --max-model-len >= 164" in capsys.readouterr().err
 
 
 def test_gpu_memory_utilization_out_of_range_is_refused(tiny_model, capsys):
