@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import itertools
 import json
 import math
 import os
@@ -219,6 +220,9 @@ def report(args: argparse.Namespace, rows: list[dict], offline: list[dict], cmd:
         row["offline_tok_s"] = base["output_tok_s"] if base else math.nan
         row["http_over_offline"] = row["output_tok_s"] / row["offline_tok_s"] if base else math.nan
         row["offline_ttft_ms_p50"] = base["ttft_ms_p50"] if base else math.nan
+        for kind in ("decode", "prefill"):
+            for part in ("steps", "step_ms_mean", "step_tokens_mean"):
+                row[f"offline_{kind}_{part}"] = base.get(f"{kind}_{part}", math.nan) if base else math.nan
     cols = [("name", "run", 14, ""), ("requests", "reqs", 6, ""), ("errors", "errs", 5, ""),
             ("output_tok_s", "out tok/s", 10, ".1f"), ("offline_tok_s", "offline", 10, ".1f"),
             ("http_over_offline", "ratio", 7, ".3f"), ("request_s", "req/s", 7, ".2f")]
@@ -230,6 +234,16 @@ def report(args: argparse.Namespace, rows: list[dict], offline: list[dict], cmd:
     print("".join(f"{label:>{width}}" for _, label, width, _ in cols))
     for row in rows:
         print("".join(f"{row[key]:>{width}{spec}}" for key, _, width, spec in cols))
+    # the engine's steps during each run, by kind, in the server and offline: a slower step or more prefill steps
+    steps = [("name", "run", 14, "")]
+    parts = {"steps": "n", "step_ms_mean": "ms", "step_tokens_mean": "tok"}
+    for where, kind, part in itertools.product(("server", "offline"), ("decode", "prefill"), parts):
+        label = f"{where[:3]} {kind[:3]} {parts[part]}"
+        steps.append((f"{where}_{kind}_{part}", label, 12, ".0f" if part == "steps" else ".2f"))
+    print("engine steps by kind (n: how many; ms: mean wall ms a step; tok: mean tokens computed a step):")
+    print("".join(f"{label:>{width}}" for _, label, width, _ in steps))
+    for row in rows:
+        print("".join(f"{row.get(key, math.nan):>{width}{spec}}" for key, _, width, spec in steps))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()
     result = {"date": datetime.date.today().isoformat(), "commit": commit, "machine": platform.node(),

@@ -17,8 +17,10 @@ import argparse
 import functools
 import gc
 import json
+import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,19 +44,28 @@ def prompt_ids(llm, request: dict) -> list[int]:
 
 
 def run_offline(llm, run: dict) -> dict:
-    """One run's requests through LLM.generate in waves of `concurrency`: output tok/s over the whole run and
-    TTFT percentiles (ms, arrival at the engine to the first token)."""
+    """One run's requests through LLM.generate in waves of `concurrency`: output tok/s over the whole run, TTFT
+    percentiles (ms, arrival at the engine to the first token), and the engine's steps by kind (how many, mean wall
+    ms and tokens a step)."""
     params = SamplingParams(max_tokens=run["max_tokens"], temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": prompt_ids(llm, r)} for r in run["requests"]]
     size = run["concurrency"]
+    before = {kind: replace(totals) for kind, totals in llm.engine.step_totals.items()}
     outputs, start = [], time.perf_counter()
     for i in range(0, len(prompts), size):
         outputs += llm.generate(prompts[i:i + size], params, use_tqdm=False)
     duration = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     ttft = [1000 * (o.metrics["first_token_time"] - o.metrics["arrival_time"]) for o in outputs]
+    steps = {}
+    for kind, totals in llm.engine.step_totals.items():  # the same figures as serve_client.server_means'
+        n = totals.steps - before[kind].steps
+        steps[f"{kind}_steps"] = n
+        steps[f"{kind}_step_ms_mean"] = 1000 * (totals.seconds - before[kind].seconds) / n if n else math.nan
+        steps[f"{kind}_step_tokens_mean"] = (totals.tokens - before[kind].tokens) / n if n else math.nan
     return {"name": run["name"], "requests": len(outputs), "duration_s": duration, "output_tokens": tokens,
-            "output_tok_s": tokens / duration, **{f"ttft_ms_p{q}": percentile(ttft, q) for q in PERCENTILES}}
+            "output_tok_s": tokens / duration, **{f"ttft_ms_p{q}": percentile(ttft, q) for q in PERCENTILES},
+            **steps}
 
 
 def main() -> None:

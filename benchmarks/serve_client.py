@@ -23,7 +23,11 @@ PERCENTILES = (50, 90, 99)
 # the server's own view of a run, from deltaserve's /metrics: its histograms' sums and counts before and after
 SERVER_HISTOGRAMS = {"server_ttft_ms_mean": "deltaserve_time_to_first_token_seconds",
                      "server_tpot_ms_mean": "deltaserve_time_per_output_token_seconds"}
+# and its engine's steps by kind (decode, prefill): how many, the wall time they added, the tokens they computed
+SERVER_STEP_COUNTERS = {"steps": "deltaserve_engine_steps_total", "seconds": "deltaserve_engine_step_seconds_total",
+                        "tokens": "deltaserve_engine_step_tokens_total"}
 _SAMPLE = re.compile(r"^(\w+)(?:\{[^}]*\})? (\S+)$")
+_KIND = re.compile(r'kind="(\w+)"')
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -195,17 +199,26 @@ async def read_server_histograms(base_url: str) -> dict[str, float]:
         match = _SAMPLE.match(line)
         if match and match.group(1) in names:
             samples[match.group(1)] = samples.get(match.group(1), 0.0) + float(match.group(2))
+        elif match and match.group(1) in SERVER_STEP_COUNTERS.values() and (kind := _KIND.search(line)):
+            samples[f"{match.group(1)}:{kind.group(1)}"] = float(match.group(2))
     return samples
 
 
 def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Mean TTFT and time per output token (ms) of the requests that finished between two readings, as the
-    server measured them (arrival at the engine to its first token; first token to the last)."""
+    server measured them (arrival at the engine to its first token; first token to the last), and the engine's
+    steps in between by kind: their number, mean wall ms and mean tokens computed a step."""
     means = {}
     for key, name in SERVER_HISTOGRAMS.items():
         count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
         total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
         means[key] = 1000 * total / count if count > 0 else math.nan
+    for kind in ("decode", "prefill"):  # the engine's steps in between: how many, ms and tokens a step
+        delta = {part: after.get(f"{name}:{kind}", 0.0) - before.get(f"{name}:{kind}", 0.0)
+                 for part, name in SERVER_STEP_COUNTERS.items()}
+        means[f"server_{kind}_steps"] = delta["steps"]
+        means[f"server_{kind}_step_ms_mean"] = 1000 * delta["seconds"] / delta["steps"] if delta["steps"] else math.nan
+        means[f"server_{kind}_step_tokens_mean"] = delta["tokens"] / delta["steps"] if delta["steps"] else math.nan
     return means
 
 

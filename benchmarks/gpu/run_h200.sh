@@ -241,7 +241,7 @@ if has serve; then
         --concurrency ${SERVE_CONC:-64,256} ${chat:+--chat-concurrency $chat} --prompt-len 512 --output-len 128 \
         --$place --server-log "$OUT/serve_log_$place.txt" --json-out "$OUT/serve_$place.json" \
         > "$OUT/serve_$place.txt" 2>&1
-    grep -vE '^\{|^http ' "$OUT/serve_$place.txt" | tail -8 | cut -c1-220
+    grep -vE '^\{|^http ' "$OUT/serve_$place.txt" | tail -12 | cut -c1-220
     pkill -f serve_bench_engine.py; pkill -f multiprocessing.spawn; sleep 2  # a run cut by its limit leaves these
   done
 fi

@@ -16,11 +16,11 @@ import contextlib
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from deltaserve.cache.manager import CacheOccupancy
-from deltaserve.core.outputs import CompletionOutput, RequestOutput
+from deltaserve.core.outputs import CompletionOutput, RequestOutput, StepTotals
 from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.structured import errors
 from deltaserve.structured.schema_check import checked
@@ -51,15 +51,18 @@ class EngineInput:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The engine's gauges, read between steps: requests running and waiting, and the cache's pools."""
+    """The engine's gauges, read between steps: requests running and waiting, the cache's pools, and its steps so
+    far by kind (Engine.step_totals)."""
 
     num_running: int
     num_waiting: int
     cache: CacheOccupancy
+    steps: dict[str, StepTotals] = field(default_factory=dict)
 
     @classmethod
     def of(cls, engine: Engine) -> EngineStats:
-        return cls(engine.num_running, engine.num_waiting, engine.cache_occupancy())
+        steps = {kind: replace(totals) for kind, totals in engine.step_totals.items()}
+        return cls(engine.num_running, engine.num_waiting, engine.cache_occupancy(), steps)
 
 
 @dataclass(frozen=True)

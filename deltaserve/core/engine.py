@@ -31,7 +31,7 @@ from deltaserve.cache.manager import CacheManager, CacheOccupancy
 from deltaserve.cache.prefix_cache import PrefixCacheStats
 from deltaserve.cache.sizing import describe_plan, plan_cache
 from deltaserve.config import EngineConfig, ModelConfig
-from deltaserve.core.outputs import CompletionOutput, Logprob, RequestOutput
+from deltaserve.core.outputs import CompletionOutput, Logprob, RequestOutput, StepTotals
 from deltaserve.core.scheduler import Scheduler
 from deltaserve.distributed import SINGLE, ParallelConfig, broadcast_object
 from deltaserve.loader.model_loader import DTYPES
@@ -72,6 +72,7 @@ class _Submitted:
     sched: SchedulerOutput
     pending: PendingOutput
     tracked: dict[str, _Tracked | None]
+    submitted_at: float  # time.monotonic() as it was submitted
 
 
 class Engine:
@@ -107,6 +108,8 @@ class Engine:
             async_scheduling = engine_config.device != "cpu"
         self.async_scheduling = async_scheduling and parallel.world_size == 1
         self._inflight: _Submitted | None = None  # the next step, queued
+        self.step_totals = {"decode": StepTotals(), "prefill": StepTotals()}  # read by metrics and benchmarks
+        self._last_step_end = 0.0
         self.structured: StructuredOutputManager | None = None  # made at the first constrained request
         # constrained requests whose grammar compiles, with the time after which they are refused
         self._compiling: dict[str, tuple[Request, Future, float]] = {}
@@ -289,12 +292,14 @@ class Engine:
     def _submit(self, sched: SchedulerOutput) -> _Submitted:
         broadcast_object(sched, self.parallel)  # the other ranks run the same step on their shards
         tracked = {req_id: self._tracked.get(req_id) for req_id in sched.num_scheduled_tokens}
-        return _Submitted(sched, self.runner.submit(sched), tracked)
+        start = time.monotonic()  # before submit: on the CPU the step runs inside it
+        return _Submitted(sched, self.runner.submit(sched), tracked, start)
 
     def _apply(self, step: _Submitted) -> list[RequestOutput]:
         """Wait for a step's tokens, update the scheduler and build the outputs of the requests that progressed (those
         still tracked as they were when it was submitted: not a request given the same id since)."""
         sched, runner_out = step.sched, step.pending.result()
+        self._count_step(step)
         updates = self.scheduler.update_from_output(sched, runner_out)
         starts = sched.start_positions() if runner_out.prompt_logprobs else {}
         for req_id, entries in runner_out.prompt_logprobs.items():
@@ -315,6 +320,15 @@ class Engine:
             self._detokenize(tracked, new_ids)
             outputs.append(self._output(tracked, now))
         return outputs
+
+    def _count_step(self, step: _Submitted) -> None:
+        """Add a step whose tokens have arrived to step_totals."""
+        now, sched = time.monotonic(), step.sched
+        totals = self.step_totals["prefill" if any(n > 1 for n in sched.num_scheduled_tokens.values()) else "decode"]
+        totals.steps += 1
+        totals.seconds += now - max(step.submitted_at, self._last_step_end)
+        totals.tokens += sched.total_num_scheduled_tokens + sum(sched.num_lookahead_tokens.values())
+        self._last_step_end = now
 
     def shutdown(self) -> None:
         """Tell the other ranks of a tensor-parallel group to stop (a no-op on one process); stop the grammar pool."""

@@ -37,3 +37,15 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # None at position 0, as vLLM
     metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token and finish times (monotonic)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (prefill skipped)
+
+
+@dataclass
+class StepTotals:
+    """An engine's steps of one kind since it started: "decode" steps (every scheduled request computes one token,
+    the steps CUDA graphs replay, with their lookahead steps) or "prefill" steps (at least one prompt chunk)."""
+
+    steps: int = 0
+    # wall time to each step's end from its submission, or from the end of the step before when that is later (with
+    # a step in flight the two overlap): what a step adds to the engine's time, idle time between steps excluded
+    seconds: float = 0.0
+    tokens: int = 0  # tokens computed: scheduled tokens plus lookahead tokens

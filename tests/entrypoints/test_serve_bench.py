@@ -28,6 +28,9 @@ def test_serve_bench_runs_every_load_against_the_demo_model(tmp_path):
     assert runs["cmpl c2"]["ttft_ms_p50"] > 0 and runs["cmpl c2"]["itl_ms_p50"] > 0
     assert runs["cmpl c2"]["http_over_offline"] > 0 and runs["chat c2"]["offline_tok_s"] > 0
     assert runs["cmpl rinf"]["offline_tok_s"] is None  # a rate run has no offline twin
+    assert runs["cmpl c2"]["server_decode_steps"] > 0 and runs["cmpl c2"]["offline_decode_steps"] > 0
+    assert runs["cmpl c2"]["server_decode_step_ms_mean"] > 0 and runs["cmpl c2"]["offline_prefill_steps"] > 0
+    assert "engine steps by kind" in result.stdout
     assert "--no-enable-prefix-caching" in report["serve_command"]
     assert "out tok/s" in result.stdout
 

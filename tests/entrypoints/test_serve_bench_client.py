@@ -90,6 +90,18 @@ def test_server_means_are_the_histograms_growth_over_the_run():
     assert means["server_ttft_ms_mean"] == pytest.approx(200.0) and math.isnan(means["server_tpot_ms_mean"])
 
 
+def test_server_means_give_the_engine_steps_by_kind_over_the_run():
+    before = {"deltaserve_engine_steps_total:decode": 10, "deltaserve_engine_step_seconds_total:decode": 0.5,
+              "deltaserve_engine_step_tokens_total:decode": 100}
+    after = {"deltaserve_engine_steps_total:decode": 30, "deltaserve_engine_step_seconds_total:decode": 1.5,
+             "deltaserve_engine_step_tokens_total:decode": 900, "deltaserve_engine_steps_total:prefill": 2,
+             "deltaserve_engine_step_seconds_total:prefill": 0.1, "deltaserve_engine_step_tokens_total:prefill": 48}
+    means = client.server_means(before, after)
+    assert (means["server_decode_steps"], means["server_decode_step_ms_mean"]) == (20, pytest.approx(50.0))
+    assert means["server_decode_step_tokens_mean"] == 40 and means["server_prefill_step_tokens_mean"] == 24
+    assert means["server_prefill_step_ms_mean"] == pytest.approx(50.0)
+
+
 class FakeServer:
     """Streams `tokens` completion chunks of one token each, `delay` apart, then usage and [DONE]; counts the
     requests in flight and the order in which bodies arrive."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from deltaserve.core.async_engine import EngineObserver, EngineStats
-from deltaserve.core.outputs import RequestOutput
+from deltaserve.core.outputs import RequestOutput, StepTotals
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -43,6 +43,14 @@ class ServerMetrics(EngineObserver):
                              **labels).labels(model_name)
         self.rejected = Counter("deltaserve_requests_rejected", "HTTP requests answered with a 4xx/5xx error.",
                                 labelnames=["model_name", "status"], registry=self.registry)
+        step_labels = dict(labelnames=["model_name", "kind"], registry=self.registry)
+        self.steps = Counter("deltaserve_engine_steps", "Engine steps, by kind: decode (one token a request) or "
+                             "prefill (with a prompt chunk).", **step_labels)
+        self.step_seconds = Counter("deltaserve_engine_step_seconds", "Wall time the engine's steps added, by kind "
+                                    "(idle time excluded).", **step_labels)
+        self.step_tokens = Counter("deltaserve_engine_step_tokens", "Tokens the engine's steps computed, by kind.",
+                                   **step_labels)
+        self._steps_seen: dict[str, StepTotals] = {}
         self.model_name = model_name
 
     def on_step(self, stats: EngineStats) -> None:
@@ -54,6 +62,12 @@ class ServerMetrics(EngineObserver):
         self.num_blocks.set(cache.num_blocks)
         self.free_slots.set(cache.num_free_slots)
         self.num_slots.set(cache.num_slots)
+        for kind, totals in stats.steps.items():  # the engine's running totals, as counter increments
+            seen = self._steps_seen.get(kind, StepTotals())
+            self.steps.labels(self.model_name, kind).inc(totals.steps - seen.steps)
+            self.step_seconds.labels(self.model_name, kind).inc(max(0.0, totals.seconds - seen.seconds))
+            self.step_tokens.labels(self.model_name, kind).inc(totals.tokens - seen.tokens)
+            self._steps_seen[kind] = totals
 
     def on_output(self, output: RequestOutput, num_new_tokens: int, first: bool) -> None:
         self.generation_tokens.inc(num_new_tokens)

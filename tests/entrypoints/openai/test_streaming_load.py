@@ -31,6 +31,23 @@ def test_dropped_stream_is_aborted_and_frees_its_cache(client, http):
     assert generated < 480  # stopped, not run to the end
 
 
+def test_metrics_count_the_engine_steps_by_kind(client, http):
+    """deltaserve_engine_step*_total{kind}: a request's prompt computed in prefill steps, its outputs but the last in
+    decode steps (a loaded engine's per-kind step time is what tells a slow step from a prefill-heavy mix)."""
+    before = read_metrics(http)
+    client.completions.create(model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=9, temperature=0,
+                              extra_body={"ignore_eos": True})
+    after = wait_idle(http)
+
+    def grew(name: str, kind: str) -> float:
+        key = f'deltaserve_engine_{name}_total{{kind="{kind}"}}'
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert grew("step_tokens", "prefill") == 5 and grew("step_tokens", "decode") == 8
+    assert grew("steps", "prefill") == 1 and grew("steps", "decode") >= 1
+    assert grew("step_seconds", "prefill") > 0 and grew("step_seconds", "decode") > 0
+
+
 def test_client_leaving_a_non_streaming_request_aborts_it(thread_server, monkeypatch):
     """The client leaves while the engine is held after its request's first step (not after some wall time, which a
     fast engine could outrun); every later step passes through the event loop, which hears the disconnect. The
