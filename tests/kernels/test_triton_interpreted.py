@@ -227,6 +227,23 @@ def test_mla_decode_kernel_matches_torch_twin(lengths, H, R, DR, page, width, mi
     assert rel_err(out, twin) < 1e-5
 
 
+@pytest.mark.parametrize("merge_slices,merge_cols", [(1, None), (4, 16), (16, 8), (2, 64)])
+def test_mla_decode_merge_kernel_variants_match_the_twin(merge_slices, merge_cols):
+    """The merge kernel weighing several slices a step (a count of slices not a multiple of it, a context of one
+    slice) over column blocks of the latent (R not a multiple of the block: a masked tail)."""
+    lengths, H, R, DR = [1, 70, 333, 40], 4, 20, 8
+    gen = torch.Generator().manual_seed(merge_slices * 7 + (merge_cols or 0))
+    paged = PagedLatents(lengths, R + DR, 16, 32, gen)
+    tables = paged.block_tables(None)
+    q_latent = torch.randn(len(lengths), H, R, generator=gen)
+    q_rope = torch.randn(len(lengths), H, DR, generator=gen)
+    lens = torch.tensor(lengths)
+    twin = torch_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
+    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3, min_split=16,
+                            merge_slices=merge_slices, merge_cols=merge_cols)
+    assert rel_err(out, twin) < 1e-5
+
+
 @pytest.mark.parametrize("tile", [None, *_ROUTER_TILES])  # None: the (interpreter's one) autotuned config
 @pytest.mark.parametrize("T,E,D", [(1, 256, 2304), (3, 10, 100)])
 def test_router_logits_kernel_matches_float32_linear(T, E, D, tile):

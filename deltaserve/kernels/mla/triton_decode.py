@@ -20,6 +20,7 @@ MIN_SPLIT_TOKENS = 64  # a long context's slices: ~_TARGET_PROGRAMS of them, eac
 SHORT_SLICES = tl.constexpr(64)  # a short context: up to this many slices of _BLOCK_N tokens (one step each)
 NUM_STAGES = 2  # software pipelining of the split kernel's loads (benchmarks/gpu/compile_check.py uses it too)
 LAZY_SLACK = 8.0  # how far a head's score max may rise before the accumulator is rescaled (0: at every rise)
+MERGE_SLICES = 1  # slices the merge kernel weighs a step (a power of two); merge_cols: columns a program (all R)
 
 
 @triton.jit
@@ -136,25 +137,32 @@ def _mla_decode_split_kernel(
 
 @triton.jit
 def _mla_decode_merge_kernel(mid_o_ptr, mid_lse_ptr, lens_ptr, o_ptr, num_splits, min_split, H: tl.constexpr,
-                             R: tl.constexpr, BR: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """One (sequence, head): the used slices' outputs weighted by exp(lse - max) (the split kernel's rule for how
-    many slices a context uses and how long each is; a slice past the context, lse -inf, weighs 0)."""
+                             R: tl.constexpr, BR: tl.constexpr, BLOCK_N: tl.constexpr, SLICES: tl.constexpr,
+                             PDL: tl.constexpr):
+    """One (sequence, head) and BR of its R columns (program axis 1): the used slices' outputs weighted by exp(lse -
+    max) (the split kernel's rule for how many slices a context uses and how long each is; a slice past the
+    context, lse -inf, weighs 0), SLICES slices a step."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     ctx = tl.load(lens_ptr + row // H).to(tl.int32)
     used = _used_slices(ctx, num_splits, min_split, BLOCK_N)
-    offs_r = tl.arange(0, BR)
+    offs_r = tl.program_id(1) * BR + tl.arange(0, BR)
     mr = offs_r < R
-    m = tl.load(mid_lse_ptr + row * num_splits)  # slice 0 is never empty (contexts are >= 1 token)
-    for s in range(1, used):
-        m = tl.maximum(m, tl.load(mid_lse_ptr + row * num_splits + s))
+    offs_s = tl.arange(0, SLICES)
+    lse_row = mid_lse_ptr + row * num_splits
+    m = tl.full([SLICES], float("-inf"), tl.float32)
+    for s0 in range(0, used, SLICES):
+        m = tl.maximum(m, tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < used, other=float("-inf")))
+    m_all = tl.max(m, axis=0)  # finite: slice 0 is never empty (contexts are >= 1 token)
     acc = tl.zeros([BR], dtype=tl.float32)
     total = 0.0
-    for s in range(0, used):
-        w = tl.exp(tl.load(mid_lse_ptr + row * num_splits + s) - m)
-        part = tl.load(mid_o_ptr + (row * num_splits + s) * R + offs_r, mask=mr, other=0.0)
-        acc += tl.where(w > 0, w * part, 0.0)  # an empty slice's output was never written
-        total += w
+    for s0 in range(0, used, SLICES):
+        s = s0 + offs_s
+        w = tl.exp(tl.load(lse_row + s, mask=s < used, other=float("-inf")) - m_all)  # [SLICES]
+        part = tl.load(mid_o_ptr + (row * num_splits + s[:, None]) * R + offs_r[None, :],
+                       mask=(s[:, None] < used) & mr[None, :], other=0.0)
+        acc += tl.sum(tl.where(w[:, None] > 0, w[:, None] * part, 0.0), axis=0)  # an empty slice's was never written
+        total += tl.sum(w, axis=0)
     tl.store(o_ptr + row * R + offs_r, (acc / total).to(o_ptr.dtype.element_ty), mask=mr)
 
 
@@ -170,15 +178,18 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
                       context_lens: torch.Tensor, scale: float, min_split: int = MIN_SPLIT_TOKENS,
                       max_head_block: int | None = None, num_warps: int | None = None,
                       num_stages: int = NUM_STAGES, splits: int | None = None, pdl: bool = True,
-                      block_n: int | None = None, lazy_slack: float = LAZY_SLACK) -> torch.Tensor:
+                      block_n: int | None = None, lazy_slack: float = LAZY_SLACK, merge_slices: int = MERGE_SLICES,
+                      merge_cols: int | None = None) -> torch.Tensor:
     """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr] (in
     q_latent's dtype or float8_e4m3fn), block_tables [B, max_blocks], context_lens [B] (>= 1 each). Returns [B, H, R]
     in q_latent's dtype. Only the first context_lens[b] tokens of each table are read; entries past them may hold
     anything. The launch knobs (shortest long-context slice, heads a program, warps, pipeline stages, slices at most:
     num_splits' by default, context tokens an inner step: a power of two >= 16) have the defaults the benchmark
-    chose; kernels_bench and mla_decode_ab sweep them. One sequence: 16 heads a program (twice the programs: a short
-    context's step is latency), 4 warps, 32 tokens a step; a batch: 32 heads (the latents read once for all
-    heads), 8 warps, 64 tokens a step (bf16; float32 keeps 4 warps and 32 tokens)."""
+    chose; kernels_bench and mla_decode_ab sweep them. One sequence: 16 heads a program (twice the programs: a
+    short context's step is latency), 4 warps, 32 tokens a step; a batch: 32 heads (the latents read once for all
+    heads), 8 warps, 64 tokens a step (bf16; float32 keeps 4 warps and 32 tokens). merge_slices and merge_cols: the
+    merge kernel's slices a step and latent columns a program (a long context's many slices in fewer, wider loads
+    over more programs); by default one slice a step and the whole row."""
     B, H, R = q_latent.shape
     DR = q_rope.shape[-1]
     page = cache.shape[1]
@@ -204,7 +215,8 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
         **pdl_args(q_latent.device, pdl),
     )
     out = torch.empty(B, H, R, dtype=q_latent.dtype, device=q_latent.device)
-    _mla_decode_merge_kernel[(B * H,)](mid_o, mid_lse, context_lens, out, splits, min_split, H=H, R=R,
-                                       BR=triton.next_power_of_2(R), BLOCK_N=block_n, num_warps=4,
-                                       **pdl_args(q_latent.device, pdl))
+    merge_br = triton.next_power_of_2(merge_cols or R)
+    _mla_decode_merge_kernel[(B * H, triton.cdiv(R, merge_br))](
+        mid_o, mid_lse, context_lens, out, splits, min_split, H=H, R=R, BR=merge_br, BLOCK_N=block_n,
+        SLICES=merge_slices, num_warps=4, **pdl_args(q_latent.device, pdl))
     return out
