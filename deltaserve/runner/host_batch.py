@@ -9,8 +9,8 @@ import torch
 from deltaserve.forward_batch import ForwardBatch, PrefillPass, SnapshotSplit
 from deltaserve.kernels.varlen import pack_seqs, to_device
 
-# block tables at least this wide (pages) are built by copying each request's pages from its tensor (table_rows, ~1-3
-# us a row), narrower ones by converting the lists (~0.1 us a page; benchmarks/host_step.py --prompt-len)
+# block tables at least this wide (pages) are built by copying each request's pages from its tensor (table_rows: a
+# fixed cost a row), narrower ones by converting the lists (a cost a page); benchmarks/host_step.py --prompt-len
 ROW_COPY_MIN_PAGES = 64
 
 
@@ -56,8 +56,9 @@ class HostBatch:
 
     def block_table(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The block tables as one int64 tensor [B, table_width], padded with page 0 (into `out` when given: a
-        staging block of that shape). Converting a list costs ~0.1 us a page on the host (~7 ms for a 1M-token
-        context's 65k pages, every step), so a table of ROW_COPY_MIN_PAGES or more is copied from table_rows."""
+        staging block of that shape). Converting a list costs the host interpreter work a page (a 1M-token
+        context's table holds 65k pages, every step), so a table of ROW_COPY_MIN_PAGES or more is copied from
+        table_rows."""
         if self.table_rows is None or self.table_width < ROW_COPY_MIN_PAGES:
             table = torch.tensor(self.padded_tables(), dtype=torch.int64)
             return table if out is None else out.copy_(table)
