@@ -164,9 +164,7 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
     device, world = engine_config.device, engine_config.tensor_parallel_size
     dtype_bytes, latent_bytes = DTYPE_BYTES[engine_config.dtype], DTYPE_BYTES[engine_config.latent_dtype]
     bandwidth = copy_bandwidth(device)
-    if device != "cpu":
-        torch.cuda.reset_peak_memory_stats(device)
-    rows = []
+    rows, peak = [], 0
     runs = [(batch, prompt_len, output_len) for batch in batch_sizes]
     runs += [(1, n, LONG_OUTPUT_LEN) for n in long_prompt_lens]
     for batch, prompt, output in runs:
@@ -174,16 +172,19 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
         # own, and the kernels compile and autotune on a shape's first call
         warmup = prompt if prompt <= LONG_WARMUP_TOKENS or batch > 1 else LONG_WARMUP_TOKENS
         run_batch(engine, batch, warmup, 2, seed=2**31 + batch + prompt)  # not a measured row's prompts (cached)
+        if device != "cpu":
+            torch.cuda.reset_peak_memory_stats(device)  # the row's own peak: a long prompt's prefill shows here
         row = {"prompt_len": prompt, **run_batch(engine, batch, prompt, output, seed=batch + prompt)}
+        row["peak_memory_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30 if device != "cpu" else None
         # a single token's k experts are k distinct ones: batch 1 needs no second run (nor a long prompt's prefill)
         routing = measure_routing(engine, batch, prompt, output, seed=batch + prompt) if batch > 1 else None
         row.update(floor_fields(cfg, row, routing, prompt + output // 2, dtype_bytes, bandwidth * world,
                                 latent_bytes))
         rows.append(row)
+        peak = max(peak, row["peak_memory_GiB"] or 0)
         print(f"row {json.dumps(row)}", file=sys.stderr, flush=True)  # kept if a later row runs past a time limit
         if row["faster_than_floor"]:
             print(floor_warning(row), file=sys.stderr, flush=True)
-    peak = torch.cuda.max_memory_allocated(device) if device != "cpu" else None
     return {"device": torch.cuda.get_device_name(device) if device != "cpu" else "cpu", "dtype": engine_config.dtype,
             "quantization": cfg.quantization.method if cfg.quantization else None,
             "kv_cache_dtype": engine_config.latent_dtype, "load_format": engine_config.load_format,
@@ -191,7 +192,7 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
             "expert_parallel": engine_config.enable_expert_parallel,
             "programmatic_dependent_launch": _pdl_on(device, engine_config.pdl),
             "async_scheduling": engine.async_scheduling,
-            "copy_GBps": bandwidth / 1e9, "peak_memory_GiB": peak / 2**30 if peak else None,
+            "copy_GBps": bandwidth / 1e9, "peak_memory_GiB": peak or None,  # the rows' largest
             "prompt_len": prompt_len, "output_len": output_len, "capacity": cache_capacity(engine.cache_plan),
             "rows": rows}
 
@@ -234,7 +235,7 @@ def cache_capacity(plan) -> dict:
 
 def print_report(result: dict) -> None:
     cols = ("batch", "prompt_len", "ttft_ms", "tpot_ms", "prefill_tok_s", "output_tok_s", "floor_ms", "floor_tok_s",
-            "distinct_experts")
+            "distinct_experts", "peak_memory_GiB")
     weights = f" ({result['quantization']} weights)" if result.get("quantization") else ""
     pdl = ", programmatic dependent launch" if result.get("programmatic_dependent_launch") else ""
     ahead = ", asynchronous scheduling" if result.get("async_scheduling") else ""
@@ -247,7 +248,8 @@ def print_report(result: dict) -> None:
           f"{capacity['batch_at_4k']} requests of 4k tokens")
     print("".join(f"{c:>17}" for c in cols))
     for row in result["rows"]:
-        print("".join(f"{row[c]:>17.2f}" if isinstance(row[c], float) else f"{row[c]:>17}" for c in cols))
+        cells = (row.get(c) for c in cols)  # None (no GPU memory on a CPU, no MoE layer) prints as "-"
+        print("".join(f"{v:>17.2f}" if isinstance(v, float) else f"{'-' if v is None else v:>17}" for v in cells))
     for row in result["rows"]:
         if row["faster_than_floor"]:
             print(floor_warning(row))

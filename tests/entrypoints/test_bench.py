@@ -26,6 +26,8 @@ def test_bench_command_writes_rows_and_capacity(tiny_model, tmp_path, capsys):
     assert result["capacity"]["max_context_batch1"] > 0 and "requests of 4k tokens" in printed
     assert result["programmatic_dependent_launch"] is False  # the CPU: off, and said in the JSON
     assert result["async_scheduling"] is False  # off by default on the CPU
+    assert all(row["peak_memory_GiB"] is None for row in result["rows"]) and result["peak_memory_GiB"] is None
+    assert "peak_memory_GiB" in printed  # a GPU's peak a row, "-" on the CPU
 
 
 def test_cache_capacity_spends_the_allocated_bytes_on_one_request_or_on_4k_requests():
