@@ -52,3 +52,25 @@ def test_page_row_views_keep_their_pages_as_the_table_grows():
         views.append(state.page_row)
     assert all(view.tolist() == list(range(n + 1)) for n, view in enumerate(views))
     assert state.block_ids == list(range(100))
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_an_engine_on_row_copied_tables_gives_the_tokens_of_the_list_path(make_llm, monkeypatch, prefix_caching):
+    """Requests past ROW_COPY_MIN_PAGES pages (float32, the CPU) decode the same tokens whichever way the step's
+    block table is built: the rows, or the lists (the threshold raised past every table)."""
+    from helpers.engine import as_inputs, random_prompts, token_ids
+
+    from deltaserve.runner import host_batch
+
+    page = 16
+    lengths = (ROW_COPY_MIN_PAGES * page + 37, 20, 2 * ROW_COPY_MIN_PAGES * page - 3)
+    prompts = random_prompts(lengths, seed=4)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outputs = {}
+    for path, threshold in (("rows", ROW_COPY_MIN_PAGES), ("lists", 1 << 30)):
+        monkeypatch.setattr(host_batch, "ROW_COPY_MIN_PAGES", threshold)
+        llm = make_llm(max_model_len=4096, block_size=page, enable_prefix_caching=prefix_caching,
+                       max_num_batched_tokens=512)
+        outputs[path] = token_ids(llm.generate(as_inputs(prompts), params, use_tqdm=False))
+    assert outputs["rows"] == outputs["lists"]
+    assert all(len(tokens) == 12 for tokens in outputs["rows"])
