@@ -31,7 +31,7 @@ from deltaserve.layers.moe import MoE
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
 from deltaserve.runner.caches import allocate_caches
 from deltaserve.runner.cuda_graph import DecodeGraphs, graph_width
-from deltaserve.runner.host_batch import HostBatch, cache_slot
+from deltaserve.runner.host_batch import ROW_COPY_MIN_PAGES, HostBatch, cache_slot
 from deltaserve.runner.logprobs import prompt_logprobs
 from deltaserve.runner.startup import phase
 from deltaserve.runner.step_sampler import PendingOutput, RequestState, StepSampler
@@ -363,8 +363,10 @@ class ModelRunner:
             query_lens.append(n)
             starts.append(start)
         states = [self.requests[r] for r in order]
-        return HostBatch(ids, positions, slots, query_lens, starts, [s.state_slot for s in states],
-                         [s.block_ids for s in states], splits, [s.page_row for s in states]), missing
+        tables = [s.block_ids for s in states]
+        wide = max(map(len, tables), default=0) >= ROW_COPY_MIN_PAGES  # else the lists are converted (block_table)
+        return HostBatch(ids, positions, slots, query_lens, starts, [s.state_slot for s in states], tables, splits,
+                         [s.page_row for s in states] if wide else None), missing
 
     def _step_done(self) -> torch.cuda.Event | None:
         """An event that completes with the work queued so far (None on the CPU, where it has run already)."""

@@ -35,6 +35,8 @@ class RequestState:
 
     def add_pages(self, block_ids: list[int]) -> None:
         """Append pages to the block table (block_ids and its tensor, page_row)."""
+        if not block_ids:  # most decode steps: no new page
+            return
         start, end = len(self.block_ids), len(self.block_ids) + len(block_ids)
         self.block_ids.extend(block_ids)
         if end > self._pages.numel():  # doubling: appends cost O(1) pages copied each

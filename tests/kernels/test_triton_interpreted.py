@@ -242,6 +242,8 @@ def test_mla_decode_merge_kernel_variants_match_the_twin(merge_slices, merge_col
     out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3, min_split=16,
                             merge_slices=merge_slices, merge_cols=merge_cols)
     assert rel_err(out, twin) < 1e-5
+    with pytest.raises(ValueError, match="power of two"):
+        triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3, merge_slices=3)
 
 
 @pytest.mark.parametrize("tile", [None, *_ROUTER_TILES])  # None: the (interpreter's one) autotuned config
