@@ -3,6 +3,7 @@ scheduler, the cache manager, the runner's host work, sampling's bookkeeping and
 
     python benchmarks/host_step.py --batch 1 --steps 300
     python benchmarks/host_step.py --batch 256 --steps 40 --async-scheduling
+    python benchmarks/host_step.py --prompt-len 1048000 --steps 30 --num-decode-steps 8   # at a 1M-token context
 
 Compare two trees by running this script with each one's package first on PYTHONPATH, alternated. The requests are
 greedy with ignore_eos and never finish within the steps timed; prefix caching is on (the engine's default).
@@ -51,9 +52,9 @@ def main() -> None:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=args.temperature, seed=0)
         for _ in range(args.batch):
             engine.add_request([1 + i % 200 for i in range(args.prompt_len)], params)
-        while engine.scheduler.waiting or any(req.num_computed_tokens < req.num_prompt_tokens
-                                            for req in engine.scheduler.running):
-            engine.step()  # the prompts' prefill chunks, untimed
+        started: set[str] = set()
+        while len(started) < args.batch:  # the prompts' prefill chunks, untimed, until each has its first token
+            started.update(o.request_id for o in engine.step())
         for _ in range(5):
             engine.step()
         start = time.perf_counter()

@@ -128,10 +128,9 @@ def _profile_decode(engine, args):
     for _ in range(args.batch):
         engine.add_request(torch.randint(0, engine.model_config.vocab_size, (args.prompt_len,),
                                          generator=gen).tolist(), params)
-    prefilling = lambda: engine.scheduler.waiting or any(  # noqa: E731
-        req.num_computed_tokens < req.num_prompt_tokens for req in engine.scheduler.running)
-    while prefilling():  # the prompts' chunks (a long prompt takes many steps), outside the profile
-        engine.step()
+    started: set[str] = set()
+    while len(started) < args.batch:  # the prompts' chunks (a long prompt takes many steps), outside the profile
+        started.update(o.request_id for o in engine.step())
     for _ in range(3):  # and a few decode steps
         engine.step()
     torch.cuda.synchronize()
