@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.entrypoints.bench import prefill_phase
 from deltaserve.entrypoints.make_tiny import make_tiny
 
 
@@ -52,9 +53,7 @@ def main() -> None:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=args.temperature, seed=0)
         for _ in range(args.batch):
             engine.add_request([1 + i % 200 for i in range(args.prompt_len)], params)
-        started: set[str] = set()
-        while len(started) < args.batch:  # the prompts' prefill chunks, untimed, until each has its first token
-            started.update(o.request_id for o in engine.step())
+        prefill_phase(engine, args.batch)  # the prompts' chunks, untimed, until each has its first token
         for _ in range(5):
             engine.step()
         start = time.perf_counter()

@@ -17,14 +17,13 @@ import argparse
 import functools
 import gc
 import json
-import math
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from serve_client import PERCENTILES, percentile
+from serve_client import PERCENTILES, percentile, step_figures
 
 from deltaserve.core.engine_process import EngineProcess
 from deltaserve.entrypoints.chat_tools import render_chat_prompt
@@ -59,10 +58,8 @@ def run_offline(llm, run: dict) -> dict:
     ttft = [1000 * (o.metrics["first_token_time"] - o.metrics["arrival_time"]) for o in outputs]
     steps = {}
     for kind, totals in llm.engine.step_totals.items():  # the same figures as serve_client.server_means'
-        n = totals.steps - before[kind].steps
-        steps[f"{kind}_steps"] = n
-        steps[f"{kind}_step_ms_mean"] = 1000 * (totals.seconds - before[kind].seconds) / n if n else math.nan
-        steps[f"{kind}_step_tokens_mean"] = (totals.tokens - before[kind].tokens) / n if n else math.nan
+        steps.update(step_figures(kind, totals.steps - before[kind].steps, totals.seconds - before[kind].seconds,
+                                  totals.tokens - before[kind].tokens))
     return {"name": run["name"], "requests": len(outputs), "duration_s": duration, "output_tokens": tokens,
             "output_tok_s": tokens / duration, **{f"ttft_ms_p{q}": percentile(ttft, q) for q in PERCENTILES},
             **steps}

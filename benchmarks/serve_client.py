@@ -213,13 +213,18 @@ def server_means(before: dict[str, float], after: dict[str, float]) -> dict[str,
         count = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
         total = after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)
         means[key] = 1000 * total / count if count > 0 else math.nan
-    for kind in ("decode", "prefill"):  # the engine's steps in between: how many, ms and tokens a step
+    for kind in ("decode", "prefill"):  # the engine's steps in between
         delta = {part: after.get(f"{name}:{kind}", 0.0) - before.get(f"{name}:{kind}", 0.0)
                  for part, name in SERVER_STEP_COUNTERS.items()}
-        means[f"server_{kind}_steps"] = delta["steps"]
-        means[f"server_{kind}_step_ms_mean"] = 1000 * delta["seconds"] / delta["steps"] if delta["steps"] else math.nan
-        means[f"server_{kind}_step_tokens_mean"] = delta["tokens"] / delta["steps"] if delta["steps"] else math.nan
+        means.update(step_figures(f"server_{kind}", **delta))
     return means
+
+
+def step_figures(prefix: str, steps: float, seconds: float, tokens: float) -> dict[str, float]:
+    """A run's engine steps of one kind as serve_bench reports them (the server's and the offline engine's alike):
+    how many, mean wall ms and mean tokens computed a step."""
+    return {f"{prefix}_steps": steps, f"{prefix}_step_ms_mean": 1000 * seconds / steps if steps else math.nan,
+            f"{prefix}_step_tokens_mean": tokens / steps if steps else math.nan}
 
 
 def summarize(results: list[RequestResult], duration_s: float) -> dict:

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from deltaserve.config import QUANTIZATION_METHODS, EngineConfig
 from deltaserve.core.tensor_parallel import start_engine, stop_engine
-from deltaserve.entrypoints.bench import run_batch
+from deltaserve.entrypoints.bench import prefill_phase, run_batch
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -128,9 +128,7 @@ def _profile_decode(engine, args):
     for _ in range(args.batch):
         engine.add_request(torch.randint(0, engine.model_config.vocab_size, (args.prompt_len,),
                                          generator=gen).tolist(), params)
-    started: set[str] = set()
-    while len(started) < args.batch:  # the prompts' chunks (a long prompt takes many steps), outside the profile
-        started.update(o.request_id for o in engine.step())
+    prefill_phase(engine, args.batch)  # the prompts' chunks (a long prompt takes many steps), outside the profile
     for _ in range(3):  # and a few decode steps
         engine.step()
     torch.cuda.synchronize()

@@ -79,7 +79,7 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, output_len: int, seed
     tokens each request got in it the TPOT (a step may run several decode steps: lookahead)."""
     _add_requests(engine, batch, prompt_len, output_len, seed)
     start = time.perf_counter()
-    finished = _prefill_phase(engine, batch)
+    finished = prefill_phase(engine, batch)
     prefill_done, tokens_at_prefill_done = time.perf_counter(), _tokens_so_far(engine, finished)
     steps = 0
     while engine.has_unfinished_requests():
@@ -105,7 +105,7 @@ def measure_routing(engine: Engine, batch: int, prompt_len: int, output_len: int
     tips a near-tie of the sampled token, which changes no routing statistic."""
     _add_requests(engine, batch, prompt_len, output_len, seed)
     with engine.eager():
-        _prefill_phase(engine, batch)
+        prefill_phase(engine, batch)
         with RoutingRecorder(engine.model) as recorder:  # from here on every step is decode only
             while engine.has_unfinished_requests():
                 engine.step()
@@ -121,7 +121,7 @@ def _add_requests(engine: Engine, batch: int, prompt_len: int, output_len: int, 
         engine.add_request(ids, params)
 
 
-def _prefill_phase(engine: Engine, batch: int) -> list:
+def prefill_phase(engine: Engine, batch: int) -> list:
     """Step until each of the `batch` requests has its first token; the outputs of those that finished."""
     started: set[str] = set()
     finished = []

@@ -5,7 +5,9 @@ import random
 
 import pytest
 import torch
+from helpers.engine import as_inputs, random_prompts, token_ids
 
+from deltaserve.runner import host_batch
 from deltaserve.runner.host_batch import ROW_COPY_MIN_PAGES, HostBatch
 from deltaserve.runner.step_sampler import RequestState
 from deltaserve.sampling_params import SamplingParams
@@ -58,10 +60,6 @@ def test_page_row_views_keep_their_pages_as_the_table_grows():
 def test_an_engine_on_row_copied_tables_gives_the_tokens_of_the_list_path(make_llm, monkeypatch, prefix_caching):
     """Requests past ROW_COPY_MIN_PAGES pages (float32, the CPU) decode the same tokens whichever way the step's
     block table is built: the rows, or the lists (the threshold raised past every table)."""
-    from helpers.engine import as_inputs, random_prompts, token_ids
-
-    from deltaserve.runner import host_batch
-
     page = 16
     lengths = (ROW_COPY_MIN_PAGES * page + 37, 20, 2 * ROW_COPY_MIN_PAGES * page - 3)
     prompts = random_prompts(lengths, seed=4)

@@ -195,6 +195,9 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     page = cache.shape[1]
     assert cache.shape[2] == R + DR and cache.stride(2) == 1 and q_latent.stride(2) == 1 and q_rope.stride(2) == 1
     assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
+    if merge_slices < 1 or merge_slices & (merge_slices - 1) or (merge_cols is not None and merge_cols < 1):
+        raise ValueError(f"merge_slices must be a power of two and merge_cols positive; got {merge_slices}, "
+                         f"{merge_cols}")
     max_head_block = max_head_block or (16 if B == 1 else 32)
     wide = B > 1 and q_latent.element_size() <= 2  # float32 tiles of 64 tokens would not fit in shared memory
     num_warps = num_warps or (8 if wide else 4)
@@ -215,9 +218,6 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
         **pdl_args(q_latent.device, pdl),
     )
     out = torch.empty(B, H, R, dtype=q_latent.dtype, device=q_latent.device)
-    if merge_slices < 1 or merge_slices & (merge_slices - 1) or (merge_cols is not None and merge_cols < 1):
-        raise ValueError(f"merge_slices must be a power of two and merge_cols positive; got {merge_slices}, "
-                         f"{merge_cols}")
     merge_br = triton.next_power_of_2(merge_cols or R)
     _mla_decode_merge_kernel[(B * H, triton.cdiv(R, merge_br))](
         mid_o, mid_lse, context_lens, out, splits, min_split, H=H, R=R, BR=merge_br, BLOCK_N=block_n,
