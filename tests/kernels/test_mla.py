@@ -18,8 +18,9 @@ from deltaserve.kernels.mla import (
     mla_prefill_block,
     mla_prefill_fused,
 )
+from deltaserve.kernels.mla.attention import prefix_blocks
 from deltaserve.kernels.mla.naive import naive_mla
-from deltaserve.kernels.mla.prefill import attention_lse_naive
+from deltaserve.kernels.mla.prefill import attention_lse_naive, padded, padded_length
 
 H, DN, DR, DV, R = 3, 8, 4, 6, 16
 BLOCK_SIZE, NUM_PAGES = 4, 40
@@ -95,13 +96,15 @@ def test_blockwise_prefill_matches_naive(start_pos, num_new, block):
     assert torch.isfinite(lse).all()
 
 
-@pytest.mark.parametrize("start_pos,num_new,block", [(0, 1, 4), (0, 9, 4), (1, 1, 1), (37, 5, 16), (50, 37, 7),
-                                                     (16, 16, 16), (17, 3, 16), (15, 2, 16)])
-def test_fused_prefill_matches_naive(start_pos, num_new, block):
-    """The fused path's plan (the chunk's own keys causal, then the cached keys `block` at a time, all visible,
-    merged by log-sum-exp) with the attention twin in place of the GPU kernels: blocks ragged at both ends, a
-    prefix of one key, prefixes one short of and one past a block."""
-    gen = torch.Generator().manual_seed(start_pos * 11 + num_new + block)
+@pytest.mark.parametrize("start_pos,num_new,block,tail", [
+    (0, 1, 4, 4), (0, 9, 4, 4), (1, 1, 1, 1), (37, 5, 16, 16), (50, 37, 7, 7), (16, 16, 16, 16), (17, 3, 16, 16),
+    (15, 2, 16, 16), (15, 2, 16, 32), (3, 4, 64, 4), (61, 6, 64, 4), (200, 3, 64, 4), (71, 1, 32, 8)])
+def test_fused_prefill_matches_naive(start_pos, num_new, block, tail):
+    """The fused path's plan (the cached tail and the chunk's own keys in one causal call behind zero queries, then
+    the earlier cached keys in blocks, all visible, merged by log-sum-exp) with the attention twin in place of the
+    GPU kernels: blocks ragged at both ends, a prefix of one key, prefixes one short of and one past a block, and
+    power-of-two blocks between whole ones and the tail."""
+    gen = torch.Generator().manual_seed(start_pos * 11 + num_new + block + tail)
     length = start_pos + num_new
     latents = torch.randn(length, R + DR, generator=gen)
     w_kv_b = torch.randn(H * (DN + DV), R, generator=gen) * 0.3
@@ -115,11 +118,41 @@ def test_fused_prefill_matches_naive(start_pos, num_new, block):
         kv = (part[:, :R] @ w_kv_b.t()).view(part.shape[0], H, DN + DV)
         return torch.cat([kv[..., :DN], part[:, None, R:].expand(-1, H, -1)], dim=-1), kv[..., DN:]
 
-    out = mla_prefill_fused(q_nope, q_rope, expand, SCALE, start_pos, block, attend=attention_lse_naive)
+    out = mla_prefill_fused(q_nope, q_rope, expand, SCALE, start_pos, block, attend=attention_lse_naive,
+                            tail_block=tail)
     torch.testing.assert_close(out, naive_mla(q_nope, q_rope, latents, w_kv_b, SCALE, start_pos), **TOL)
-    assert seen[0] == (start_pos, length)  # the chunk's own keys first, then the cached ones, in order, each once
-    assert [lo for lo, _ in seen[1:]] == list(range(0, start_pos, block))
-    assert [hi for _, hi in seen[1:]] == [min(lo + block, start_pos) for lo, _ in seen[1:]]
+    blocks, tail_start = prefix_blocks(start_pos, block, tail)
+    assert seen == [(tail_start, length), *blocks]  # the causal call first, then each earlier block once, in order
+
+
+@pytest.mark.parametrize("key_block,tail", [(4, 4), (16, 4), (64, 4), (65, 8), (65536, 2048), (7, 16)])
+def test_prefix_blocks_cover_the_prefix_in_few_lengths(key_block, tail):
+    """prefix_blocks tiles 0..start exactly, in order; a block is key_block long or tail (capped at key_block)
+    times a power of two, never longer than key_block, and the tail left is shorter than tail."""
+    tail = min(tail, key_block)
+    sizes = {key_block} | {tail << j for j in range(20) if tail << j < key_block}
+    ragged = torch.randint(0, 10 * key_block, (20,), generator=torch.Generator().manual_seed(key_block)).tolist()
+    for start in [0, 1, tail - 1, tail, key_block - 1, key_block, key_block + 1, 3 * key_block + 2 * tail + 1, *ragged]:
+        blocks, tail_start = prefix_blocks(start, key_block, tail)
+        assert [lo for lo, _ in blocks] == [0, *(hi for _, hi in blocks[:-1])][:len(blocks)]
+        assert (blocks[-1][1] if blocks else 0) == tail_start and 0 <= start - tail_start < tail
+        assert all(hi - lo in sizes for lo, hi in blocks), (start, blocks)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("T", [1, 5, 63, 64, 65, 100, 129, 300])
+def test_padded_attention_is_the_attention_of_the_real_queries(causal, T):
+    """prefill.padded (how the cuDNN backend rounds its shapes up) around the twin: the real queries' outputs and
+    log-sum-exps as without padding, causal (zero keys appended) and not (only queries appended)."""
+    gen = torch.Generator().manual_seed(T + causal)
+    L = T if causal else T + 37
+    q, k = torch.randn(T, H, 24, generator=gen), torch.randn(L, H, 24, generator=gen)
+    v = torch.randn(L, H, 8, generator=gen)
+    out, lse = padded(attention_lse_naive, q, k, v, 0.3, causal)
+    ref, ref_lse = attention_lse_naive(q, k, v, 0.3, causal)
+    torch.testing.assert_close(out, ref, **TOL)
+    torch.testing.assert_close(lse, ref_lse, **TOL)
+    assert padded_length(T) >= max(T, 64) and padded_length(padded_length(T)) == padded_length(T)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -12,6 +12,10 @@ import torch.nn.functional as F
 
 from deltaserve.kernels.mla.prefill import attention_lse
 
+# cached keys shorter than this attend with the chunk's own in one causal call (mla_prefill_fused): a prefix of up to
+# 2,047 keys costs no call of its own, and the zero queries in front cost at most ~2M scores a head
+PREFIX_TAIL_BLOCK = 2048
+
 
 def gather_latents(cache: torch.Tensor, block_table: torch.Tensor, end: int, start: int = 0,
                    dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -96,21 +100,44 @@ def mla_prefill_fused(
     start_pos: int,
     key_block: int,
     attend: Callable = attention_lse,
+    tail_block: int = PREFIX_TAIL_BLOCK,
 ) -> torch.Tensor:
     """mla_prefill through fused attention kernels, for any context length: the T new queries attend to their own
-    keys (causal), then to the start_pos cached ones key_block at a time (all visible), merged by log-sum-exp.
+    keys and the last cached ones (causal), then to the earlier cached ones a block at a time (all visible), merged
+    by log-sum-exp.
 
     q_nope [T, H, Dn], q_rope [T, H, Dr], expand(lo, hi): the keys [hi - lo, H, Dn+Dr] and values [hi - lo, H, Dv]
     of the sequence's positions lo..hi-1 (expanded from their latents on demand, so no more than key_block of the
-    context is ever expanded or copied at once) -> [T, H, Dv]. attend: prefill.attention_lse or its naive twin."""
+    context is ever expanded or copied at once) -> [T, H, Dv]. attend: prefill.attention_lse or its naive twin.
+
+    The blocks come from prefix_blocks, so the kernels see few distinct shapes (cuDNN builds a plan for each new
+    one, tens of milliseconds): the cached tail shorter than tail_block joins the causal call behind zero queries
+    in front of the chunk's (a query at row tail + t of a top-left causal mask sees the whole tail and its own
+    first t + 1 keys: exactly its attention; the zero rows' outputs are dropped)."""
     q = torch.cat([q_nope, q_rope], dim=-1)
-    out, lse = attend(q, *expand(start_pos, start_pos + q.shape[0]), scale, causal=True)
-    out = out.float()
-    for key_pos in range(0, start_pos, key_block):
-        keys, values = expand(key_pos, min(key_pos + key_block, start_pos))
-        part, part_lse = attend(q, keys, values, scale, causal=False)
+    blocks, tail = prefix_blocks(start_pos, key_block, tail_block)
+    queries = F.pad(q, (0, 0, 0, 0, start_pos - tail, 0)) if tail < start_pos else q
+    out, lse = attend(queries, *expand(tail, start_pos + q.shape[0]), scale, causal=True)
+    out, lse = out[start_pos - tail:].float(), lse[start_pos - tail:]
+    for lo, hi in blocks:
+        part, part_lse = attend(q, *expand(lo, hi), scale, causal=False)
         out, lse = merge_blocks(out, lse, part.float(), part_lse)
     return out.to(q_nope.dtype)
+
+
+def prefix_blocks(start_pos: int, key_block: int, tail_block: int) -> tuple[list[tuple[int, int]], int]:
+    """The cached positions 0..start_pos as (blocks attended apart, start of the tail attended with the chunk):
+    whole blocks of key_block, then blocks of tail_block times a power of two, largest first, while tail_block
+    fits; the tail is what is left (shorter than tail_block). So a block has one of a few lengths whatever the
+    context, and the tail's extra causal work (its own zero queries) is bounded by tail_block^2 / 2."""
+    tail_block = min(tail_block, key_block)
+    blocks, lo = [], 0
+    while start_pos - lo >= tail_block:
+        left = start_pos - lo
+        size = key_block if left >= key_block else tail_block << ((left // tail_block).bit_length() - 1)
+        blocks.append((lo, lo + size))
+        lo += size
+    return blocks, lo
 
 
 def merge_blocks(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

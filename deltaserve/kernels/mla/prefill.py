@@ -16,6 +16,8 @@ Twin: attention_lse_naive (float32 scores, plain softmax), the spec the tests ho
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -73,9 +75,40 @@ def _result(out: torch.Tensor, lse: torch.Tensor, T: int) -> tuple[torch.Tensor,
 
 
 def _cudnn(q, k, v, scale: float, causal: bool):
+    """cuDNN's kernel on shapes rounded up (padded): cuDNN builds an execution plan for each new shape, tens of
+    milliseconds, so a server's ragged chunks would otherwise pay one for every new length."""
+    return padded(_cudnn_as_is, q, k, v, scale, causal)
+
+
+def _cudnn_as_is(q, k, v, scale: float, causal: bool):
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
         _heads_first(q), _heads_first(k), _heads_first(v), None, True, 0.0, causal, False, scale=scale)[:2]
     return _result(out, lse, q.shape[0])
+
+
+def padded(run: Callable, q, k, v, scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """run(q, k, v, scale, causal) with the queries' count rounded up by padded_length: zero rows appended to the
+    queries are dropped from the result; a causal call gets as many zero keys and values appended, which sit after
+    every real query's own position, so the mask hides them. A non-causal call's keys are left as they are
+    (mla_prefill_fused gives those a few lengths)."""
+    T = q.shape[0]
+    rows = padded_length(T) - T
+    if rows:
+        q = F.pad(q, (0, 0, 0, 0, 0, rows))
+        if causal:
+            k, v = F.pad(k, (0, 0, 0, 0, 0, rows)), F.pad(v, (0, 0, 0, 0, 0, rows))
+    out, lse = run(q, k, v, scale, causal)
+    return out[:T], lse[:T]
+
+
+def padded_length(n: int) -> int:
+    """n rounded up to a length of the form m * 2^e with 4 <= m < 8 (at least 64): four lengths an octave, so a
+    padded call has at most a quarter more queries (up to 1.56x a causal call's work) and the chunks of up to 8,192
+    tokens a server steps meet 29 lengths, not thousands."""
+    if n <= 64:
+        return 64
+    step = 1 << max((n - 1).bit_length() - 3, 0)
+    return -(-n // step) * step
 
 
 def _flash(q, k, v, scale: float, causal: bool):
