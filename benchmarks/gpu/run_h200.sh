@@ -29,7 +29,8 @@
 #   servestart (not in the default list) `deltaserve serve` of the 48B shape (dummy weights) to /health 200, twice,
 #             with its start-up phases (benchmarks/serve_start.py; issue 26)
 #   serve     (not in the default list) the HTTP server against the offline engine on the same requests, 48B shape,
-#             prompt 512, output 128, at SERVE_CONC (default 64,256) streams and streaming chat at 64
+#             prompt 512, output 128, at SERVE_CONC (default 64,256) streams, streaming chat at 64 (SERVE_CHAT)
+#             and SERVE_NUM requests (default 256) at each Poisson rate of SERVE_RATE (default none, e.g. 16,inf)
 #             (benchmarks/serve_bench.py; issue 25), the engine in a process of its own and in the server's
 #             (SERVE_PLACES); needs the server's wheels and aiohttp's in wheels/server
 #   kvfp8     (not in the default list) batch-1 decode at KVFP8_LENS (default 262144) with the bf16 latent cache,
@@ -239,6 +240,7 @@ if has serve; then
     echo "serve --$place $(date +%T)"
     timeout ${T_SERVE:-560} python3 benchmarks/serve_bench.py --config $CFG --load-format dummy --device cuda \
         --concurrency ${SERVE_CONC:-64,256} ${chat:+--chat-concurrency $chat} --prompt-len 512 --output-len 128 \
+        ${SERVE_RATE:+--request-rate $SERVE_RATE --num-requests ${SERVE_NUM:-256}} \
         --$place --server-log "$OUT/serve_log_$place.txt" --json-out "$OUT/serve_$place.json" \
         > "$OUT/serve_$place.txt" 2>&1
     grep -vE '^\{|^http ' "$OUT/serve_$place.txt" | tail -12 | cut -c1-220
