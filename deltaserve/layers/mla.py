@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -91,17 +93,22 @@ class MultiheadLatentAttention(nn.Module):
         if q_nope.is_cuda and q_nope.dtype != torch.float32:
             if cache.dtype == torch.float8_e4m3fn:  # the chunk's own keys as the cache keeps them, as every later
                 new_latents = to_latent_cache(new_latents).to(q_nope.dtype)  # step and the CPU path read them
-
-            def expand(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-                part = new_latents if lo == start else gather_latents(cache, block_table, hi, lo, q_nope.dtype)
-                return self._expand_keys(part)
-
+            expand = functools.partial(self._expand_positions, new_latents, cache, block_table, start)
             return mla_prefill_fused(q_nope, q_rope, expand, self.scale, start, FUSED_PREFILL_KEY_BLOCK)
         latents = gather_latents(cache, block_table, start + q_nope.shape[0], dtype=q_nope.dtype)
         if latents.shape[0] > EXPANDED_PREFILL_MAX_KEYS:
             return self._prefill_blockwise(q_nope, q_rope, latents, start)
         k_nope, k_rope, v = self._expand(latents)
         return mla_prefill(q_nope, q_rope, k_nope, k_rope, v, self.scale, start)
+
+    def _expand_positions(self, new_latents: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, start: int,
+                          lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """_expand_keys of the sequence's positions lo..hi-1: those before start gathered from the cache's pages, the
+        chunk's own (start onwards) from new_latents [T, R+Dr]."""
+        parts = [gather_latents(cache, block_table, min(hi, start), lo, new_latents.dtype)] if lo < start else []
+        if hi > start:
+            parts.append(new_latents[max(lo - start, 0): hi - start])
+        return self._expand_keys(parts[0] if len(parts) == 1 else torch.cat(parts))
 
     def _prefill_blockwise(self, q_nope, q_rope, latents: torch.Tensor, start: int) -> torch.Tensor:
         """_prefill with memory for one block of keys: each block's softmax apart, merged by log-sum-exp."""

@@ -185,3 +185,26 @@ def test_naive_matches_softmax_attention_written_out():
         expected.append(probs @ kv[: start + 1, h, DN:])
     torch.testing.assert_close(naive_mla(q_nope, q_rope, latents, w_kv_b, SCALE, start)[0], torch.stack(expected),
                                **TOL)
+
+
+@pytest.mark.parametrize("start,num_new,lo,hi", [(0, 5, 0, 5), (37, 5, 0, 37), (37, 5, 30, 42), (37, 5, 37, 42),
+                                                 (37, 5, 36, 38), (37, 5, 39, 42), (16, 16, 0, 32),
+                                                 (64, 3, 17, 33)])
+def test_mla_layer_expands_cached_and_new_positions(start, num_new, lo, hi):
+    """The fused prefill's expand (layers/mla.py): keys and values of positions lo..hi-1 from the cache's pages
+    before start and from the chunk's own latents after, at ragged edges, as expanding the whole sequence's latents."""
+    from helpers.checkpoints import small_model
+
+    from deltaserve.layers.mla import MultiheadLatentAttention
+
+    _, cfg, model = small_model(seed=start + num_new)
+    layer = next(m for m in model.modules() if isinstance(m, MultiheadLatentAttention))
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    paged = PagedLatents([start + num_new], width, BLOCK_SIZE, NUM_PAGES, torch.Generator().manual_seed(hi))
+    table = paged.block_tables()[0]
+    latents = paged.latents[0]
+    keys, values = layer._expand_positions(latents[start:], paged.cache, table, start, lo, hi)
+    ref_keys, ref_values = layer._expand_keys(latents[lo:hi])
+    assert keys.shape[0] == values.shape[0] == hi - lo
+    torch.testing.assert_close(keys, ref_keys, rtol=0, atol=0)
+    torch.testing.assert_close(values, ref_values, rtol=0, atol=0)
