@@ -45,13 +45,18 @@ class RoutingRecorder:
     def _record(self, layer: int, ids: torch.Tensor) -> None:
         self.counts[layer].append(torch.bincount(ids.flatten(), minlength=self.moes[layer].cfg.num_experts))
 
-    def stats(self) -> RoutingStats | None:
-        """The recorded steps' statistics; None if no MoE layer ran."""
+    def stats(self, tokens: int | None = None) -> RoutingStats | None:
+        """The recorded steps' statistics (only the steps that routed `tokens` tokens, if given); None if no MoE layer
+        ran or no step qualified."""
         if not self.moes or not self.counts[0]:
             return None
         counts = torch.stack([torch.stack(layer) for layer in self.counts]).float().cpu()  # [layers, steps, E]
-        totals = counts.sum(1)  # [layers, E]
         k = self.moes[0].cfg.num_experts_per_token
+        if tokens is not None:
+            counts = counts[:, counts[0].sum(-1) == tokens * k]
+            if not counts.shape[1]:
+                return None
+        totals = counts.sum(1)  # [layers, E]
         return RoutingStats(distinct_experts=(counts > 0).sum(-1).float().mean().item(),
                             busiest_expert_load=(totals.max(-1).values / totals.mean(-1)).max().item(),
                             tokens_per_step=counts.sum(-1).mean().item() / k, num_steps=counts.shape[1])

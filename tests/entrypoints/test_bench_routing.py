@@ -4,15 +4,17 @@ is flagged."""
 
 from __future__ import annotations
 
+import math
 import shutil
 
 import pytest
+import torch
 from helpers.checkpoints import read_tensors, rewrite_tensors
 
 from deltaserve import LLM
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.entrypoints.bench import bench, decode_step_bytes, floor_fields, floor_warning, print_report
-from deltaserve.entrypoints.routing_stats import RoutingStats
+from deltaserve.entrypoints.routing_stats import RoutingRecorder, RoutingStats
 
 
 def rigged_copy(tiny_model, folder):
@@ -72,3 +74,42 @@ def test_eager_runs_bypass_the_decode_graphs_and_give_them_back(tiny_model):
     with runner.eager():
         assert runner.graphs is None and runner.compiled_decode is None
     assert runner.graphs is graphs and runner.compiled_decode is compiled
+
+
+def test_the_steady_part_of_the_decode_phase_has_every_request_in_every_step(tiny_model, monkeypatch):
+    """run_batch's steady figures: prompts admitted two a step (a 16-token budget, 7-token prompts), so the first
+    requests decode in the prefill phase's mixed steps and finish first; the steady part ends with the first one to
+    finish, so every request got as many tokens in it as that one still lacked when the decode phase began. A
+    request finished before the decode phase leaves no steady part."""
+    from deltaserve.entrypoints import bench
+
+    engine = LLM(str(tiny_model), threads=1, max_model_len=64, max_num_batched_tokens=16, num_decode_steps=1).engine
+    at_start = []
+
+    def prefill_phase(engine, batch):  # records each request's tokens when the decode phase begins
+        finished = phase(engine, batch)
+        at_start.extend(len(r.output_token_ids) for r in engine.scheduler.requests.values())
+        return finished
+
+    phase = bench.prefill_phase
+    monkeypatch.setattr(bench, "prefill_phase", prefill_phase)
+    row = bench.run_batch(engine, 6, 7, 10, seed=1)
+    assert len(at_start) == 6 and max(at_start) > min(at_start)  # staggered: the first started decoding early
+    assert row["steady_tokens"] == 6 * (10 - max(at_start))
+    assert min(at_start) == 1 and row["decode_rows_mean"] == (60 - sum(at_start)) / 9
+    assert row["steady_tok_s"] > 0 and row["steady_tpot_ms"] > 0
+    short = bench.run_batch(engine, 6, 7, 1, seed=2)  # the first request's only token ends it in the prefill phase
+    assert short["steady_tokens"] == 0 and math.isnan(short["steady_tok_s"])
+
+
+def test_routing_statistics_can_keep_the_steps_of_a_full_batch_only(tiny_model):
+    model = LLM(str(tiny_model), threads=1, max_model_len=32).engine.model
+    recorder = RoutingRecorder(model)
+    k = recorder.moes[0].cfg.num_experts_per_token
+    steps = [torch.tensor([[0, 1], [2, 3], [4, 5]]), torch.tensor([[0, 1], [0, 1]]), torch.tensor([[6, 7]] * 3)]
+    for ids in steps:
+        for layer in range(len(recorder.moes)):
+            recorder._record(layer, ids[:, :k])
+    full = recorder.stats(tokens=3)
+    assert full.num_steps == 2 and full.tokens_per_step == 3.0 and full.distinct_experts == (6 + 2) / 2
+    assert recorder.stats().num_steps == 3 and recorder.stats(tokens=5) is None

@@ -115,10 +115,11 @@ def mla_prefill_fused(
     in front of the chunk's (a query at row tail + t of a top-left causal mask sees the whole tail and its own
     first t + 1 keys: exactly its attention; the zero rows' outputs are dropped)."""
     q = torch.cat([q_nope, q_rope], dim=-1)
-    blocks, tail = prefix_blocks(start_pos, key_block, tail_block)
-    queries = F.pad(q, (0, 0, 0, 0, start_pos - tail, 0)) if tail < start_pos else q
-    out, lse = attend(queries, *expand(tail, start_pos + q.shape[0]), scale, causal=True)
-    out, lse = out[start_pos - tail:].float(), lse[start_pos - tail:]
+    blocks, tail_start = prefix_blocks(start_pos, key_block, tail_block)
+    tail = start_pos - tail_start  # cached keys in the causal call, each with a zero query in front of the chunk's
+    queries = F.pad(q, (0, 0, 0, 0, tail, 0)) if tail else q
+    out, lse = attend(queries, *expand(tail_start, start_pos + q.shape[0]), scale, causal=True)
+    out, lse = out[tail:].float(), lse[tail:]
     for lo, hi in blocks:
         part, part_lse = attend(q, *expand(lo, hi), scale, causal=False)
         out, lse = merge_blocks(out, lse, part.float(), part_lse)

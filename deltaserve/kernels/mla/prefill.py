@@ -8,7 +8,8 @@ The work goes to PyTorch's fused attention ops, which never materialise the scor
 + the shared rope 64) and values 128. Backends, tried in this order the first time a device and dtype are seen,
 the first one that runs these shapes is kept:
 
-  cudnn       cuDNN's fused attention, which takes different key and value widths as they are
+  cudnn       cuDNN's fused attention, which takes different key and value widths as they are (query counts
+              padded to a few lengths: cuDNN plans each new shape once, at tens of milliseconds)
   flash       FlashAttention-2, with the values zero-padded to the keys' width (it needs one head size)
   efficient   the memory-efficient kernel (any widths; the slowest of the three on Hopper)
 
@@ -113,9 +114,9 @@ def padded_length(n: int) -> int:
 
 def _flash(q, k, v, scale: float, causal: bool):
     Dv = v.shape[-1]
-    padded = F.pad(v, (0, q.shape[-1] - Dv)) if Dv < q.shape[-1] else v
+    v_wide = F.pad(v, (0, q.shape[-1] - Dv)) if Dv < q.shape[-1] else v
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-        _heads_first(q), _heads_first(k), _heads_first(padded), 0.0, causal, False, scale=scale)[:2]
+        _heads_first(q), _heads_first(k), _heads_first(v_wide), 0.0, causal, False, scale=scale)[:2]
     return _result(out[..., :Dv], lse, q.shape[0])
 
 
