@@ -15,6 +15,7 @@ two plans.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -22,7 +23,7 @@ import time
 import torch
 
 from deltaserve.kernels.mla.attention import merge_blocks, mla_prefill_fused
-from deltaserve.kernels.mla.prefill import _cudnn, _cudnn_as_is, attention_lse_naive
+from deltaserve.kernels.mla.prefill import _cudnn, _cudnn_as_is, attention_lse_naive, padded
 
 
 def plan_before(attend):
@@ -58,7 +59,7 @@ def main(argv=None) -> None:
     k = torch.randn(L, H, Dn + Dr, device=device, dtype=dtype)
     v = torch.randn(L, H, Dv, device=device, dtype=dtype)
     expand = lambda lo, hi: (k[lo:hi].clone(), v[lo:hi].clone())  # noqa: E731  (a copy, as expanding writes)
-    now_attend = attention_lse_naive if args.smoke else _cudnn
+    now_attend = functools.partial(padded, attention_lse_naive) if args.smoke else _cudnn  # smoke: the padding too
     before_attend = attention_lse_naive if args.smoke else _cudnn_as_is
     plans = {
         "now": lambda qn, qr, s: mla_prefill_fused(qn, qr, expand, Dn ** -0.5, s, 65536, attend=now_attend),

@@ -85,7 +85,7 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, output_len: int, seed
     decode phase began)."""
     _add_requests(engine, batch, prompt_len, output_len, seed)
     start = time.perf_counter()
-    finished = prefill_phase(engine, batch)
+    finished, tokens_at_start = _prefill_phase(engine, batch)
     prefill_done, tokens_at_prefill_done = time.perf_counter(), _tokens_so_far(engine, finished)
     steps, steady_s, steady_tokens = 0, 0.0, 0
     while engine.has_unfinished_requests():
@@ -97,6 +97,8 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, output_len: int, seed
         finished += done
     end = time.perf_counter()
     tokens = batch * output_len - tokens_at_prefill_done
+    # the request with the fewest tokens when the decode phase begins runs through all of its decode steps
+    decode_steps = output_len - min(tokens_at_start.values())
     ttft = [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in finished]
     return {"batch": batch, "ttft_ms": 1000 * sum(ttft) / batch,
             "tpot_ms": 1000 * (end - prefill_done) * batch / max(tokens, 1),
@@ -105,16 +107,15 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, output_len: int, seed
             "steady_tok_s": steady_tokens / steady_s if steady_tokens else float("nan"),
             "steady_tpot_ms": 1000 * steady_s * batch / steady_tokens if steady_tokens else float("nan"),
             "steady_tokens": steady_tokens,
-            # rows a decode step carried on average: the last request to start has 1 token when the phase begins, so
-            # it runs through all output_len - 1 of the phase's decode steps
-            "decode_rows_mean": tokens / max(output_len - 1, 1),
+            "decode_rows_mean": tokens / decode_steps if decode_steps else float("nan"),
             "total_s": end - start}
 
 
 def measure_routing(engine: Engine, batch: int, prompt_len: int, output_len: int, seed: int) -> RoutingStats | None:
     """The experts chosen in the steady decode steps (every request in the step) of run_batch(engine, batch,
     prompt_len, output_len, seed), from a second run of the same requests (same prompts, greedy), eager and untimed,
-    with a RoutingRecorder on.
+    with a RoutingRecorder on; in all its decode steps where a request finished before them (the stats' tokens per
+    step then fall short of the batch).
 
     Why a second run and not a counter inside the timed one: a timed decode step is a CUDA graph replay (its batch
     padded to a captured size with rows that must not count), or several of them queued without a host sync; a
@@ -127,7 +128,7 @@ def measure_routing(engine: Engine, batch: int, prompt_len: int, output_len: int
         with RoutingRecorder(engine.model) as recorder:  # from here on every step is decode only
             while engine.has_unfinished_requests():
                 engine.step()
-    return recorder.stats(tokens=batch)
+    return recorder.stats(tokens=batch) or recorder.stats()  # every decode step where no step had the whole batch
 
 
 def _add_requests(engine: Engine, batch: int, prompt_len: int, output_len: int, seed: int) -> None:
@@ -141,13 +142,18 @@ def _add_requests(engine: Engine, batch: int, prompt_len: int, output_len: int, 
 
 def prefill_phase(engine: Engine, batch: int) -> list:
     """Step until each of the `batch` requests has its first token; the outputs of those that finished."""
-    started: set[str] = set()
+    return _prefill_phase(engine, batch)[0]
+
+
+def _prefill_phase(engine: Engine, batch: int) -> tuple[list, dict[str, int]]:
+    """prefill_phase, and each request's output tokens when it ends."""
+    tokens: dict[str, int] = {}
     finished = []
-    while len(started) < batch:
+    while len(tokens) < batch:
         outputs = engine.step()
-        started.update(o.request_id for o in outputs)
+        tokens.update((o.request_id, len(o.outputs[0].token_ids)) for o in outputs)
         finished += [o for o in outputs if o.finished]
-    return finished
+    return finished, tokens
 
 
 def _tokens_so_far(engine: Engine, finished: list) -> int:

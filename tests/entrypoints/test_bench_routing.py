@@ -87,12 +87,13 @@ def test_the_steady_part_of_the_decode_phase_has_every_request_in_every_step(tin
     at_start = []
 
     def prefill_phase(engine, batch):  # records each request's tokens when the decode phase begins
-        finished = phase(engine, batch)
-        at_start.extend(len(r.output_token_ids) for r in engine.scheduler.requests.values())
-        return finished
+        finished, tokens = phase(engine, batch)
+        at_start[:] = [len(r.output_token_ids) for r in engine.scheduler.requests.values()]
+        assert sorted(tokens.values()) == sorted(at_start + [1] * len(finished))  # run_batch's view, from outputs
+        return finished, tokens
 
-    phase = bench.prefill_phase
-    monkeypatch.setattr(bench, "prefill_phase", prefill_phase)
+    phase = bench._prefill_phase
+    monkeypatch.setattr(bench, "_prefill_phase", prefill_phase)
     row = bench.run_batch(engine, 6, 7, 10, seed=1)
     assert len(at_start) == 6 and max(at_start) > min(at_start)  # staggered: the first started decoding early
     assert row["steady_tokens"] == 6 * (10 - max(at_start))
@@ -113,3 +114,24 @@ def test_routing_statistics_can_keep_the_steps_of_a_full_batch_only(tiny_model):
     full = recorder.stats(tokens=3)
     assert full.num_steps == 2 and full.tokens_per_step == 3.0 and full.distinct_experts == (6 + 2) / 2
     assert recorder.stats().num_steps == 3 and recorder.stats(tokens=5) is None
+
+
+def test_mean_rows_count_a_request_that_starts_the_decode_phase_with_lookahead_tokens(tiny_model):
+    """A prompt whose last chunk is one token, nothing waiting: that step takes lookahead tokens, so the request
+    starts the decode phase with several; a batch of one still carries one row a step."""
+    from deltaserve.entrypoints.bench import run_batch
+
+    engine = LLM(str(tiny_model), threads=1, max_model_len=64, max_num_batched_tokens=16, num_decode_steps=4).engine
+    row = run_batch(engine, 1, 17, 10, seed=3)
+    assert row["decode_rows_mean"] == 1.0
+    assert math.isnan(run_batch(engine, 1, 7, 1, seed=4)["decode_rows_mean"])  # no decode step at all
+
+
+def test_routing_falls_back_to_every_decode_step_where_none_had_the_whole_batch(tiny_model):
+    """Requests that finish in the prefill phase leave no decode step with the whole batch: the floor is then sized
+    from the decode steps there were (their routed tokens a step say so), not from uniform routing."""
+    from deltaserve.entrypoints.bench import measure_routing
+
+    engine = LLM(str(tiny_model), threads=1, max_model_len=64, max_num_batched_tokens=16, num_decode_steps=1).engine
+    stats = measure_routing(engine, 6, 7, 3, seed=5)  # the first two requests finish before the last starts
+    assert stats is not None and 0 < stats.tokens_per_step < 6 and stats.distinct_experts > 0

@@ -108,7 +108,8 @@ def mla_prefill_fused(
 
     q_nope [T, H, Dn], q_rope [T, H, Dr], expand(lo, hi): the keys [hi - lo, H, Dn+Dr] and values [hi - lo, H, Dv]
     of the sequence's positions lo..hi-1 (expanded from their latents on demand, so no more than key_block of the
-    context is ever expanded or copied at once) -> [T, H, Dv]. attend: prefill.attention_lse or its naive twin.
+    context, or the tail and the chunk, is ever expanded or copied at once) -> [T, H, Dv]. attend:
+    prefill.attention_lse or its naive twin.
 
     The blocks come from prefix_blocks, so the kernels see few distinct shapes (cuDNN builds a plan for each new
     one, tens of milliseconds): the cached tail shorter than tail_block joins the causal call behind zero queries
@@ -131,6 +132,8 @@ def prefix_blocks(start_pos: int, key_block: int, tail_block: int) -> tuple[list
     whole blocks of key_block, then blocks of tail_block times a power of two, largest first, while tail_block
     fits; the tail is what is left (shorter than tail_block). So a block has one of a few lengths whatever the
     context, and the tail's extra causal work (its own zero queries) is bounded by tail_block^2 / 2."""
+    if key_block < 1 or tail_block < 1:
+        raise ValueError(f"prefix_blocks needs key_block and tail_block >= 1, got {key_block} and {tail_block}")
     tail_block = min(tail_block, key_block)
     blocks, lo = [], 0
     while start_pos - lo >= tail_block:

@@ -103,9 +103,10 @@ def padded(run: Callable, q, k, v, scale: float, causal: bool) -> tuple[torch.Te
 
 
 def padded_length(n: int) -> int:
-    """n rounded up to a length of the form m * 2^e with 4 <= m < 8 (at least 64): four lengths an octave, so a
-    padded call has at most a quarter more queries (up to 1.56x a causal call's work) and the chunks of up to 8,192
-    tokens a server steps meet 29 lengths, not thousands."""
+    """n rounded up to a length of the form m * 2^e with 4 <= m < 8 (at least 64): four lengths an octave, so past
+    64 a padded call has at most a quarter more queries (up to 1.56x a causal call's work), and a server's chunks
+    (causal calls of up to 2,047 + 8,192 rows in mla_prefill_fused) meet 30 lengths, not thousands; its calls on a
+    cached prefix of 2,048 keys or more add these query counts times a few key counts."""
     if n <= 64:
         return 64
     step = 1 << max((n - 1).bit_length() - 3, 0)
