@@ -86,7 +86,7 @@ def run_batch(engine: Engine, batch: int, prompt_len: int, output_len: int, seed
     _add_requests(engine, batch, prompt_len, output_len, seed)
     start = time.perf_counter()
     finished, tokens_at_start = _prefill_phase(engine, batch)
-    prefill_done, tokens_at_prefill_done = time.perf_counter(), _tokens_so_far(engine, finished)
+    prefill_done, tokens_at_prefill_done = time.perf_counter(), sum(tokens_at_start.values())
     steps, steady_s, steady_tokens = 0, 0.0, 0
     while engine.has_unfinished_requests():
         done = [o for o in engine.step() if o.finished]

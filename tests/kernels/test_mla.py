@@ -139,6 +139,12 @@ def test_prefix_blocks_cover_the_prefix_in_few_lengths(key_block, tail):
         assert all(hi - lo in sizes for lo, hi in blocks), (start, blocks)
 
 
+@pytest.mark.parametrize("key_block,tail", [(0, 4), (4, 0), (-1, 4), (4, -2)])
+def test_prefix_blocks_refuses_blocks_shorter_than_one_key(key_block, tail):
+    with pytest.raises(ValueError, match="key_block and tail_block >= 1"):
+        prefix_blocks(100, key_block, tail)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("T", [1, 5, 63, 64, 65, 100, 129, 300])
 def test_padded_attention_is_the_attention_of_the_real_queries(causal, T):
