@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-FIGURES = ("tpot_ms", "output_tok_s", "ttft_ms")
+FIGURES = ("tpot_ms", "steady_tpot_ms", "output_tok_s", "steady_tok_s", "ttft_ms")  # those a row has
 
 
 def positive_int(text: str) -> int:
@@ -134,7 +134,7 @@ def summarise(results: dict[str, list[dict]], names: list[str]) -> list[dict]:
     table = []
     for i, row in enumerate(results[first][0]["rows"]):
         entry = {"batch": row["batch"]}
-        for figure in FIGURES:
+        for figure in (f for f in FIGURES if all(f in r["rows"][i] for side in names for r in results[side])):
             medians = {name: statistics.median(r["rows"][i][figure] for r in results[name]) for name in names}
             entry[figure] = {**medians, "ratio": medians[first] / medians[second] if medians[second] else None}
         table.append(entry)
@@ -172,7 +172,7 @@ def print_summary(summary: list[dict], names: list[str]) -> None:
     first, second = names
     print(f"{'batch':>6} {'figure':>13} {first:>12} {second:>12} {first + ' / ' + second:>16}")
     for entry in summary:
-        for figure in FIGURES:
+        for figure in (f for f in FIGURES if f in entry):
             f = entry[figure]
             ratio = f"{f['ratio']:.4f}" if f["ratio"] is not None else "-"
             print(f"{entry['batch']:>6} {figure:>13} {f[first]:>12.3f} {f[second]:>12.3f} {ratio:>16}")

@@ -303,6 +303,36 @@ def batch_expert_rows(device: str, smoke: bool) -> list[dict]:
     return rows
 
 
+def bookkeeping_rows(device: str, smoke: bool) -> list[dict]:
+    """Per-step bookkeeping a batched decode step pays: the sort of a step's (token, slot) pairs into expert blocks
+    (once a MoE layer; kernels.moe.triton_blocks: one Triton program against its torch twin), and the copy of
+    requests' KDA states into prefix-caching snapshots (kernels.cache_ops.copy_rows: one pass against the twin's
+    gather, then scatter; the 48B model's recurrent state in 20 layers). GB/s of the copy counts its rows' bytes
+    read and written once."""
+    from deltaserve.kernels.cache_ops import copy_rows
+    from deltaserve.kernels.moe.triton_blocks import expert_blocks, torch_expert_blocks
+    from deltaserve.kernels.triton_copy import triton_copy_rows
+
+    rows, E, k = [], (8 if smoke else 256), (2 if smoke else 8)
+    for T in (3, 9) if smoke else (8, 64, 256):
+        ids = torch.rand(T, E, device=device).topk(k, dim=-1).indices
+        variants = {"kernel": lambda: expert_blocks(ids, E), "torch": lambda: torch_expert_blocks(ids, E)}
+        for variant, fn in variants.items():
+            emit("bookkeeping", rows, {"op": "expert_blocks", "tokens": T, "variant": variant, "us": timed(fn, device)})
+    L, S, state = (2, 6, (3, 8, 8)) if smoke else (20, 64, (32, 128, 128))
+    source, target = (torch.zeros(L, S, *state, device=device) for _ in range(2))
+    for pairs in (1, 4) if smoke else (1, 16):
+        src, dst = torch.arange(pairs, device=device), torch.arange(pairs, device=device) + S - pairs
+        row_bytes = 2 * L * pairs * source[0, 0].numel() * source.element_size()
+        twin = (lambda: copy_rows(source.cpu(), target.cpu(), src.cpu(), dst.cpu())) if device == "cpu" else (
+            lambda: target.__setitem__((slice(None), dst), source[:, src]))
+        for variant, fn in {"kernel": lambda: triton_copy_rows(source, target, src, dst), "torch": twin}.items():
+            us = timed(fn, device)
+            emit("bookkeeping", rows, {"op": "copy_rows", "pairs": pairs, "variant": variant, "us": us,
+                                       "GBps": row_bytes / us / 1e3})
+    return rows
+
+
 def gemv_rows(device: str, smoke: bool) -> list[dict]:
     """The few-token dense projections: cuBLAS (F.linear, which Linear ran before), our GEMV autotuned, and each
     candidate tile, at the 48B model's projection shapes."""
@@ -475,7 +505,7 @@ def _as_tuple(value) -> tuple:
 PARTS = {"mla_decode": mla_decode_rows, "mla_prefill": mla_prefill_rows, "fp8_experts": fp8_expert_rows,
          "decode_experts": decode_expert_rows, "batch_experts": batch_expert_rows, "gemv": gemv_rows,
          "router": router_rows, "norm_gemv": norm_gemv_rows,
-         "norms": norm_rows, "kda_prefill": kda_prefill_rows}
+         "norms": norm_rows, "kda_prefill": kda_prefill_rows, "bookkeeping": bookkeeping_rows}
 
 
 def main() -> None:

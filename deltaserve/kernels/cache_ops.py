@@ -18,3 +18,22 @@ def to_latent_cache(latents: torch.Tensor) -> torch.Tensor:
     if latents.dtype == FP8:
         return latents
     return latents.clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+_COPY_CHUNK_BYTES = 256 << 20  # rows gathered at once by copy_rows' torch path (the runner's activation reserve)
+
+
+def copy_rows(source: torch.Tensor, target: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """target[:, dst[i]] = source[:, src[i]] for every i: source and target [L, S, ...] with contiguous rows, src and
+    dst [N] int64 on their device (no index in dst twice). On a GPU one Triton kernel reads each row once and writes
+    it once; elsewhere (its twin) torch's gather, then scatter, at most _COPY_CHUNK_BYTES gathered at a time. No
+    wait for the device either way."""
+    if source.is_cuda and source.dtype == target.dtype:
+        from deltaserve.kernels.triton_copy import triton_copy_rows
+
+        triton_copy_rows(source, target, src, dst)
+        return
+    per_pair = source[:, 0].numel() * source.element_size()
+    chunk = max(1, _COPY_CHUNK_BYTES // max(per_pair, 1))
+    for i in range(0, src.numel(), chunk):
+        target[:, dst[i:i + chunk]] = source[:, src[i:i + chunk]]

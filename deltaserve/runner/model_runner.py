@@ -24,6 +24,7 @@ from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce, check_div
 from deltaserve.forward_batch import ForwardBatch
 from deltaserve.kernel_options import KernelOptions
 from deltaserve.kernels import cpu_gemv
+from deltaserve.kernels.cache_ops import copy_rows
 from deltaserve.kernels.tuning_cache import persist_tuning, restore_tuning
 from deltaserve.kernels.varlen import to_device
 from deltaserve.layers.linear import Linear
@@ -40,7 +41,6 @@ from deltaserve.scheduler_output import SchedulerOutput
 
 log = logging.getLogger("deltaserve")
 ACTIVATION_RESERVE_BYTES = 4 << 30  # left free on a GPU for a step's activations and the CUDA graphs
-_COPY_CHUNK_BYTES = 256 << 20  # KDA states gathered at once by a snapshot copy (ACTIVATION_RESERVE_BYTES covers it)
 _ONE_THREAD_MAX_TOKENS = 4  # steps of up to this many tokens run on one thread (more add overhead, not bandwidth)
 # compile_decode: decode steps of up to this many requests (bound by per-op costs; larger ones by their matrix
 # products, where a graph a batch size would cost compile time for little)
@@ -325,20 +325,16 @@ class ModelRunner:
 
     def _copy_states(self, pairs: list[tuple[int, int]], to_snapshots: bool) -> None:
         """Copy whole KDA states (conv tails and recurrent state of every layer): pairs of (state slot, snapshot
-        slot) into the snapshots, or pairs of (snapshot slot, state slot) into the state slots. Two ops a state
-        name, whatever the layer count, and no wait for the device, so a save inside lookahead steps does not stall
-        their queue. At most _COPY_CHUNK_BYTES of gathered states at a time (~40 MiB a request on the 48B model)."""
+        slot) into the snapshots, or pairs of (snapshot slot, state slot) into the state slots. One op a state name
+        (kernels.cache_ops.copy_rows), whatever the layer count, and no wait for the device, so a save inside
+        lookahead steps does not stall their queue."""
         if not pairs:
             return
         src = to_device([a for a, _ in pairs], torch.int64, self.device)
         dst = to_device([b for _, b in pairs], torch.int64, self.device)
-        per_pair = sum(stack[:, 0].numel() * stack.element_size() for stack in self.caches.stacks.values())
-        chunk = max(1, _COPY_CHUNK_BYTES // max(per_pair, 1))
         for name, snapshot in self.caches.snapshots.items():
             state = self.caches.stacks[name]
-            source, target = (state, snapshot) if to_snapshots else (snapshot, state)
-            for i in range(0, len(pairs), chunk):
-                target[:, dst[i:i + chunk]] = source[:, src[i:i + chunk]]
+            copy_rows(*((state, snapshot) if to_snapshots else (snapshot, state)), src, dst)
 
     def _host_batch(self, order: list[str], num_tokens: dict[str, int], splits: list[tuple[int, int, int]]
                     ) -> tuple[HostBatch, list[tuple[int, str]]]:

@@ -9,7 +9,7 @@ from deltaserve.kernels.kda.chunk import chunk_kda
 from deltaserve.kernels.mla.naive import naive_mla
 from deltaserve.kernels.moe.experts import grouped_experts
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk
-from deltaserve.kernels.moe.triton_blocks import block_experts
+from deltaserve.kernels.moe.triton_blocks import block_experts, expert_blocks, torch_expert_blocks
 from deltaserve.kernels.moe.triton_routing import router_logits, triton_topk
 from deltaserve.kernels.varlen import pack_seqs
 
@@ -106,6 +106,35 @@ def test_grouped_experts_match_naive(T, E, k, path):
     out = path(x, w13, w2, weights, ids)
     ref = naive_experts(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu())
     assert rel_err(out.cpu(), ref) < 2e-2
+
+
+@pytest.mark.parametrize("T,E,k", [(5, 16, 8), (64, 256, 8), (256, 256, 8), (511, 7, 4), (33, 300, 3)])
+def test_expert_blocks_kernel_matches_twin(T, E, k):
+    """The one-program sort into expert blocks (tl.sort, tl.histogram compiled) against its torch twin, every
+    output equal, at uniform routing and at a skewed one (every token on the same k experts: many blocks each)."""
+    gen = torch.Generator(device=DEV).manual_seed(T + E)
+    uniform = torch.rand(T, E, generator=gen, device=DEV).topk(k, dim=-1)[1]
+    for ids in (uniform, uniform[:1].expand(T, k)):
+        for got, want in zip(expert_blocks(ids, E), torch_expert_blocks(ids, E)):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("shape", [(32, 128, 128), (3, 4097)])
+def test_copy_rows_kernel_matches_twin(shape):
+    """A request's KDA state rows copied slot to slot in every layer in one pass, as the torch twin copies them."""
+    from deltaserve.kernels.cache_ops import copy_rows
+    from deltaserve.kernels.triton_copy import triton_copy_rows
+
+    gen = torch.Generator(device=DEV).manual_seed(len(shape))
+    source, target = (torch.randn(3, 9, *shape, generator=gen, device=DEV) for _ in range(2))
+    src, dst = torch.tensor([4, 0, 8], device=DEV), torch.tensor([1, 7, 0], device=DEV)
+    want = target.clone()
+    want[:, dst] = source[:, src]
+    copy_rows(source, target, src, dst)  # a GPU tensor: the kernel
+    assert torch.equal(target, want)
+    triton_copy_rows(source, target, dst, src)  # and straight, the other way
+    want[:, src] = source[:, dst]
+    assert torch.equal(target, want)
 
 
 @pytest.mark.parametrize("T,start", [(1, 0), (37, 0), (16, 40)])

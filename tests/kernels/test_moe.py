@@ -180,13 +180,14 @@ def test_grouped_experts_in_chunks_equal_all_at_once_bitwise(chunk):
 
 @pytest.mark.parametrize("T,E,k", [(1, 8, 2), (64, 256, 8), (40, 4, 2), (7, 3, 3)])
 def test_expert_blocks_cover_every_pair_once_within_their_bound(T, E, k):
-    """The block layout of kernels.moe.triton_blocks (pure torch): each (token, slot) pair in exactly one block,
-    every block's rows on its expert, at most 16 rows a block, and the blocks past the last empty."""
-    from deltaserve.kernels.moe.triton_blocks import BLOCK_M, expert_blocks
+    """The block layout of kernels.moe.triton_blocks (its torch twin; test_triton_interpreted holds the kernel to
+    it): each (token, slot) pair in exactly one block, every block's rows on its expert, at most 16 rows a block,
+    and the blocks past the last empty."""
+    from deltaserve.kernels.moe.triton_blocks import BLOCK_M, torch_expert_blocks
 
     gen = torch.Generator().manual_seed(T * E)
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-    order, expert, first, rows = expert_blocks(ids, E)
+    order, expert, first, rows = torch_expert_blocks(ids, E)
     assert rows.numel() == min(E, T * k) + T * k // BLOCK_M and int(rows.max()) <= BLOCK_M
     covered = []
     for e, f, n in zip(expert.tolist(), first.tolist(), rows.tolist()):

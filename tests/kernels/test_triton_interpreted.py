@@ -25,12 +25,13 @@ from deltaserve.kernels.mla.attention import torch_mla_decode  # noqa: E402
 from deltaserve.kernels.mla.triton_decode import triton_mla_decode  # noqa: E402
 from deltaserve.kernels.moe.experts import _weighted_sum  # noqa: E402
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk  # noqa: E402
-from deltaserve.kernels.moe.triton_blocks import block_experts  # noqa: E402
+from deltaserve.kernels.moe.triton_blocks import block_experts, expert_blocks, torch_expert_blocks  # noqa: E402
 from deltaserve.kernels.moe.triton_combine import weighted_sum  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import _sum_slots, decode_experts  # noqa: E402
 from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, router_logits, triton_topk  # noqa: E402
 from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
 from deltaserve.kernels.norm_gemv import add_norm_gemv, gated_norm_gemv, naive_add_norm_linear, naive_gated_norm_linear  # noqa: E402
+from deltaserve.kernels.triton_copy import triton_copy_rows  # noqa: E402
 from deltaserve.kernels.varlen import pack_seqs  # noqa: E402
 
 
@@ -449,6 +450,38 @@ def test_block_experts_match_naive(T, E, k, D, I, tiles):
     weights = torch.rand(T, k, generator=gen)
     out = block_experts(x, w13, w2, weights, ids, *tiles)
     assert rel_err(out, naive_experts(x, w13, w2, weights, ids)) < 1e-5
+
+
+@pytest.mark.parametrize("T,E,k,skew", [
+    (1, 8, 2, False), (5, 16, 4, False), (33, 7, 3, False), (64, 256, 8, False), (37, 12, 4, True), (200, 64, 6, True),
+])
+def test_expert_blocks_kernel_matches_twin(T, E, k, skew):
+    """The one-program sort of the pairs into expert blocks against torch_expert_blocks, every output equal (the
+    blocks past the last too), at ragged pair counts, experts that no token chose, and (skew) a few experts with
+    many blocks each."""
+    gen = torch.Generator().manual_seed(T * E + k)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    if skew:
+        ids = torch.stack([torch.randperm(k + 1, generator=gen)[:k] for _ in range(T)])  # k + 1 of E experts
+    for got, want in zip(expert_blocks(ids, E), torch_expert_blocks(ids, E)):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("L,S,shape,pairs", [(1, 4, (3, 5), [(0, 2)]), (3, 6, (2, 3000), [(5, 0), (1, 3), (2, 2)]),
+                                             (2, 5, (4097,), [(4, 1), (0, 4)])])
+def test_copy_rows_kernel_matches_twin(L, S, shape, pairs):
+    """Whole rows of [L, S, ...] copied slot to slot in every layer, as the torch twin copies them, at row lengths
+    around the kernel's block; the rows not named stay."""
+    from deltaserve.kernels.cache_ops import copy_rows
+
+    gen = torch.Generator().manual_seed(L * S)
+    source, target = torch.randn(L, S, *shape, generator=gen), torch.randn(L, S + 1, *shape, generator=gen)
+    src, dst = (torch.tensor(side) for side in zip(*pairs))
+    want = target.clone()
+    copy_rows(source, want, src, dst)  # a CPU tensor: the twin
+    triton_copy_rows(source, target, src, dst)
+    assert torch.equal(target, want)
+    assert all(torch.equal(want[:, d], source[:, s]) for s, d in pairs)
 
 
 def test_block_experts_with_no_tokens():

@@ -22,10 +22,64 @@ DOWN_TILE = (64, 128)
 NUM_STAGES = 4  # software pipelining of the weight tiles' loads
 
 
+MOST_SORTED_PAIRS = 4096  # up to this many pairs, one program sorts them (expert_blocks); past it, the torch twin
+
+
 def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     """ids [T, k] -> (order: the flat pairs sorted by expert, stably; and per block, up to a bound that depends on the
     shapes only (min(E, T*k) + T*k // block_m): its expert, its first row in sorted order, its rows, 0 for the blocks
-    past the last)."""
+    past the last). One Triton program (a decode step's few thousand pairs: the ~15 small torch ops of the twin,
+    a radix sort among them, cost more than the sort itself); the twin, torch_expert_blocks, past
+    MOST_SORTED_PAIRS."""
+    pairs = ids.numel()
+    if pairs > MOST_SORTED_PAIRS or num_experts > MOST_SORTED_PAIRS:
+        return torch_expert_blocks(ids, num_experts, block_m)
+    num_blocks = min(num_experts, pairs) + pairs // block_m
+    order = torch.empty(pairs, dtype=torch.int64, device=ids.device)
+    expert, first, rows = (torch.empty(num_blocks, dtype=torch.int32, device=ids.device) for _ in range(3))
+    if pairs:
+        _expert_blocks_kernel[(1,)](ids.contiguous(), order, expert, first, rows, pairs, num_blocks, E=num_experts,
+                                    P_PAD=triton.next_power_of_2(pairs),
+                                    E_PAD=triton.next_power_of_2(num_experts + 1),
+                                    NB_PAD=triton.next_power_of_2(num_blocks), BLOCK_M=block_m, num_warps=4)
+    return order, expert, first, rows
+
+
+@triton.jit
+def _expert_blocks_kernel(ids_ptr, order_ptr, expert_ptr, first_ptr, rows_ptr, P, NB, E: tl.constexpr,
+                          P_PAD: tl.constexpr, E_PAD: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """torch_expert_blocks in one program: the pairs sorted by (expert, position) as one key (a stable sort by
+    expert), the experts' counts by a histogram (the padding counted as expert E, in a bin of its own: E_PAD > E),
+    their runs and blocks by prefix sums; then every block past the last written as the twin writes it (the last
+    expert's, no rows), and, after a barrier, each expert's blocks over those places, the b-th of all experts at
+    once."""
+    idx = tl.arange(0, P_PAD)
+    e = tl.load(ids_ptr + idx, mask=idx < P, other=E).to(tl.int32)
+    key = tl.sort(e * P_PAD + idx)
+    tl.store(order_ptr + idx, (key % P_PAD).to(tl.int64), mask=idx < P)
+    experts = tl.arange(0, E_PAD)
+    counts = tl.where(experts < E, tl.histogram(e, E_PAD), 0)
+    ends = tl.cumsum(counts, 0)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_ends = tl.cumsum(blocks, 0)
+    starts, block_starts = ends - counts, block_ends - blocks
+    last = experts == E - 1
+    last_start = tl.sum(tl.where(last, starts, 0), 0)
+    last_block_start = tl.sum(tl.where(last, block_starts, 0), 0)
+    j = tl.arange(0, NB_PAD)
+    tl.store(expert_ptr + j, tl.full([NB_PAD], E - 1, tl.int32), mask=j < NB)
+    tl.store(first_ptr + j, last_start + (j - last_block_start) * BLOCK_M, mask=j < NB)
+    tl.store(rows_ptr + j, tl.zeros([NB_PAD], tl.int32), mask=j < NB)
+    tl.debug_barrier()  # the blocks' own values below land after those (one program: the barrier orders them)
+    for b in range(0, tl.max(blocks, 0)):
+        has = b < blocks
+        tl.store(expert_ptr + block_starts + b, experts, mask=has)
+        tl.store(first_ptr + block_starts + b, starts + b * BLOCK_M, mask=has)
+        tl.store(rows_ptr + block_starts + b, tl.minimum(counts - b * BLOCK_M, BLOCK_M), mask=has)
+
+
+def torch_expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
+    """expert_blocks in torch ops (its twin)."""
     pairs = ids.numel()
     order, _, ends = sort_by_expert(ids, num_experts)
     counts = ends.diff(prepend=ends.new_zeros(1))

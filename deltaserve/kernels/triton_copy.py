@@ -1,0 +1,35 @@
+"""cache_ops.copy_rows on the GPU: whole rows of [L, S, ...] tensors (a request's KDA states in every layer) copied
+from one slot to another in one pass, where torch's gather-then-scatter reads and writes them twice. Twin: its torch
+path, tested against it."""
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 4096  # elements a program copies
+
+
+@triton.jit
+def _copy_rows_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, row, src_layer, src_slot, dst_layer, dst_slot,
+                      BLOCK: tl.constexpr):
+    """One BLOCK of one row: pair program_id(0), layer program_id(1). Row length and strides are runtime values (one
+    compiled variant for every state shape)."""
+    i, layer, c = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    s = tl.load(src_idx_ptr + i)
+    d = tl.load(dst_idx_ptr + i)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row
+    x = tl.load(src_ptr + layer * src_layer + s * src_slot + offs, mask=mask)
+    tl.store(dst_ptr + layer * dst_layer + d * dst_slot + offs, x, mask=mask)
+
+
+def triton_copy_rows(source: torch.Tensor, target: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """cache_ops.copy_rows' contract."""
+    L, row = source.shape[0], source[0, 0].numel()
+    assert target.shape[0] == L and target[0, 0].numel() == row and source.dtype == target.dtype
+    assert source[0, 0].is_contiguous() and target[0, 0].is_contiguous() and src.numel() == dst.numel()
+    if not src.numel() or not row:
+        return
+    _copy_rows_kernel[(src.numel(), L, triton.cdiv(row, _BLOCK))](
+        source, target, src, dst, row, source.stride(0), source.stride(1), target.stride(0), target.stride(1),
+        BLOCK=_BLOCK, num_warps=4)
