@@ -303,6 +303,10 @@ def batch_expert_rows(device: str, smoke: bool) -> list[dict]:
     return rows
 
 
+# expert_blocks' launches: (pairs a program, warps)
+BLOCK_SORT_KNOBS = [(64, 4), (128, 4), (128, 8), (256, 8)]
+
+
 def bookkeeping_rows(device: str, smoke: bool) -> list[dict]:
     """Per-step bookkeeping a batched decode step pays: the sort of a step's (token, slot) pairs into expert blocks
     (once a MoE layer; kernels.moe.triton_blocks: one Triton program against its torch twin), and the copy of
@@ -317,6 +321,8 @@ def bookkeeping_rows(device: str, smoke: bool) -> list[dict]:
     for T in (3, 9) if smoke else (8, 64, 256):
         ids = torch.rand(T, E, device=device).topk(k, dim=-1).indices
         variants = {"kernel": lambda: expert_blocks(ids, E), "torch": lambda: torch_expert_blocks(ids, E)}
+        variants.update({f"chunk {c}, {w} warps": (lambda c=c, w=w: expert_blocks(ids, E, chunk=c, num_warps=w))
+                         for c, w in BLOCK_SORT_KNOBS})
         for variant, fn in variants.items():
             emit("bookkeeping", rows, {"op": "expert_blocks", "tokens": T, "variant": variant, "us": timed(fn, device)})
     L, S, state = (2, 6, (3, 8, 8)) if smoke else (20, 64, (32, 128, 128))

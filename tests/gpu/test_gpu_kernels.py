@@ -9,7 +9,7 @@ from deltaserve.kernels.kda.chunk import chunk_kda
 from deltaserve.kernels.mla.naive import naive_mla
 from deltaserve.kernels.moe.experts import grouped_experts
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk
-from deltaserve.kernels.moe.triton_blocks import block_experts, expert_blocks, torch_expert_blocks
+from deltaserve.kernels.moe.triton_blocks import SORT_CHUNK, block_experts, expert_blocks, torch_expert_blocks
 from deltaserve.kernels.moe.triton_routing import router_logits, triton_topk
 from deltaserve.kernels.varlen import pack_seqs
 
@@ -110,13 +110,15 @@ def test_grouped_experts_match_naive(T, E, k, path):
 
 @pytest.mark.parametrize("T,E,k", [(5, 16, 8), (64, 256, 8), (256, 256, 8), (511, 7, 4), (33, 300, 3)])
 def test_expert_blocks_kernel_matches_twin(T, E, k):
-    """The one-program sort into expert blocks (tl.sort, tl.histogram compiled) against its torch twin, every
-    output equal, at uniform routing and at a skewed one (every token on the same k experts: many blocks each)."""
+    """The pairs placed into expert blocks, a program a chunk (histograms and a barrier compiled), against the
+    torch twin, every output equal, at uniform routing and at a skewed one (every token on the same k experts: many
+    blocks each)."""
     gen = torch.Generator(device=DEV).manual_seed(T + E)
     uniform = torch.rand(T, E, generator=gen, device=DEV).topk(k, dim=-1)[1]
     for ids in (uniform, uniform[:1].expand(T, k)):
-        for got, want in zip(expert_blocks(ids, E), torch_expert_blocks(ids, E)):
-            assert torch.equal(got, want)
+        for chunk in (8, SORT_CHUNK):
+            for got, want in zip(expert_blocks(ids, E, chunk=chunk), torch_expert_blocks(ids, E)):
+                assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("shape", [(32, 128, 128), (3, 4097)])

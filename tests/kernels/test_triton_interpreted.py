@@ -25,7 +25,7 @@ from deltaserve.kernels.mla.attention import torch_mla_decode  # noqa: E402
 from deltaserve.kernels.mla.triton_decode import triton_mla_decode  # noqa: E402
 from deltaserve.kernels.moe.experts import _weighted_sum  # noqa: E402
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk  # noqa: E402
-from deltaserve.kernels.moe.triton_blocks import block_experts, expert_blocks, torch_expert_blocks  # noqa: E402
+from deltaserve.kernels.moe.triton_blocks import SORT_CHUNK, block_experts, expert_blocks, torch_expert_blocks  # noqa: E402
 from deltaserve.kernels.moe.triton_combine import weighted_sum  # noqa: E402
 from deltaserve.kernels.moe.triton_decode import _sum_slots, decode_experts  # noqa: E402
 from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, router_logits, triton_topk  # noqa: E402
@@ -456,15 +456,17 @@ def test_block_experts_match_naive(T, E, k, D, I, tiles):
     (1, 8, 2, False), (5, 16, 4, False), (33, 7, 3, False), (64, 256, 8, False), (37, 12, 4, True), (200, 64, 6, True),
 ])
 def test_expert_blocks_kernel_matches_twin(T, E, k, skew):
-    """The one-program sort of the pairs into expert blocks against torch_expert_blocks, every output equal (the
-    blocks past the last too), at ragged pair counts, experts that no token chose, and (skew) a few experts with
-    many blocks each."""
+    """The pairs placed into expert blocks, a program a chunk, against torch_expert_blocks, every output equal (the
+    blocks past the last too), at ragged pair counts, chunks of 8 and of the default (a partial last chunk),
+    experts that no token chose, and (skew) a few experts with many blocks each."""
     gen = torch.Generator().manual_seed(T * E + k)
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
     if skew:
         ids = torch.stack([torch.randperm(k + 1, generator=gen)[:k] for _ in range(T)])  # k + 1 of E experts
-    for got, want in zip(expert_blocks(ids, E), torch_expert_blocks(ids, E)):
-        assert got.dtype == want.dtype and torch.equal(got, want)
+    want = torch_expert_blocks(ids, E)
+    for chunk in (8, SORT_CHUNK):
+        for got, expected in zip(expert_blocks(ids, E, chunk=chunk), want):
+            assert got.dtype == expected.dtype and torch.equal(got, expected)
 
 
 @pytest.mark.parametrize("L,S,shape,pairs", [(1, 4, (3, 5), [(0, 2)]), (3, 6, (2, 3000), [(5, 0), (1, 3), (2, 2)]),

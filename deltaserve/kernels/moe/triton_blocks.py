@@ -22,15 +22,17 @@ DOWN_TILE = (64, 128)
 NUM_STAGES = 4  # software pipelining of the weight tiles' loads
 
 
-MOST_SORTED_PAIRS = 4096  # up to this many pairs, one program sorts them (expert_blocks); past it, the torch twin
+MOST_SORTED_PAIRS = 4096  # up to this many pairs, Triton programs place them (expert_blocks); past it, the torch twin
+SORT_CHUNK = 32  # pairs a program of expert_blocks places (kernels_bench's bookkeeping part swept 32-256 and one sort)
 
 
-def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
+def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, chunk: int = SORT_CHUNK,
+                  num_warps: int = 4):
     """ids [T, k] -> (order: the flat pairs sorted by expert, stably; and per block, up to a bound that depends on the
     shapes only (min(E, T*k) + T*k // block_m): its expert, its first row in sorted order, its rows, 0 for the blocks
-    past the last). One Triton program (a decode step's few thousand pairs: the ~15 small torch ops of the twin,
-    a radix sort among them, cost more than the sort itself); the twin, torch_expert_blocks, past
-    MOST_SORTED_PAIRS."""
+    past the last). One Triton launch, a program a chunk of pairs (a decode step's few thousand pairs: the ~15 small
+    torch ops of the twin, a radix sort among them, cost more than the whole launch). The twin, torch_expert_blocks,
+    past MOST_SORTED_PAIRS."""
     pairs = ids.numel()
     if pairs > MOST_SORTED_PAIRS or num_experts > MOST_SORTED_PAIRS:
         return torch_expert_blocks(ids, num_experts, block_m)
@@ -38,44 +40,56 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     order = torch.empty(pairs, dtype=torch.int64, device=ids.device)
     expert, first, rows = (torch.empty(num_blocks, dtype=torch.int32, device=ids.device) for _ in range(3))
     if pairs:
-        _expert_blocks_kernel[(1,)](ids.contiguous(), order, expert, first, rows, pairs, num_blocks, E=num_experts,
-                                    P_PAD=triton.next_power_of_2(pairs),
-                                    E_PAD=triton.next_power_of_2(num_experts + 1),
-                                    NB_PAD=triton.next_power_of_2(num_blocks), BLOCK_M=block_m, num_warps=4)
+        programs, e_pad = triton.cdiv(pairs, chunk), triton.next_power_of_2(num_experts + 1)
+        places = torch.empty(programs, e_pad, dtype=torch.int32, device=ids.device)
+        _expert_blocks_kernel[(programs,)](
+            ids.contiguous(), order, expert, first, rows, places, pairs, num_blocks, E=num_experts,
+            P_PAD=triton.next_power_of_2(pairs), E_PAD=e_pad, NB_PAD=triton.next_power_of_2(num_blocks),
+            BLOCK_M=block_m, CHUNK=chunk, num_warps=num_warps)
     return order, expert, first, rows
 
 
 @triton.jit
-def _expert_blocks_kernel(ids_ptr, order_ptr, expert_ptr, first_ptr, rows_ptr, P, NB, E: tl.constexpr,
-                          P_PAD: tl.constexpr, E_PAD: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """torch_expert_blocks in one program: the pairs sorted by (expert, position) as one key (a stable sort by
-    expert), the experts' counts by a histogram (the padding counted as expert E, in a bin of its own: E_PAD > E),
-    their runs and blocks by prefix sums; then every block past the last written as the twin writes it (the last
-    expert's, no rows), and, after a barrier, each expert's blocks over those places, the b-th of all experts at
-    once."""
+def _expert_blocks_kernel(ids_ptr, order_ptr, expert_ptr, first_ptr, rows_ptr, places_ptr, P, NB, E: tl.constexpr,
+                          P_PAD: tl.constexpr, E_PAD: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                          CHUNK: tl.constexpr):
+    """torch_expert_blocks in Triton, a program a CHUNK of pairs. Each program counts every pair's expert (a
+    histogram; the padding counted as expert E, in a bin of its own: E_PAD > E) and those of the chunks before its
+    own, so each expert's first place for this chunk is its run's start plus those earlier pairs (written to this
+    program's row of places, to look up by expert); a pair goes there plus the pairs of its expert ahead of it in
+    the chunk: a stable sort by expert. Program 0 also writes every block past the last as the twin writes it (the
+    last expert's, no rows) and, after a barrier, each expert's blocks over those places, the b-th of all experts
+    at once."""
+    c = tl.program_id(0)
     idx = tl.arange(0, P_PAD)
     e = tl.load(ids_ptr + idx, mask=idx < P, other=E).to(tl.int32)
-    key = tl.sort(e * P_PAD + idx)
-    tl.store(order_ptr + idx, (key % P_PAD).to(tl.int64), mask=idx < P)
     experts = tl.arange(0, E_PAD)
     counts = tl.where(experts < E, tl.histogram(e, E_PAD), 0)
-    ends = tl.cumsum(counts, 0)
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    block_ends = tl.cumsum(blocks, 0)
-    starts, block_starts = ends - counts, block_ends - blocks
-    last = experts == E - 1
-    last_start = tl.sum(tl.where(last, starts, 0), 0)
-    last_block_start = tl.sum(tl.where(last, block_starts, 0), 0)
-    j = tl.arange(0, NB_PAD)
-    tl.store(expert_ptr + j, tl.full([NB_PAD], E - 1, tl.int32), mask=j < NB)
-    tl.store(first_ptr + j, last_start + (j - last_block_start) * BLOCK_M, mask=j < NB)
-    tl.store(rows_ptr + j, tl.zeros([NB_PAD], tl.int32), mask=j < NB)
-    tl.debug_barrier()  # the blocks' own values below land after those (one program: the barrier orders them)
-    for b in range(0, tl.max(blocks, 0)):
-        has = b < blocks
-        tl.store(expert_ptr + block_starts + b, experts, mask=has)
-        tl.store(first_ptr + block_starts + b, starts + b * BLOCK_M, mask=has)
-        tl.store(rows_ptr + block_starts + b, tl.minimum(counts - b * BLOCK_M, BLOCK_M), mask=has)
+    starts = tl.cumsum(counts, 0) - counts
+    earlier = tl.histogram(tl.where(idx < c * CHUNK, e, E), E_PAD)
+    tl.store(places_ptr + c * E_PAD + experts, starts + earlier)
+    tl.debug_barrier()  # this program's places, written above, read below by other threads
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    mine = tl.load(ids_ptr + i, mask=i < P, other=E).to(tl.int32)
+    ahead = tl.sum(((mine[None, :] == mine[:, None]) & (i[None, :] < i[:, None])).to(tl.int32), 1)
+    place = tl.load(places_ptr + c * E_PAD + mine, mask=i < P, other=0) + ahead
+    tl.store(order_ptr + place, i.to(tl.int64), mask=i < P)
+    if c == 0:
+        blocks = (counts + BLOCK_M - 1) // BLOCK_M
+        block_starts = tl.cumsum(blocks, 0) - blocks
+        last = experts == E - 1
+        last_start = tl.sum(tl.where(last, starts, 0), 0)
+        last_block_start = tl.sum(tl.where(last, block_starts, 0), 0)
+        j = tl.arange(0, NB_PAD)
+        tl.store(expert_ptr + j, tl.full([NB_PAD], E - 1, tl.int32), mask=j < NB)
+        tl.store(first_ptr + j, last_start + (j - last_block_start) * BLOCK_M, mask=j < NB)
+        tl.store(rows_ptr + j, tl.zeros([NB_PAD], tl.int32), mask=j < NB)
+        tl.debug_barrier()  # the blocks' own values below land after those
+        for b in range(0, tl.max(blocks, 0)):
+            has = b < blocks
+            tl.store(expert_ptr + block_starts + b, experts, mask=has)
+            tl.store(first_ptr + block_starts + b, starts + b * BLOCK_M, mask=has)
+            tl.store(rows_ptr + block_starts + b, tl.minimum(counts - b * BLOCK_M, BLOCK_M), mask=has)
 
 
 def torch_expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
