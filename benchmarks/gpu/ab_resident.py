@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -128,6 +129,13 @@ def order(rounds: int, names: list[str]) -> list[tuple[int, str]]:
     return [(r, name) for r in range(rounds) for name in (names if r % 2 == 0 else names[::-1])]
 
 
+def _median(values: list[float]) -> float:
+    """The median of the values that are numbers (a steady figure is NaN where a request finished before the decode
+    phase), NaN if none is."""
+    numbers = [v for v in values if not math.isnan(v)]
+    return statistics.median(numbers) if numbers else float("nan")
+
+
 def summarise(results: dict[str, list[dict]], names: list[str]) -> list[dict]:
     """Per batch size and figure: each side's median over its rounds, and the first side's over the second's."""
     first, second = names
@@ -135,8 +143,9 @@ def summarise(results: dict[str, list[dict]], names: list[str]) -> list[dict]:
     for i, row in enumerate(results[first][0]["rows"]):
         entry = {"batch": row["batch"]}
         for figure in (f for f in FIGURES if all(f in r["rows"][i] for side in names for r in results[side])):
-            medians = {name: statistics.median(r["rows"][i][figure] for r in results[name]) for name in names}
-            entry[figure] = {**medians, "ratio": medians[first] / medians[second] if medians[second] else None}
+            medians = {name: _median([r["rows"][i][figure] for r in results[name]]) for name in names}
+            usable = medians[second] and not math.isnan(medians[second])
+            entry[figure] = {**medians, "ratio": medians[first] / medians[second] if usable else None}
         table.append(entry)
     return table
 

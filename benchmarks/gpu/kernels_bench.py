@@ -308,34 +308,38 @@ BLOCK_SORT_KNOBS = [(64, 4), (128, 4), (128, 8), (256, 8)]
 
 
 def bookkeeping_rows(device: str, smoke: bool) -> list[dict]:
-    """Per-step bookkeeping a batched decode step pays: the sort of a step's (token, slot) pairs into expert blocks
-    (once a MoE layer; kernels.moe.triton_blocks: one Triton program against its torch twin), and the copy of
-    requests' KDA states into prefix-caching snapshots (kernels.cache_ops.copy_rows: one pass against the twin's
-    gather, then scatter; the 48B model's recurrent state in 20 layers). GB/s of the copy counts its rows' bytes
-    read and written once."""
-    from deltaserve.kernels.cache_ops import copy_rows
+    """Per-step bookkeeping a batched decode step pays: the placing of a step's (token, slot) pairs into expert
+    blocks (once a MoE layer; kernels.moe.triton_blocks: a Triton launch at each of BLOCK_SORT_KNOBS against its
+    torch twin), and the copy of requests' KDA states into prefix-caching snapshots (kernels.cache_ops.copy_rows:
+    one pass against the twin's gather, then scatter; the 48B model's recurrent state in 20 layers). GB/s of the
+    copy counts its rows' bytes read and written once; `rel_err` is 0 where a variant's output equals the twin's."""
     from deltaserve.kernels.moe.triton_blocks import expert_blocks, torch_expert_blocks
     from deltaserve.kernels.triton_copy import triton_copy_rows
 
     rows, E, k = [], (8 if smoke else 256), (2 if smoke else 8)
     for T in (3, 9) if smoke else (8, 64, 256):
         ids = torch.rand(T, E, device=device).topk(k, dim=-1).indices
+        want = torch_expert_blocks(ids, E)
         variants = {"kernel": lambda: expert_blocks(ids, E), "torch": lambda: torch_expert_blocks(ids, E)}
         variants.update({f"chunk {c}, {w} warps": (lambda c=c, w=w: expert_blocks(ids, E, chunk=c, num_warps=w))
                          for c, w in BLOCK_SORT_KNOBS})
         for variant, fn in variants.items():
-            emit("bookkeeping", rows, {"op": "expert_blocks", "tokens": T, "variant": variant, "us": timed(fn, device)})
+            equal = all(torch.equal(got, expected) for got, expected in zip(fn(), want))
+            emit("bookkeeping", rows, {"op": "expert_blocks", "tokens": T, "variant": variant, "us": timed(fn, device),
+                                       "rel_err": 0.0 if equal else 1.0})
     L, S, state = (2, 6, (3, 8, 8)) if smoke else (20, 64, (32, 128, 128))
-    source, target = (torch.zeros(L, S, *state, device=device) for _ in range(2))
+    source = torch.randn(L, S, *state, device=device)
     for pairs in (1, 4) if smoke else (1, 16):
         src, dst = torch.arange(pairs, device=device), torch.arange(pairs, device=device) + S - pairs
         row_bytes = 2 * L * pairs * source[0, 0].numel() * source.element_size()
-        twin = (lambda: copy_rows(source.cpu(), target.cpu(), src.cpu(), dst.cpu())) if device == "cpu" else (
-            lambda: target.__setitem__((slice(None), dst), source[:, src]))
-        for variant, fn in {"kernel": lambda: triton_copy_rows(source, target, src, dst), "torch": twin}.items():
+        targets = {"kernel": torch.zeros_like(source), "torch": torch.zeros_like(source)}
+        copies = {"kernel": lambda: triton_copy_rows(source, targets["kernel"], src, dst),
+                  "torch": lambda: targets["torch"].__setitem__((slice(None), dst), source[:, src])}
+        for variant, fn in copies.items():
             us = timed(fn, device)
+            equal = torch.equal(targets[variant][:, dst], source[:, src])
             emit("bookkeeping", rows, {"op": "copy_rows", "pairs": pairs, "variant": variant, "us": us,
-                                       "GBps": row_bytes / us / 1e3})
+                                       "GBps": row_bytes / us / 1e3, "rel_err": 0.0 if equal else 1.0})
     return rows
 
 

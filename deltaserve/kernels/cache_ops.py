@@ -24,14 +24,16 @@ _COPY_CHUNK_BYTES = 256 << 20  # rows gathered at once by copy_rows' torch path 
 
 
 def copy_rows(source: torch.Tensor, target: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """target[:, dst[i]] = source[:, src[i]] for every i: source and target [L, S, ...] with contiguous rows, src and
-    dst [N] int64 on their device (no index in dst twice). On a GPU one Triton kernel reads each row once and writes
-    it once; elsewhere (its twin) torch's gather, then scatter, at most _COPY_CHUNK_BYTES gathered at a time. No
-    wait for the device either way."""
-    if source.is_cuda and source.dtype == target.dtype:
+    """target[:, dst[i]] = source[:, src[i]] for every i: source and target [L, S, ...], two tensors, src and dst [N]
+    integer slot indices on their device (in range, none in dst twice: not checked). On a GPU, where both tensors
+    are there in one dtype with contiguous rows, one Triton kernel reads each row once and writes it once; elsewhere
+    (its twin) torch's gather, then scatter, at most _COPY_CHUNK_BYTES gathered at a time. No wait for the device
+    either way."""
+    if (source.is_cuda and target.is_cuda and source.dtype == target.dtype and source[0, 0].is_contiguous()
+            and target[0, 0].is_contiguous()):
         from deltaserve.kernels.triton_copy import triton_copy_rows
 
-        triton_copy_rows(source, target, src, dst)
+        triton_copy_rows(source, target, src.long(), dst.long())
         return
     per_pair = source[:, 0].numel() * source.element_size()
     chunk = max(1, _COPY_CHUNK_BYTES // max(per_pair, 1))

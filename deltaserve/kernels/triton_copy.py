@@ -24,10 +24,15 @@ def _copy_rows_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, row, src_layer
 
 
 def triton_copy_rows(source: torch.Tensor, target: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """cache_ops.copy_rows' contract."""
+    """cache_ops.copy_rows' contract, on the GPU: rows contiguous, one dtype, src and dst int64 (a slot's offset
+    is an int64 product: 20 layers of 256 KDA states pass 2**31 elements)."""
     L, row = source.shape[0], source[0, 0].numel()
-    assert target.shape[0] == L and target[0, 0].numel() == row and source.dtype == target.dtype
-    assert source[0, 0].is_contiguous() and target[0, 0].is_contiguous() and src.numel() == dst.numel()
+    if (target.shape[0] != L or target[0, 0].numel() != row or source.dtype != target.dtype
+            or not (source[0, 0].is_contiguous() and target[0, 0].is_contiguous())
+            or src.dtype != torch.int64 or dst.dtype != torch.int64 or src.numel() != dst.numel()):
+        raise ValueError(f"copy_rows: rows of {tuple(source.shape)} {source.dtype} into {tuple(target.shape)} "
+                         f"{target.dtype} with indices {src.dtype} x{src.numel()}, {dst.dtype} x{dst.numel()}: needs "
+                         "as many layers, equal contiguous rows, one dtype and int64 indices of one length")
     if not src.numel() or not row:
         return
     _copy_rows_kernel[(src.numel(), L, triton.cdiv(row, _BLOCK))](

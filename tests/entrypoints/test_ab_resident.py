@@ -1,6 +1,7 @@
 """benchmarks/gpu/ab_resident.py on the CPU (the demo model, both sides this tree): each side starts once, the
 rounds alternate ABBA, each side's rows come back per round, and the summary compares the medians."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -29,6 +30,22 @@ def test_two_resident_sides_alternate_and_are_summarised(tmp_path):
     assert [entry["batch"] for entry in report["summary"]] == [1, 3]
     assert all(entry["tpot_ms"]["ratio"] > 0 for entry in report["summary"])
     assert "a ready after" in result.stdout and "b ready after" in result.stdout and "a / b" in result.stdout
+
+
+def test_summary_takes_the_median_of_the_rounds_with_numbers():
+    """A steady figure is NaN in a round where a request finished before the decode phase: the median is over the
+    other rounds, in whatever order they came, and a side with none has no ratio."""
+    spec = importlib.util.spec_from_file_location("ab_resident", SCRIPT)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    nan = float("nan")
+    rounds = {"a": [[nan, 1.0], [1.0, nan], [2.0, nan]], "b": [[4.0, nan], [nan, nan], [6.0, nan]]}
+    results = {side: [{"rows": [{"batch": 8, "tpot_ms": 1.0, "steady_tpot_ms": v, "output_tok_s": 1.0,
+                                 "steady_tok_s": w, "ttft_ms": 1.0}]} for v, w in values]
+               for side, values in rounds.items()}
+    entry = ab.summarise(results, ["a", "b"])[0]
+    assert entry["steady_tpot_ms"] == {"a": 1.5, "b": 5.0, "ratio": 0.3}
+    assert entry["steady_tok_s"]["a"] == 1.0 and entry["steady_tok_s"]["ratio"] is None
 
 
 @pytest.mark.parametrize("flag", ["--rounds", "--output-len", "--batch-sizes"])

@@ -139,6 +139,21 @@ def test_copy_rows_kernel_matches_twin(shape):
     assert torch.equal(target, want)
 
 
+def test_copy_rows_kernel_addresses_past_two_to_the_31():
+    """Rows past 2**31 elements into the stack (as 20 layers of 256 KDA states are) land where the torch copy puts
+    them: the slot and layer offsets are int64 products."""
+    from deltaserve.kernels.triton_copy import triton_copy_rows
+
+    source = torch.zeros(3, 4, (1 << 28) + 7, dtype=torch.uint8, device=DEV)
+    source[2, 3, -5:] = torch.arange(1, 6, dtype=torch.uint8, device=DEV)
+    source[1, 0, :3] = 9
+    target = torch.zeros_like(source)
+    triton_copy_rows(source, target, torch.tensor([3, 0], device=DEV), torch.tensor([3, 1], device=DEV))
+    assert target[2, 3, -5:].tolist() == [1, 2, 3, 4, 5] and target[1, 1, :3].tolist() == [9, 9, 9]
+    assert int(target[:, 0].sum()) == 0 and int(target[:, 2].sum()) == 0
+    del source, target
+
+
 @pytest.mark.parametrize("T,start", [(1, 0), (37, 0), (16, 40)])
 def test_sdpa_mla_prefill_matches_naive(T, start):
     from deltaserve.kernels.mla.attention import mla_prefill

@@ -197,3 +197,17 @@ def test_expert_blocks_cover_every_pair_once_within_their_bound(T, E, k):
     assert sorted(covered) == list(range(T * k))
     used = int((rows > 0).sum())
     assert bool((rows[used:] == 0).all()) and used == sum(-(-int((ids == e).sum()) // BLOCK_M) for e in range(E))
+
+
+def test_copy_rows_twin_in_chunks_copies_every_pair(monkeypatch):
+    """copy_rows' torch path gathers a bounded number of rows at a time: with room for two, five pairs still land
+    each in its place, and the rows not named stay."""
+    from deltaserve.kernels import cache_ops
+
+    source, target = torch.randn(3, 8, 4, 5), torch.randn(3, 9, 4, 5)
+    want = target.clone()
+    src, dst = torch.tensor([7, 0, 3, 5, 1]), torch.tensor([2, 8, 0, 4, 6])
+    want[:, dst] = source[:, src]
+    monkeypatch.setattr(cache_ops, "_COPY_CHUNK_BYTES", 2 * 3 * 4 * 5 * 4)
+    cache_ops.copy_rows(source, target, src, dst)
+    assert torch.equal(target, want)

@@ -469,6 +469,16 @@ def test_expert_blocks_kernel_matches_twin(T, E, k, skew):
             assert got.dtype == expected.dtype and torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("T,E,k,chunk", [(3, 1, 1, 32), (6, 5, 4, 8), (512, 256, 8, 512)])
+def test_expert_blocks_kernel_at_the_edges(T, E, k, chunk):
+    """One expert only; a token choosing the same expert twice (the pairs still in place, in order); and the most
+    pairs the kernel takes (MOST_SORTED_PAIRS), each against the twin."""
+    gen = torch.Generator().manual_seed(T + E)
+    ids = torch.randint(0, E, (T, k), generator=gen)
+    for got, want in zip(expert_blocks(ids, E, chunk=chunk), torch_expert_blocks(ids, E)):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("L,S,shape,pairs", [(1, 4, (3, 5), [(0, 2)]), (3, 6, (2, 3000), [(5, 0), (1, 3), (2, 2)]),
                                              (2, 5, (4097,), [(4, 1), (0, 4)])])
 def test_copy_rows_kernel_matches_twin(L, S, shape, pairs):
@@ -484,6 +494,16 @@ def test_copy_rows_kernel_matches_twin(L, S, shape, pairs):
     triton_copy_rows(source, target, src, dst)
     assert torch.equal(target, want)
     assert all(torch.equal(want[:, d], source[:, s]) for s, d in pairs)
+
+
+def test_copy_rows_kernel_refuses_what_it_cannot_address():
+    """int32 slot indices (a slot's offset overflows past 2**31 elements) and rows of two dtypes are refused with
+    what was passed; copy_rows itself widens the indices."""
+    source, target = torch.zeros(2, 4, 8), torch.zeros(2, 4, 8)
+    with pytest.raises(ValueError, match="int64 indices"):
+        triton_copy_rows(source, target, torch.tensor([1], dtype=torch.int32), torch.tensor([2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="torch.float16"):
+        triton_copy_rows(source, target.half(), torch.tensor([1]), torch.tensor([2]))
 
 
 def test_block_experts_with_no_tokens():

@@ -24,15 +24,18 @@ NUM_STAGES = 4  # software pipelining of the weight tiles' loads
 
 MOST_SORTED_PAIRS = 4096  # up to this many pairs, Triton programs place them (expert_blocks); past it, the torch twin
 SORT_CHUNK = 32  # pairs a program of expert_blocks places (kernels_bench's bookkeeping part swept 32-256 and one sort)
+_PAIR_SIZES = (256, 1024, MOST_SORTED_PAIRS)  # expert_blocks' compiled pair counts (the launch's are padded up)
 
 
 def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, chunk: int = SORT_CHUNK,
                   num_warps: int = 4):
-    """ids [T, k] -> (order: the flat pairs sorted by expert, stably; and per block, up to a bound that depends on the
-    shapes only (min(E, T*k) + T*k // block_m): its expert, its first row in sorted order, its rows, 0 for the blocks
-    past the last). One Triton launch, a program a chunk of pairs (a decode step's few thousand pairs: the ~15 small
-    torch ops of the twin, a radix sort among them, cost more than the whole launch). The twin, torch_expert_blocks,
-    past MOST_SORTED_PAIRS."""
+    """ids [T, k] in [0, num_experts) (the router's; not checked) -> (order: the flat pairs sorted by expert,
+    stably; and per block, up to a bound that depends on the shapes only (min(E, T*k) + T*k // block_m): its expert,
+    its first row in sorted order, its rows, 0 for the blocks past the last). One Triton launch, a program a chunk of
+    pairs (a decode step's few thousand pairs: the ~15 small torch ops of the twin, a radix sort among them, cost
+    more than the whole launch). The pair count is padded to one of three sizes and passed unspecialised, so a
+    server's batch sizes compile three variants, not one each. The twin, torch_expert_blocks, past
+    MOST_SORTED_PAIRS."""
     pairs = ids.numel()
     if pairs > MOST_SORTED_PAIRS or num_experts > MOST_SORTED_PAIRS:
         return torch_expert_blocks(ids, num_experts, block_m)
@@ -40,16 +43,17 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, c
     order = torch.empty(pairs, dtype=torch.int64, device=ids.device)
     expert, first, rows = (torch.empty(num_blocks, dtype=torch.int32, device=ids.device) for _ in range(3))
     if pairs:
+        padded = next(size for size in _PAIR_SIZES if size >= pairs)
         programs, e_pad = triton.cdiv(pairs, chunk), triton.next_power_of_2(num_experts + 1)
         places = torch.empty(programs, e_pad, dtype=torch.int32, device=ids.device)
         _expert_blocks_kernel[(programs,)](
-            ids.contiguous(), order, expert, first, rows, places, pairs, num_blocks, E=num_experts,
-            P_PAD=triton.next_power_of_2(pairs), E_PAD=e_pad, NB_PAD=triton.next_power_of_2(num_blocks),
+            ids.contiguous(), order, expert, first, rows, places, pairs, num_blocks, E=num_experts, P_PAD=padded,
+            E_PAD=e_pad, NB_PAD=triton.next_power_of_2(min(num_experts, padded) + padded // block_m),
             BLOCK_M=block_m, CHUNK=chunk, num_warps=num_warps)
     return order, expert, first, rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "NB"])
 def _expert_blocks_kernel(ids_ptr, order_ptr, expert_ptr, first_ptr, rows_ptr, places_ptr, P, NB, E: tl.constexpr,
                           P_PAD: tl.constexpr, E_PAD: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                           CHUNK: tl.constexpr):
