@@ -24,7 +24,7 @@ NUM_STAGES = 4  # software pipelining of the weight tiles' loads
 
 MOST_SORTED_PAIRS = 4096  # up to this many pairs, Triton programs place them (expert_blocks); past it, the torch twin
 SORT_CHUNK = 32  # pairs a program of expert_blocks places (kernels_bench's bookkeeping part swept 32-256 and one sort)
-_PAIR_SIZES = (256, 1024, MOST_SORTED_PAIRS)  # expert_blocks' compiled pair counts (the launch's are padded up)
+_PAIR_SIZES = (256, 512, 1024, 2048, MOST_SORTED_PAIRS)  # expert_blocks' compiled pair counts (padded up to one)
 
 
 def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, chunk: int = SORT_CHUNK,
@@ -33,8 +33,8 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, c
     stably; and per block, up to a bound that depends on the shapes only (min(E, T*k) + T*k // block_m): its expert,
     its first row in sorted order, its rows, 0 for the blocks past the last). One Triton launch, a program a chunk of
     pairs (a decode step's few thousand pairs: the ~15 small torch ops of the twin, a radix sort among them, cost
-    more than the whole launch). The pair count is padded to one of three sizes and passed unspecialised, so a
-    server's batch sizes compile three variants, not one each. The twin, torch_expert_blocks, past
+    more than the whole launch). The pair count is padded to a power of two of at least 256 and passed unspecialised,
+    so the CUDA graphs' 13 batch sizes compile four variants, not one each. The twin, torch_expert_blocks, past
     MOST_SORTED_PAIRS."""
     pairs = ids.numel()
     if pairs > MOST_SORTED_PAIRS or num_experts > MOST_SORTED_PAIRS:
