@@ -3,12 +3,11 @@ through Triton's interpreter, in float32 (the interpreter's bfloat16 tl.dot is n
 with CUDA, tests/gpu/test_gpu_fp8_grouped.py runs them compiled, in bfloat16 and under a CUDA graph."""
 
 import pytest
-import torch
 from helpers.kernels import fp8_expert_case, rel_err, require_triton_interpreter
 
 require_triton_interpreter()
 
-from deltaserve.kernels.quant.triton_grouped import _block_table, fp8_grouped_experts  # noqa: E402
+from deltaserve.kernels.quant.triton_grouped import fp8_grouped_experts  # noqa: E402
 
 
 @pytest.mark.parametrize("T,E,k,D,I,block,hit", [
@@ -24,15 +23,3 @@ def test_fp8_grouped_experts_match_naive(T, E, k, D, I, block, hit):
     x, w13, s13, w2, s2, weights, ids, expected = fp8_expert_case(T, E, k, D, I, block, (T * E + D, T + I, E + D),
                                                                    experts=hit)
     assert rel_err(fp8_grouped_experts(x, w13, s13, w2, s2, weights, ids, block), expected) < 1e-5
-
-
-def test_block_table_cuts_each_experts_sorted_rows_into_blocks():
-    """Blocks of up to 16 sorted rows of one expert, in ascending expert order (a block's end is its expert's; the
-    kernels mask rows past start + 16), among cdiv(P, 16) + min(E, P) launched; the rest have empty ranges."""
-    ids = torch.tensor([3] * 17 + [0] * 2 + [5] * 16 + [1])
-    expert, start, end = _block_table(ids, 6).long()
-    assert expert.numel() == 3 + 6
-    real = start < end
-    assert expert[real].tolist() == [0, 1, 3, 3, 5]
-    assert start[real].tolist() == [0, 2, 3, 19, 20] and end[real].tolist() == [2, 3, 20, 20, 36]
-    assert (expert[~real] == 6).all()

@@ -1,5 +1,6 @@
 """Routed experts with FP8 weights on a GPU, grouped by expert and CUDA-graph safe: the T*k (token, slot) pairs are
-sorted by expert and cut into blocks of _BLOCK_M rows of one expert, so each block reads its expert's weights once
+sorted by expert and cut into blocks of _BLOCK_M rows of one expert (kernels.moe.triton_blocks.expert_blocks, as
+the bf16 experts are), so each block reads its expert's weights once
 (one GEMV per pair re-reads them per pair: ~3.6 GB a layer for 64 tokens of top-8 of 256 experts). Two kernels:
 (1) per (block, column tile of I), silu(x W1^T) * (x W3^T); (2) per (block, column tile of D), the weighted down
 projection, written to the pair's (token, slot) row; the k rows of a token are then summed (no atomics, so
@@ -13,23 +14,24 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.kernels.moe.triton_blocks import expert_blocks
 from deltaserve.kernels.quant.triton_linear import _TORCH_TO_TL
 
 _BLOCK_M, _BLOCK_N, _BLOCK_K = 16, 64, 128
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, order_ptr, table_ptr, act_ptr, NUM_BLOCKS, K_SLOTS: tl.constexpr,
+def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, order_ptr, expert_ptr, first_ptr, rows_ptr, act_ptr, K_SLOTS: tl.constexpr,
                     D: tl.constexpr, I: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr,
                     BK: tl.constexpr, ALIGNED: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """act[sorted rows of block, column tile] = silu(gate) * up in float32."""
     pid_n, blk = tl.program_id(0), tl.program_id(1)
-    start = tl.load(table_ptr + NUM_BLOCKS + blk)
-    end = tl.load(table_ptr + 2 * NUM_BLOCKS + blk)
+    start = tl.load(first_ptr + blk)
+    end = start + tl.load(rows_ptr + blk)
     if start >= end:  # past the real blocks
         return
-    expert = tl.load(table_ptr + blk).to(tl.int64)
+    expert = tl.load(expert_ptr + blk).to(tl.int64)
     rows_m = start + tl.arange(0, BLOCK_M)
     m_mask = rows_m < end
     token = tl.load(order_ptr + rows_m, mask=m_mask, other=0) // K_SLOTS
@@ -59,17 +61,18 @@ def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, order_ptr, table_ptr, act_ptr, NUM_
 
 
 @triton.jit
-def _down_kernel(act_ptr, w2_ptr, s2_ptr, order_ptr, table_ptr, weights_ptr, y_ptr, NUM_BLOCKS, D: tl.constexpr,
+def _down_kernel(act_ptr, w2_ptr, s2_ptr, order_ptr, expert_ptr, first_ptr, rows_ptr, weights_ptr, y_ptr,
+                 D: tl.constexpr,
                  I: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                  ALIGNED: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """y[pair of each row, column tile] = routing weight * act W2^T in float32, act rounded to x's dtype."""
     pid_n, blk = tl.program_id(0), tl.program_id(1)
-    start = tl.load(table_ptr + NUM_BLOCKS + blk)
-    end = tl.load(table_ptr + 2 * NUM_BLOCKS + blk)
-    if start >= end:
+    start = tl.load(first_ptr + blk)
+    end = start + tl.load(rows_ptr + blk)
+    if start >= end:  # past the real blocks
         return
-    expert = tl.load(table_ptr + blk).to(tl.int64)
+    expert = tl.load(expert_ptr + blk).to(tl.int64)
     rows_m = start + tl.arange(0, BLOCK_M)
     m_mask = rows_m < end
     pair = tl.load(order_ptr + rows_m, mask=m_mask, other=0)
@@ -92,26 +95,6 @@ def _down_kernel(act_ptr, w2_ptr, s2_ptr, order_ptr, table_ptr, weights_ptr, y_p
     tl.store(y_ptr + pair[:, None] * D + rows_n[None, :], acc, mask=m_mask[:, None] & (rows_n[None, :] < D))
 
 
-def _block_table(flat_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """flat_ids [P] -> int32 [3, NB], NB = cdiv(P, _BLOCK_M) + min(E, P), the most blocks any routing needs: per
-    block, its expert, first sorted row and end (one past its expert's last sorted row). Blocks past the real
-    count belong to a sentinel expert E with an empty row range. Built on the GPU with static shapes (no sync)."""
-    pairs = flat_ids.numel()
-    num_blocks = triton.cdiv(pairs, _BLOCK_M) + min(num_experts, pairs)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-    blocks = (counts + _BLOCK_M - 1) // _BLOCK_M
-    block_ends = blocks.cumsum(0)
-    block_expert = torch.repeat_interleave(torch.cat([blocks, num_blocks - block_ends[-1:]]), output_size=num_blocks)
-    zero = counts.new_zeros(1)
-    row_ends = counts.cumsum(0)
-    first_row = torch.cat([row_ends - counts, zero])[block_expert]  # of the block's expert
-    first_block = torch.cat([block_ends - blocks, zero])[block_expert]
-    start = first_row + (torch.arange(num_blocks, device=flat_ids.device) - first_block) * _BLOCK_M
-    end = torch.cat([row_ends, zero])[block_expert]  # the sentinel's 0 <= start: empty
-    return torch.stack([block_expert, start, end]).to(torch.int32)
-
-
 def fp8_grouped_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
                         w2_scale_inv: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                         block: tuple[int, int]) -> torch.Tensor:
@@ -120,22 +103,20 @@ def fp8_grouped_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch
     -> [T, D] in x's dtype. No host sync and shapes that depend on T, k only, so a CUDA graph can capture it."""
     T, k = ids.shape
     E, D, I = w13.shape[0], x.shape[1], w2.shape[2]
-    flat = ids.flatten()
-    order = flat.argsort(stable=True)  # sorted row -> pair (token * k + slot)
-    table = _block_table(flat, E)
-    num_blocks = table.shape[1]
+    order, expert, first, rows = expert_blocks(ids, E, _BLOCK_M)  # sorted row -> pair (token * k + slot); blocks
+    num_blocks, tables = expert.numel(), (order, expert, first, rows)
     s13, s2 = w13_scale_inv.float().contiguous(), w2_scale_inv.float().contiguous()
     bn, bk = block
     dot_dtype = _TORCH_TO_TL[x.dtype]
     act = torch.empty(T * k, I, dtype=torch.float32, device=x.device)
     _gate_up_kernel[(triton.cdiv(I, _BLOCK_N), num_blocks)](
-        x.contiguous(), w13.contiguous(), s13, order, table, act, num_blocks, K_SLOTS=k, D=D, I=I,
+        x.contiguous(), w13.contiguous(), s13, *tables, act, K_SLOTS=k, D=D, I=I,
         S_ROWS=s13.shape[1], S_COLS=s13.shape[2], BN=bn, BK=bk,
         ALIGNED=bn % _BLOCK_N == 0 and bk % _BLOCK_K == 0 and I % _BLOCK_N == 0, DOT_DTYPE=dot_dtype,
         BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, num_warps=4)
     y = torch.empty(T * k, D, dtype=torch.float32, device=x.device)  # every pair's row is written once
     _down_kernel[(triton.cdiv(D, _BLOCK_N), num_blocks)](
-        act, w2.contiguous(), s2, order, table, weights.float().contiguous(), y, num_blocks, D=D, I=I,
+        act, w2.contiguous(), s2, *tables, weights.float().contiguous(), y, D=D, I=I,
         S_ROWS=s2.shape[1], S_COLS=s2.shape[2], BN=bn, BK=bk, ALIGNED=bn % _BLOCK_N == 0 and bk % _BLOCK_K == 0,
         DOT_DTYPE=dot_dtype, BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K, num_warps=4)
     return y.view(T, k, D).sum(1).to(x.dtype)
