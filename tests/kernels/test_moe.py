@@ -187,7 +187,8 @@ def test_expert_blocks_cover_every_pair_once_within_their_bound(T, E, k):
 
     gen = torch.Generator().manual_seed(T * E)
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
-    order, expert, first, rows = torch_expert_blocks(ids, E)
+    order, expert, first, rows, where = torch_expert_blocks(ids, E)
+    assert torch.equal(order[where], torch.arange(T * k))  # each pair's row
     assert rows.numel() == min(E, T * k) + T * k // BLOCK_M and int(rows.max()) <= BLOCK_M
     covered = []
     for e, f, n in zip(expert.tolist(), first.tolist(), rows.tolist()):

@@ -140,7 +140,7 @@ def test_conv_varlen_kernels_with_no_tokens_leave_the_states():
 @pytest.mark.parametrize("T,k,D", [(1, 2, 40), (7, 8, 600), (33, 4, 512)])
 def test_weighted_sum_kernel_matches_twin(T, k, D):
     """The grouped path's combine: sorted outputs back to their tokens, weighted and summed (D ragged against the
-    kernel's column tile)."""
+    kernel's column tile); the same with the pairs' rows given."""
     gen = torch.Generator().manual_seed(T * k)
     ids = torch.randint(0, 16, (T, k), generator=gen)
     order = ids.flatten().argsort(stable=True)
@@ -148,6 +148,8 @@ def test_weighted_sum_kernel_matches_twin(T, k, D):
     weights = torch.rand(T, k, generator=gen)
     got = weighted_sum(y, order, weights, torch.float32)
     assert rel_err(got, _weighted_sum(y, order, weights, torch.float32)) < 1e-6
+    where = order.argsort()  # each pair's row, as expert_blocks hands it over
+    assert torch.equal(weighted_sum(y, order, weights, torch.float32, where), got)
 
 
 @pytest.mark.parametrize("T,E,k", [(1, 8, 2), (3, 16, 4)])

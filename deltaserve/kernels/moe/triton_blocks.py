@@ -30,8 +30,9 @@ _PAIR_SIZES = (256, 512, 1024, 2048, MOST_SORTED_PAIRS)  # expert_blocks' compil
 def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, chunk: int = SORT_CHUNK,
                   num_warps: int = 4):
     """ids [T, k] in [0, num_experts) (the router's; not checked) -> (order: the flat pairs sorted by expert,
-    stably; and per block, up to a bound that depends on the shapes only (min(E, T*k) + T*k // block_m): its expert,
-    its first row in sorted order, its rows, 0 for the blocks past the last). One Triton launch, a program a chunk of
+    stably; per block, up to a bound that depends on the shapes only (min(E, T*k) + T*k // block_m): its expert,
+    its first row in sorted order, its rows, 0 for the blocks past the last; and where: each pair's row in sorted
+    order, order's inverse, for the weighted sum). One Triton launch, a program a chunk of
     pairs (a decode step's few thousand pairs: the ~15 small torch ops of the twin, a radix sort among them, cost
     more than the whole launch). The pair count is padded to a power of two of at least 256 and passed unspecialised,
     so the CUDA graphs' 13 batch sizes compile four variants, not one each. The twin, torch_expert_blocks, past
@@ -40,30 +41,30 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, c
     if pairs > MOST_SORTED_PAIRS or num_experts > MOST_SORTED_PAIRS:
         return torch_expert_blocks(ids, num_experts, block_m)
     num_blocks = min(num_experts, pairs) + pairs // block_m
-    order = torch.empty(pairs, dtype=torch.int64, device=ids.device)
+    order, where = (torch.empty(pairs, dtype=torch.int64, device=ids.device) for _ in range(2))
     expert, first, rows = (torch.empty(num_blocks, dtype=torch.int32, device=ids.device) for _ in range(3))
     if pairs:
         padded = next(size for size in _PAIR_SIZES if size >= pairs)
         programs, e_pad = triton.cdiv(pairs, chunk), triton.next_power_of_2(num_experts + 1)
         places = torch.empty(programs, e_pad, dtype=torch.int32, device=ids.device)
         _expert_blocks_kernel[(programs,)](
-            ids.contiguous(), order, expert, first, rows, places, pairs, num_blocks, E=num_experts, P_PAD=padded,
-            E_PAD=e_pad, NB_PAD=triton.next_power_of_2(min(num_experts, padded) + padded // block_m),
+            ids.contiguous(), order, where, expert, first, rows, places, pairs, num_blocks, E=num_experts,
+            P_PAD=padded, E_PAD=e_pad, NB_PAD=triton.next_power_of_2(min(num_experts, padded) + padded // block_m),
             BLOCK_M=block_m, CHUNK=chunk, num_warps=num_warps)
-    return order, expert, first, rows
+    return order, expert, first, rows, where
 
 
 @triton.jit(do_not_specialize=["P", "NB"])
-def _expert_blocks_kernel(ids_ptr, order_ptr, expert_ptr, first_ptr, rows_ptr, places_ptr, P, NB, E: tl.constexpr,
-                          P_PAD: tl.constexpr, E_PAD: tl.constexpr, NB_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                          CHUNK: tl.constexpr):
+def _expert_blocks_kernel(ids_ptr, order_ptr, where_ptr, expert_ptr, first_ptr, rows_ptr, places_ptr, P, NB,
+                          E: tl.constexpr, P_PAD: tl.constexpr, E_PAD: tl.constexpr, NB_PAD: tl.constexpr,
+                          BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
     """torch_expert_blocks in Triton, a program a CHUNK of pairs. Each program counts every pair's expert (a
     histogram; the padding counted as expert E, in a bin of its own: E_PAD > E) and those of the chunks before its
     own, so each expert's first place for this chunk is its run's start plus those earlier pairs (written to this
     program's row of places, to look up by expert); a pair goes there plus the pairs of its expert ahead of it in
-    the chunk: a stable sort by expert. Program 0 also writes every block past the last as the twin writes it (the
-    last expert's, no rows) and, after a barrier, each expert's blocks over those places, the b-th of all experts
-    at once."""
+    the chunk: a stable sort by expert, stored both ways (order and where). Program 0 also writes every block past
+    the last as the twin writes it (the last expert's, no rows) and, after a barrier, each expert's blocks over
+    those places, the b-th of all experts at once."""
     c = tl.program_id(0)
     idx = tl.arange(0, P_PAD)
     e = tl.load(ids_ptr + idx, mask=idx < P, other=E).to(tl.int32)
@@ -78,6 +79,7 @@ def _expert_blocks_kernel(ids_ptr, order_ptr, expert_ptr, first_ptr, rows_ptr, p
     ahead = tl.sum(((mine[None, :] == mine[:, None]) & (i[None, :] < i[:, None])).to(tl.int32), 1)
     place = tl.load(places_ptr + c * E_PAD + mine, mask=i < P, other=0) + ahead
     tl.store(order_ptr + place, i.to(tl.int64), mask=i < P)
+    tl.store(where_ptr + i, place.to(tl.int64), mask=i < P)
     if c == 0:
         blocks = (counts + BLOCK_M - 1) // BLOCK_M
         block_starts = tl.cumsum(blocks, 0) - blocks
@@ -108,7 +110,8 @@ def torch_expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOC
     expert = found.clamp(max=num_experts - 1)
     first = ends[expert] - counts[expert] + (index - (block_ends[expert] - blocks[expert])) * block_m
     rows = torch.where(found < num_experts, (ends[expert] - first).clamp(0, block_m), 0)
-    return order, expert.to(torch.int32), first.to(torch.int32), rows.to(torch.int32)
+    where = torch.empty_like(order).scatter_(0, order, torch.arange(pairs, device=ids.device))
+    return order, expert.to(torch.int32), first.to(torch.int32), rows.to(torch.int32), where
 
 
 @triton.jit
@@ -189,7 +192,7 @@ def block_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
 
     T, k = ids.shape
     E, D, I = w13.shape[0], x.shape[1], w2.shape[2]
-    order, expert, first, rows = expert_blocks(ids, E)
+    order, expert, first, rows, where = expert_blocks(ids, E)
     act = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * k, D, dtype=torch.float32, device=x.device)
     blocks, ieee, launch = rows.numel(), x.dtype == torch.float32, pdl_args(x.device, pdl)
@@ -203,4 +206,4 @@ def block_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     _down_kernel[(blocks, triton.cdiv(D, down_tile[0]))](
         act, w2.contiguous(), *tables, y, K_SLOTS=k, D=D, I=I, BLOCK_M=BLOCK_M, BLOCK_N=down_tile[0],
         BLOCK_K=down_tile[1], IEEE=ieee, num_warps=num_warps, num_stages=num_stages, **launch)
-    return weighted_sum(y, order, weights, x.dtype)
+    return weighted_sum(y, order, weights, x.dtype, where)

@@ -26,12 +26,15 @@ def _weighted_sum_kernel(y_ptr, where_ptr, w_ptr, out_ptr, D: tl.constexpr, K_SL
     tl.store(out_ptr + token * D + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def weighted_sum(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def weighted_sum(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
+                 where: torch.Tensor | None = None) -> torch.Tensor:
     """y [T*k, D]: the (token, slot) pairs' outputs in sorted order (pair order[i] at row i); weights [T, k] float32
-    -> sum_j weights[t, j] * y[row of (t, j)], [T, D] in dtype."""
+    -> sum_j weights[t, j] * y[row of (t, j)], [T, D] in dtype. where: order's inverse (each pair's row), if the
+    sort already made it."""
     T, k = weights.shape
     D = y.shape[1]
-    where = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    if where is None:
+        where = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     out = torch.empty(T, D, dtype=dtype, device=y.device)
     if T:
         _weighted_sum_kernel[(T, triton.cdiv(D, 512))](y.contiguous(), where, weights.float().contiguous(), out, D=D,

@@ -103,7 +103,7 @@ def fp8_grouped_experts(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch
     -> [T, D] in x's dtype. No host sync and shapes that depend on T, k only, so a CUDA graph can capture it."""
     T, k = ids.shape
     E, D, I = w13.shape[0], x.shape[1], w2.shape[2]
-    order, expert, first, rows = expert_blocks(ids, E, _BLOCK_M)  # sorted row -> pair (token * k + slot); blocks
+    order, expert, first, rows, _ = expert_blocks(ids, E, _BLOCK_M)  # sorted row -> pair (token * k + slot)
     num_blocks, tables = expert.numel(), (order, expert, first, rows)
     s13, s2 = w13_scale_inv.float().contiguous(), w2_scale_inv.float().contiguous()
     bn, bk = block
