@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.kernels.moe.experts import sort_by_expert
+from deltaserve.kernels.moe.triton_combine import rows_of_pairs, weighted_sum
 from deltaserve.kernels.pdl import pdl_args, pdl_enter
 
 BLOCK_M = 16  # rows (pairs) a block: tl.dot's smallest; a decode batch gives an expert a few
@@ -110,7 +111,7 @@ def torch_expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOC
     expert = found.clamp(max=num_experts - 1)
     first = ends[expert] - counts[expert] + (index - (block_ends[expert] - blocks[expert])) * block_m
     rows = torch.where(found < num_experts, (ends[expert] - first).clamp(0, block_m), 0)
-    where = torch.empty_like(order).scatter_(0, order, torch.arange(pairs, device=ids.device))
+    where = rows_of_pairs(order)
     return order, expert.to(torch.int32), first.to(torch.int32), rows.to(torch.int32), where
 
 
@@ -188,8 +189,6 @@ def block_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     [T, D] in x's dtype. The intermediate activations are rounded to x's dtype once (the products' inputs), the
     expert outputs kept in float32 until the weighted sum. The tiles (output columns, reduction columns a step),
     warps and stages are launch knobs that kernels_bench sweeps."""
-    from deltaserve.kernels.moe.triton_combine import weighted_sum
-
     T, k = ids.shape
     E, D, I = w13.shape[0], x.shape[1], w2.shape[2]
     order, expert, first, rows, where = expert_blocks(ids, E)

@@ -26,6 +26,11 @@ def _weighted_sum_kernel(y_ptr, where_ptr, w_ptr, out_ptr, D: tl.constexpr, K_SL
     tl.store(out_ptr + token * D + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def rows_of_pairs(order: torch.Tensor) -> torch.Tensor:
+    """order (sorted row -> pair) inverted: each pair's sorted row."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
 def weighted_sum(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
                  where: torch.Tensor | None = None) -> torch.Tensor:
     """y [T*k, D]: the (token, slot) pairs' outputs in sorted order (pair order[i] at row i); weights [T, k] float32
@@ -34,7 +39,7 @@ def weighted_sum(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dt
     T, k = weights.shape
     D = y.shape[1]
     if where is None:
-        where = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        where = rows_of_pairs(order)
     out = torch.empty(T, D, dtype=dtype, device=y.device)
     if T:
         _weighted_sum_kernel[(T, triton.cdiv(D, 512))](y.contiguous(), where, weights.float().contiguous(), out, D=D,
