@@ -122,12 +122,14 @@ def _decode_inputs(B, H, R, DR, page, ctx, model_len, dtype, device):
 
 
 # launch knobs around the defaults: the first eight (shortest slice / heads a program / warps / stages, 32 tokens a
-# step) as timed since 08f3ee5; then more programs than num_splits' ~2 an SM, and other context tokens an inner step
+# step) as timed since 08f3ee5; then more programs than num_splits' ~2 an SM, other context tokens an inner step, and
+# the pipeline's depth
 DECODE_KNOBS = [dict(min_split=m, max_head_block=h, num_warps=w, num_stages=st, block_n=32) for m, h, w, st in [
     (32, 16, 4, 2), (64, 16, 4, 2), (32, 32, 4, 2), (64, 32, 4, 2), (256, 32, 4, 2), (1024, 32, 4, 2), (64, 32, 4, 3),
     (64, 32, 8, 2)]] + [dict(max_head_block=32, splits=n) for n in (528, 1056)] + [
     dict(max_head_block=16, splits=528), dict(max_head_block=32, block_n=16), dict(max_head_block=32, block_n=64),
-    dict(max_head_block=32, block_n=64, num_warps=8)]
+    dict(max_head_block=32, block_n=64, num_warps=8), dict(num_stages=2), dict(max_head_block=32, num_stages=3),
+    dict(max_head_block=16, num_warps=4, block_n=32)]  # the one-buffer pipeline before; 32 heads; a batch's 16
 
 
 # the float8 cache: a tile of block_n tokens holds half bf16's bytes, so more tokens an inner step may keep as many

@@ -29,7 +29,8 @@ ROWS = [(1, 4096, 1 << 20), (1, 32768, 1 << 20), (1, 131072, 1 << 20), (1, 26214
 SHARED_KNOBS = [{}, {"max_head_block": 32}, {"max_head_block": 32, "num_warps": 8},
                 {"max_head_block": 32, "num_warps": 8, "num_stages": 3},
                 {"max_head_block": 32, "num_warps": 8, "block_n": 64}]
-CURRENT_ONLY = [{"lazy_slack": 0.0}, {"max_head_block": 32, "lazy_slack": 0.0},
+CURRENT_ONLY = [{"lazy_slack": 0.0}, {"max_head_block": 32, "lazy_slack": 0.0}, {"num_stages": 2},
+                {"max_head_block": 32, "num_stages": 3}, {"max_head_block": 16, "num_warps": 4, "block_n": 32},
                 {"merge_slices": 16, "merge_cols": 128}, {"max_head_block": 32, "merge_slices": 16, "merge_cols": 128}]
 
 

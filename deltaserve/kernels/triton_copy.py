@@ -12,12 +12,13 @@ _BLOCK = 4096  # elements a program copies
 @triton.jit
 def _copy_rows_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, row, src_layer, src_slot, dst_layer, dst_slot,
                       BLOCK: tl.constexpr):
-    """One BLOCK of one row: pair program_id(0), layer program_id(1). Row length and strides are runtime values (one
-    compiled variant for every state shape)."""
-    i, layer, c = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2)
+    """One BLOCK of one row: block program_id(0) (the axis of 2**31 - 1 programs: a row may be long), pair
+    program_id(1), layer program_id(2). Row length and strides are runtime values (one compiled variant for every
+    state shape)."""
+    c, i, layer = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     s = tl.load(src_idx_ptr + i)
     d = tl.load(dst_idx_ptr + i)
-    offs = c * BLOCK + tl.arange(0, BLOCK)
+    offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < row
     x = tl.load(src_ptr + layer * src_layer + s * src_slot + offs, mask=mask)
     tl.store(dst_ptr + layer * dst_layer + d * dst_slot + offs, x, mask=mask)
@@ -35,6 +36,6 @@ def triton_copy_rows(source: torch.Tensor, target: torch.Tensor, src: torch.Tens
                          "as many layers, equal contiguous rows, one dtype and int64 indices of one length")
     if not src.numel() or not row:
         return
-    _copy_rows_kernel[(src.numel(), L, triton.cdiv(row, _BLOCK))](
+    _copy_rows_kernel[(triton.cdiv(row, _BLOCK), src.numel(), L)](
         source, target, src, dst, row, source.stride(0), source.stride(1), target.stride(0), target.stride(1),
         BLOCK=_BLOCK, num_warps=4)

@@ -18,7 +18,9 @@ _BLOCK_N = 32  # context tokens per inner step
 _TARGET_PROGRAMS = 264  # ~2 per SM of an H100/H200, each streaming its slice with pipelined loads
 MIN_SPLIT_TOKENS = 64  # a long context's slices: ~_TARGET_PROGRAMS of them, each at least this long
 SHORT_SLICES = tl.constexpr(64)  # a short context: up to this many slices of _BLOCK_N tokens (one step each)
-NUM_STAGES = 2  # software pipelining of the split kernel's loads (benchmarks/gpu/compile_check.py uses it too)
+NUM_STAGES = 3  # software pipelining of the split kernel's loads: two tiles' buffers, one read while the next one
+# streams in (benchmarks/gpu/compile_check.py uses it too); float32 tiles keep one buffer (NUM_STAGES_FLOAT32)
+NUM_STAGES_FLOAT32 = 2
 LAZY_SLACK = 8.0  # how far a head's score max may rise before the accumulator is rescaled (0: at every rise)
 MERGE_SLICES = 1  # slices the merge kernel weighs a step (a power of two); merge_cols: columns a program (all R)
 
@@ -47,25 +49,35 @@ def _tile(row_ptrs, row_mask, cols, col_mask):
 
 
 @triton.jit
-def _latent_rows(cache_ptr, table_ptr, n0, end, page_stride, token_stride, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Where each of the tile's context tokens n0 + [0, BLOCK_N) starts its latent row in the paged cache, through
-    the sequence's block table. n0 is a multiple of BLOCK_N. A page size that is a power of two holds whole tiles or
-    is held whole by one, so the tile's pages are loaded once each (NP of them) and each row is its page's base plus
-    a constant offset; any other page size looks up every token's page."""
+def _tile_pages(table_ptr, n0, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The page ids of the tile of context tokens n0 + [0, BLOCK_N) (n0 a multiple of BLOCK_N), from the sequence's
+    block table: one a page for a page size that is a power of two (such a page holds whole tiles or is held whole
+    by one: max(BLOCK_N // PAGE, 1) pages), else one a token. 0 past end."""
     if (PAGE & (PAGE - 1)) == 0:
-        NP: tl.constexpr = max(BLOCK_N // PAGE, 1)  # pages of the tile
-        ROWS: tl.constexpr = min(PAGE, BLOCK_N)  # its rows in each
-        rows = tl.arange(0, BLOCK_N)
-        page = tl.zeros([BLOCK_N], dtype=tl.int64)
-        for j in tl.static_range(NP):  # one scalar load a page, then each row's page by a select
-            first = n0 // PAGE + j
-            page = tl.where(rows // ROWS == j, tl.load(table_ptr + first, mask=first * PAGE < end, other=0), page)
-        in_page = n0 % PAGE + rows % ROWS
+        first = n0 // PAGE + tl.arange(0, max(BLOCK_N // PAGE, 1))
+        pages = tl.load(table_ptr + first, mask=first * PAGE < end, other=0)
     else:
         toks = n0 + tl.arange(0, BLOCK_N)
-        page = tl.load(table_ptr + toks // PAGE, mask=toks < end, other=0)
-        in_page = toks % PAGE
-    # the page id is selected above and multiplied here: the compiler then knows each row is as aligned as the
+        pages = tl.load(table_ptr + toks // PAGE, mask=toks < end, other=0)
+    return pages
+
+
+@triton.jit
+def _latent_rows(cache_ptr, pages, n0, page_stride, token_stride, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where each of the tile's context tokens n0 + [0, BLOCK_N) starts its latent row in the paged cache, given
+    _tile_pages' ids. With a power-of-two page size each row is its page's base plus a constant offset."""
+    rows = tl.arange(0, BLOCK_N)
+    if (PAGE & (PAGE - 1)) == 0:
+        ROWS: tl.constexpr = min(PAGE, BLOCK_N)  # the tile's rows in each of its pages
+        if BLOCK_N > PAGE:
+            page = tl.gather(pages, rows // ROWS, 0)
+        else:
+            page = tl.broadcast_to(tl.sum(pages, 0), [BLOCK_N])
+        in_page = n0 % PAGE + rows % ROWS
+    else:
+        page = pages
+        in_page = (n0 + rows) % PAGE
+    # the page id is expanded above and multiplied here: the compiler then knows each row is as aligned as the
     # strides are and reads it in 16-byte vectors (a select of the products lost that on Triton 3.9, a reshape of
     # the page ids on 3.6)
     return cache_ptr + page.to(tl.int64) * page_stride + in_page.to(tl.int64) * token_stride
@@ -109,10 +121,16 @@ def _mla_decode_split_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BR], dtype=tl.float32)
+        table = bt_ptr + b * bt_stride
+        pages = _tile_pages(table, start, end, PAGE, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
             toks = n0 + tl.arange(0, BLOCK_N)
             mt = toks < end
-            row = _latent_rows(cache_ptr, bt_ptr + b * bt_stride, n0, end, page_stride, token_stride, PAGE, BLOCK_N)
+            row = _latent_rows(cache_ptr, pages, n0, page_stride, token_stride, PAGE, BLOCK_N)
+            # the next tile's page ids, a step ahead: its tile's loads then depend on no load of their own step, so
+            # the pipeliner gives the tile num_stages - 1 buffers (a page-id load in the step left it one: each
+            # step's tile waited for the step before to finish with the buffer)
+            pages = _tile_pages(table, n0 + BLOCK_N, end, PAGE, BLOCK_N)
             kv = _tile(row, mt, offs_r, mr).to(q.dtype)  # a float8 cache widened as read
             kr = _tile(row + R, mt, offs_dr, mdr).to(q.dtype)
             s = _dot(q, tl.trans(kv), _dot(qr, tl.trans(kr), None, IEEE), IEEE)  # [BLOCK_H, BLOCK_N] float32
@@ -177,7 +195,7 @@ def num_splits(batch: int, head_blocks: int, max_tokens: int, min_split: int = M
 def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, min_split: int = MIN_SPLIT_TOKENS,
                       max_head_block: int | None = None, num_warps: int | None = None,
-                      num_stages: int = NUM_STAGES, splits: int | None = None, pdl: bool = True,
+                      num_stages: int | None = None, splits: int | None = None, pdl: bool = True,
                       block_n: int | None = None, lazy_slack: float = LAZY_SLACK, merge_slices: int = MERGE_SLICES,
                       merge_cols: int | None = None) -> torch.Tensor:
     """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr] (in
@@ -187,7 +205,8 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     num_splits' by default, context tokens an inner step: a power of two >= 16) have the defaults the benchmark
     chose; kernels_bench and mla_decode_ab sweep them. One sequence: 16 heads a program (twice the programs: a
     short context's step is latency), 4 warps, 32 tokens a step; a batch: 32 heads (the latents read once for all
-    heads), 8 warps, 64 tokens a step (bf16; float32 keeps 4 warps and 32 tokens). merge_slices and merge_cols: the
+    heads), 8 warps, 64 tokens a step (bf16; float32 keeps 4 warps and 32 tokens); NUM_STAGES stages (float32:
+    NUM_STAGES_FLOAT32, whose tiles are twice as wide). merge_slices and merge_cols: the
     merge kernel's slices a step and latent columns a program (a long context's many slices in fewer, wider loads
     over more programs); by default one slice a step and the whole row."""
     B, H, R = q_latent.shape
@@ -202,6 +221,7 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     wide = B > 1 and q_latent.element_size() <= 2  # float32 tiles of 64 tokens would not fit in shared memory
     num_warps = num_warps or (8 if wide else 4)
     block_n = block_n or (2 * _BLOCK_N if wide else _BLOCK_N)
+    num_stages = num_stages or (NUM_STAGES_FLOAT32 if q_latent.dtype == torch.float32 else NUM_STAGES)
     block_h = max(min(triton.next_power_of_2(H), max_head_block), 16)  # tl.dot needs 16 rows
     head_blocks = triton.cdiv(H, block_h)
     splits = splits or num_splits(B, head_blocks, block_tables.shape[1] * page, min_split)
