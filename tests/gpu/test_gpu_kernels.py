@@ -323,9 +323,10 @@ def test_triton_mla_decode_matches_torch_twin(lengths, width, dtype):
     assert rel_err(out, twin) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
-def test_triton_mla_decode_reads_a_float8_cache():
-    """--kv-cache-dtype fp8 at the 48B shape: bf16 queries against a float8_e4m3fn cache, widened as read, against
-    the torch path in float32 on the same float8 values."""
+@pytest.mark.parametrize("reread_tile", [False, True])
+def test_triton_mla_decode_reads_a_float8_cache(reread_tile):
+    """--kv-cache-dtype fp8 at the 48B shape: bf16 queries against a float8_e4m3fn cache, widened as read (the tile
+    read once, or once for each product), against the torch path in float32 on the same float8 values."""
     from deltaserve.kernels.mla.attention import torch_mla_decode
     from deltaserve.kernels.mla.triton_decode import triton_mla_decode
 
@@ -336,7 +337,7 @@ def test_triton_mla_decode_reads_a_float8_cache():
     q_latent = (torch.randn(len(lengths), H, R, generator=gen) * 0.05).bfloat16().to(DEV)
     q_rope = (torch.randn(len(lengths), H, DR, generator=gen) * 0.05).bfloat16().to(DEV)
     lens = torch.tensor(lengths, device=DEV)
-    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 192 ** -0.5)
+    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 192 ** -0.5, reread_tile=reread_tile)
     used = tables[:, : -(-max(lengths) // 16)]
     twin = torch_mla_decode(q_latent.float(), q_rope.float(), paged.cache, used, lens, 192 ** -0.5)
     assert out.dtype == torch.bfloat16 and rel_err(out, twin) < 1e-2

@@ -367,9 +367,10 @@ def test_mla_decode_kernel_rescales_as_scores_rise(lazy_slack):
     assert rel_err(out, twin) < 1e-5
 
 
-def test_mla_decode_kernel_reads_a_float8_cache_as_its_twin_does():
-    """A float8_e4m3fn latent cache (--kv-cache-dtype fp8): the kernel widens each tile as it reads it, the torch
-    twin the gathered pages; float32 queries (bf16 ones: tests/gpu)."""
+@pytest.mark.parametrize("reread_tile", [False, True])
+def test_mla_decode_kernel_reads_a_float8_cache_as_its_twin_does(reread_tile):
+    """A float8_e4m3fn latent cache (--kv-cache-dtype fp8): the kernel widens each tile as it reads it (once, or
+    once for each product), the torch twin the gathered pages; float32 queries (bf16 ones: tests/gpu)."""
     gen = torch.Generator().manual_seed(8)
     lengths, H, R, DR, page = [37, 1, 90], 8, 64, 16, 8
     paged = PagedLatents(lengths, R + DR, page, 40, gen, dtype=torch.float8_e4m3fn)
@@ -378,7 +379,7 @@ def test_mla_decode_kernel_reads_a_float8_cache_as_its_twin_does():
     q_rope = torch.randn(len(lengths), H, DR, generator=gen)
     lens = torch.tensor(lengths)
     twin = torch_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
-    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
+    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3, reread_tile=reread_tile)
     assert out.dtype == torch.float32 and rel_err(out, twin) < 1e-5
 
 

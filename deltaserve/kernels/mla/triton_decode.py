@@ -99,13 +99,14 @@ def _mla_decode_split_kernel(
     q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale,
     num_splits, min_split, PAGE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr,
     BDR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, LAZY_SLACK: tl.constexpr,
-    PDL: tl.constexpr,
+    REREAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """num_splits and min_split are runtime arguments: the split count follows the batch and the table width, and a
     constant would compile a variant per value while serving. The page size (PAGE) is the engine's, one value: a
     constant, so a token's page and row are shifts, not divisions. A sequence uses _used_slices of the num_splits
     slices (a short context in a wide table: few, each partial output worth its traffic); the slices past those are
-    empty. PDL: kernels.pdl."""
+    empty. REREAD: the latent tile loaded a second time for the P.V product (triton_mla_decode's reread_tile). PDL:
+    kernels.pdl."""
     pdl_enter(PDL)
     i_hb, i_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     start, end = _slice_of(lens_ptr, b, i_split, num_splits, min_split, BLOCK_N)
@@ -146,6 +147,9 @@ def _mla_decode_split_kernel(
                 m_i = m_new
             p = tl.exp(s - m_i[:, None])
             l_i = l_i + tl.sum(p, axis=1)
+            if REREAD:  # the same rows again, a load of their own (another eviction policy: not merged with the first)
+                kv = tl.load(row[:, None] + offs_r[None, :], mask=mt[:, None] & mr[None, :], other=0.0,
+                             eviction_policy="evict_first").to(q.dtype)
             acc = _dot(p.to(kv.dtype), kv, acc, IEEE)
         tl.store(mid_o_ptr + mid[:, None] * R + offs_r[None, :], acc / l_i[:, None], mask=mh[:, None] & mr[None, :])
         tl.store(mid_lse_ptr + mid, m_i + tl.log(l_i), mask=mh)
@@ -197,7 +201,7 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
                       max_head_block: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, splits: int | None = None, pdl: bool = True,
                       block_n: int | None = None, lazy_slack: float = LAZY_SLACK, merge_slices: int = MERGE_SLICES,
-                      merge_cols: int | None = None) -> torch.Tensor:
+                      merge_cols: int | None = None, reread_tile: bool = False) -> torch.Tensor:
     """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr] (in
     q_latent's dtype or float8_e4m3fn), block_tables [B, max_blocks], context_lens [B] (>= 1 each). Returns [B, H, R]
     in q_latent's dtype. Only the first context_lens[b] tokens of each table are read; entries past them may hold
@@ -208,7 +212,11 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     heads), 8 warps, 64 tokens a step (bf16; float32 keeps 4 warps and 32 tokens); NUM_STAGES stages (float32:
     NUM_STAGES_FLOAT32, whose tiles are twice as wide). merge_slices and merge_cols: the
     merge kernel's slices a step and latent columns a program (a long context's many slices in fewer, wider loads
-    over more programs); by default one slice a step and the whole row."""
+    over more programs); by default one slice a step and the whole row. reread_tile: load each latent tile twice, once
+    for each product. A float8 tile's two products need two shared-memory layouts (8-bit values have no transposed
+    matrix load), so Triton's pipeliner leaves its one load synchronous, into registers; loaded twice, each load has one
+    product and both stream in asynchronously, at twice the L2 reads. Off until measured on a GPU (kernels_bench's
+    float8 sweep and mla_decode_ab time it)."""
     B, H, R = q_latent.shape
     DR = q_rope.shape[-1]
     page = cache.shape[1]
@@ -233,7 +241,8 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
         cache.stride(0), cache.stride(1), scale, splits, min_split, PAGE=page,
         H=H, R=R, DR=DR, BR=triton.next_power_of_2(R), BDR=max(16, triton.next_power_of_2(DR)), BLOCK_H=block_h,
-        BLOCK_N=block_n, IEEE=q_latent.dtype == torch.float32, LAZY_SLACK=lazy_slack, num_warps=num_warps,
+        BLOCK_N=block_n, IEEE=q_latent.dtype == torch.float32, LAZY_SLACK=lazy_slack, REREAD=reread_tile,
+        num_warps=num_warps,
         num_stages=num_stages,
         **pdl_args(q_latent.device, pdl),
     )
