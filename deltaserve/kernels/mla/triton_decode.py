@@ -210,13 +210,13 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     chose; kernels_bench and mla_decode_ab sweep them. One sequence: 16 heads a program (twice the programs: a
     short context's step is latency), 4 warps, 32 tokens a step; a batch: 32 heads (the latents read once for all
     heads), 8 warps, 64 tokens a step (bf16; float32 keeps 4 warps and 32 tokens); NUM_STAGES stages (float32:
-    NUM_STAGES_FLOAT32, whose tiles are twice as wide). merge_slices and merge_cols: the
-    merge kernel's slices a step and latent columns a program (a long context's many slices in fewer, wider loads
-    over more programs); by default one slice a step and the whole row. reread_tile: load each latent tile twice, once
-    for each product. A float8 tile's two products need two shared-memory layouts (8-bit values have no transposed
-    matrix load), so Triton's pipeliner leaves its one load synchronous, into registers; loaded twice, each load has one
-    product and both stream in asynchronously, at twice the L2 reads. Off until measured on a GPU (kernels_bench's
-    float8 sweep and mla_decode_ab time it)."""
+    NUM_STAGES_FLOAT32, whose tiles are twice as wide). merge_slices and merge_cols: the merge kernel's slices a step
+    and latent columns a program (a long context's many slices in fewer, wider loads over more programs); by default
+    one slice a step and the whole row. reread_tile: load each latent tile twice, once for each product. A float8
+    tile's one load feeds both products, each in a shared-memory layout of its own, and Triton's pipeliner leaves
+    such a load synchronous (into registers, then copied for each product); loaded twice, each load has one product
+    and both stream in asynchronously, at twice the L2 reads. Off until timed on a GPU (kernels_bench's float8
+    sweep has it)."""
     B, H, R = q_latent.shape
     DR = q_rope.shape[-1]
     page = cache.shape[1]
