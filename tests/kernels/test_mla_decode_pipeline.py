@@ -1,8 +1,8 @@
 """The MLA decode kernel's software pipeline, as Triton compiles it for Hopper (sm_90) on this CPU: its latent tile
 must get num_stages - 1 shared-memory buffers, so one tile streams in while the program reads the other. A load in
 the step that the tile's addresses depend on (the page ids, before d7a1e5f) leaves it one buffer at any num_stages,
-and each step then waits for its own tile: ~20% of the kernel's speed at long context (BENCHMARKS.md, stop 42). The
-interpreter runs the kernel's arithmetic but not the compiler, so this is checked on the compiled kernel's TTGIR."""
+and each step then waits for its own tile (what that cost: BENCHMARKS.md, stop 42). The interpreter runs the
+kernel's arithmetic but not the compiler, so this is checked on the compiled kernel's TTGIR."""
 
 import os
 import re
@@ -68,8 +68,8 @@ def test_mla_decode_tile_gets_a_buffer_per_stage_in_flight(block_h, block_n, war
 
 
 def test_float8_tile_read_twice_streams_in_both_loads():
-    """A float8 tile's two products need two shared layouts, so its one load is not pipelined; read twice
-    (reread_tile), each load has one product and gets its buffers."""
+    """A float8 tile's one load feeds both products, each in a shared layout of its own, and is not pipelined; read
+    twice (reread_tile), each load has one product and gets its buffers."""
     from deltaserve.kernels.mla.triton_decode import NUM_STAGES
 
     assert _tile_buffers(_ttgir(NUM_STAGES, 16, 32, 4, "fp8e4nv"), 32, "f8E4M3FN") == []
