@@ -48,3 +48,11 @@ def test_mla_decode_ab_runs_against_a_kernel_file(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2 and all(row["rel_err_vs_before"] == 0 for row in rows)
     assert all(v > 0 for row in rows for v in row["GBps"].values())
+    # its rows drawn by benchmarks/gpu/plot_mla_decode.py; a file of another shape is refused with a reason
+    plot, png = SCRIPT.parent / "plot_mla_decode.py", tmp_path / "ab.png"
+    subprocess.run([sys.executable, str(plot), str(out), "--out", str(png)], check=True, capture_output=True)
+    assert png.stat().st_size > 0
+    (tmp_path / "bad.json").write_text("[]")
+    bad = subprocess.run([sys.executable, str(plot), str(tmp_path / "bad.json"), "--out", str(png)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "'rows'" in bad.stderr
