@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -58,10 +59,24 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+_SINK: dict = {}  # main's result and --json-out path: emit rewrites the file after every row
+
+
 def emit(part: str, rows: list[dict], row: dict) -> None:
-    """Keep a row and print it at once (a later row may run past the stage's time limit)."""
+    """Keep a row, print it and rewrite --json-out with every row so far at once: a later row may run past the
+    stage's time limit, and the rows before it are then kept whole."""
     rows.append(row)
     print(part, json.dumps(row), flush=True)
+    if _SINK.get("path"):
+        _SINK["result"][part] = rows
+        _write_json(_SINK["result"], _SINK["path"])
+
+
+def _write_json(result: dict, path: str) -> None:
+    """Written beside, then renamed: a process killed mid-write leaves the previous file, never half of one."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def mla_decode_rows(device: str, smoke: bool) -> list[dict]:
@@ -537,12 +552,12 @@ def main() -> None:
         parser.error("no CUDA device: run on a GPU, or pass --smoke")
     torch.manual_seed(0)
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke)"}
+    _SINK.update(result=result, path=args.json_out)
     with torch.inference_mode():
         for part in parts:
             result[part] = PARTS[part](device, args.smoke)
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(result, f, indent=1)
+        _write_json(result, args.json_out)
 
 
 if __name__ == "__main__":

@@ -56,3 +56,21 @@ def test_mla_decode_ab_runs_against_a_kernel_file(tmp_path):
     bad = subprocess.run([sys.executable, str(plot), str(tmp_path / "bad.json"), "--out", str(png)],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "'rows'" in bad.stderr
+
+
+def test_json_out_keeps_the_rows_of_a_run_cut_short(kernels_bench, tmp_path, monkeypatch):
+    """--json-out is rewritten after every row, so a part cut off by its time limit (here: an error after its first
+    row) leaves the rows it had measured."""
+    def cut_short(device, smoke):
+        rows = []
+        kernels_bench.emit("cut", rows, {"batch": 1, "triton_us": 1.0})
+        raise TimeoutError("the stage's limit")
+
+    monkeypatch.setitem(kernels_bench.PARTS, "cut", cut_short)
+    monkeypatch.setattr(kernels_bench, "_SINK", {})  # main's file, for this test only (the module is shared)
+    out = tmp_path / "rows.json"
+    monkeypatch.setattr(sys, "argv", ["kernels_bench.py", "--smoke", "--parts", "cut", "--json-out", str(out)])
+    with pytest.raises(TimeoutError):
+        kernels_bench.main()
+    assert json.loads(out.read_text())["cut"] == [{"batch": 1, "triton_us": 1.0}]
+    assert not (tmp_path / "rows.json.tmp").exists()
