@@ -42,17 +42,22 @@ ASM = "--asm" in sys.argv[1:]
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")  # ptxas, cuobjdump
 
 
-def check(name: str, fn, args: dict, num_warps: int = 4, num_stages: int = 3, aligned: tuple[str, ...] = ()) -> bool:
-    """args: each kernel argument, as its type ("*bf16", "i32", ...) or as its constexpr value; aligned: integer
-    arguments that are multiples of 16 (pointers always are taken so)."""
+def compile_kernel(fn, args: dict, num_warps: int = 4, num_stages: int = 3, aligned: tuple[str, ...] = ()):
+    """fn compiled for TARGET. args: each kernel argument, as its type ("*bf16", "i32", ...) or as its constexpr
+    value; aligned: integer arguments that are multiples of 16 (pointers always are taken so)."""
     runtime = {k: v for k, v in args.items() if isinstance(v, str) and v.startswith(TYPES)}
     signature = {k: runtime.get(k, "constexpr") for k in args}
     constexprs = {k: v for k, v in args.items() if k not in runtime}
     divisible = [k for k, v in runtime.items() if v.startswith("*") or k in aligned]
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in divisible}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                          target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def check(name: str, fn, args: dict, num_warps: int = 4, num_stages: int = 3, aligned: tuple[str, ...] = ()) -> bool:
+    """compile_kernel, its outcome printed (ok with the shared memory a program takes, or the error)."""
     try:
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                                target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+        kernel = compile_kernel(fn, args, num_warps, num_stages, aligned)
     except Exception as e:  # noqa: BLE001 -- report every kernel's outcome, then fail
         print(f"FAIL {name}: {type(e).__name__}: {str(e)[:2000]}")
         return False

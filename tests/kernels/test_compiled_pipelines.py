@@ -11,38 +11,33 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 triton = pytest.importorskip("triton")
 
-# compiles one kernel: argv[1] a JSON object of module, kernel, args (a runtime argument as its type, "*bf16",
-# "i32", ...; a constexpr as its value, "tl.<dtype>" for a Triton dtype), warps and stages; prints the TTGIR
+# compiles one kernel with benchmarks/gpu/compile_check.py's compile_kernel: argv[1] the script's path, argv[2] a JSON
+# object of module, kernel, args (a runtime argument as its type, "*bf16", "i32", ...; a constexpr as its value,
+# "tl.<dtype>" for a Triton dtype), warps and stages; prints the TTGIR
 COMPILE = r"""
 import importlib
+import importlib.util
 import json
 import sys
-import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
-spec = json.loads(sys.argv[1])
-fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
-while not isinstance(fn, triton.runtime.JITFunction):  # under autotune or heuristics wrappers
-    fn = fn.fn
+load = importlib.util.spec_from_file_location("compile_check", sys.argv[1])
+cc = importlib.util.module_from_spec(load)
+load.loader.exec_module(cc)
+spec = json.loads(sys.argv[2])
+fn = cc.jit_of(getattr(importlib.import_module(spec["module"]), spec["kernel"]))
 args = {k: spec["args"][k] for k in fn.arg_names}  # in the kernel's order, every argument given
 args = {k: getattr(tl, v[3:]) if isinstance(v, str) and v.startswith("tl.") else v for k, v in args.items()}
-runtime = {k: v for k, v in args.items() if isinstance(v, str)}
-signature = {k: runtime.get(k, "constexpr") for k in args}
-constexprs = {k: v for k, v in args.items() if k not in runtime}
-aligned = [k for k, v in runtime.items() if v.startswith("*") or k.endswith("stride")]  # as the JIT sees them
-attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in aligned}
-kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                        target=GPUTarget("cuda", 90, 32), options={"num_warps": spec["warps"],
-                                                                   "num_stages": spec["stages"]})
-print(kernel.asm["ttgir"])
+strides = tuple(k for k in args if k.endswith("stride"))  # multiples of 16 at the model's shapes, as the JIT sees
+print(cc.compile_kernel(fn, args, spec["warps"], spec["stages"], strides).asm["ttgir"])
 """
+COMPILE_CHECK = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "compile_check.py"
 
 
 def _ttgir(module: str, kernel: str, args: dict, warps: int, stages: int) -> str:
@@ -51,8 +46,8 @@ def _ttgir(module: str, kernel: str, args: dict, warps: int, stages: int) -> str
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the interpreter's jit cannot compile
     spec = json.dumps({"module": module, "kernel": kernel, "args": args, "warps": warps, "stages": stages})
     try:
-        done = subprocess.run([sys.executable, "-c", COMPILE, spec], capture_output=True, text=True, env=env,
-                              timeout=300)
+        done = subprocess.run([sys.executable, "-c", COMPILE, str(COMPILE_CHECK), spec], capture_output=True,
+                              text=True, env=env, timeout=300)
     except subprocess.TimeoutExpired:
         pytest.fail(f"compiling {kernel} for sm_90 took over 300 s")
     assert done.returncode == 0, done.stderr[-3000:]
