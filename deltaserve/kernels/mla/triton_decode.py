@@ -242,9 +242,7 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
         cache.stride(0), cache.stride(1), scale, splits, min_split, PAGE=page,
         H=H, R=R, DR=DR, BR=triton.next_power_of_2(R), BDR=max(16, triton.next_power_of_2(DR)), BLOCK_H=block_h,
         BLOCK_N=block_n, IEEE=q_latent.dtype == torch.float32, LAZY_SLACK=lazy_slack, REREAD=reread_tile,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **pdl_args(q_latent.device, pdl),
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q_latent.device, pdl),
     )
     out = torch.empty(B, H, R, dtype=q_latent.dtype, device=q_latent.device)
     merge_br = triton.next_power_of_2(merge_cols or R)

@@ -33,10 +33,10 @@ def expert_blocks(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M, c
     """ids [T, k] in [0, num_experts) (the router's; not checked) -> (order: the flat pairs sorted by expert,
     stably; per block, up to a bound that depends on the shapes only (min(E, T*k) + T*k // block_m): its expert,
     its first row in sorted order, its rows, 0 for the blocks past the last; and where: each pair's row in sorted
-    order, order's inverse, for the weighted sum). One Triton launch, a program a chunk of
-    pairs (a decode step's few thousand pairs: the ~15 small torch ops of the twin, a radix sort among them, cost
-    more than the whole launch). The pair count is padded to a power of two of at least 256 and passed unspecialised,
-    so the CUDA graphs' 13 batch sizes compile four variants, not one each. The twin, torch_expert_blocks, past
+    order, order's inverse, for the weighted sum). One Triton launch, a program a chunk of pairs (a decode step's
+    few thousand pairs: the ~15 small torch ops of the twin, a radix sort among them, cost more than the whole
+    launch). The pair count is padded to a power of two of at least 256 and passed unspecialised, so the CUDA
+    graphs' 13 batch sizes compile four variants, not one each. The twin, torch_expert_blocks, past
     MOST_SORTED_PAIRS."""
     pairs = ids.numel()
     if pairs > MOST_SORTED_PAIRS or num_experts > MOST_SORTED_PAIRS:

@@ -62,10 +62,9 @@ def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, order_ptr, expert_ptr, first_ptr, r
 
 @triton.jit
 def _down_kernel(act_ptr, w2_ptr, s2_ptr, order_ptr, expert_ptr, first_ptr, rows_ptr, weights_ptr, y_ptr,
-                 D: tl.constexpr,
-                 I: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 ALIGNED: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 D: tl.constexpr, I: tl.constexpr, S_ROWS: tl.constexpr, S_COLS: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, ALIGNED: tl.constexpr, DOT_DTYPE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[pair of each row, column tile] = routing weight * act W2^T in float32, act rounded to x's dtype."""
     pid_n, blk = tl.program_id(0), tl.program_id(1)
     start = tl.load(first_ptr + blk)
