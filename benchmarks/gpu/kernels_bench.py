@@ -149,10 +149,9 @@ DECODE_KNOBS = [dict(min_split=m, max_head_block=h, num_warps=w, num_stages=st, 
 
 # the float8 cache: a tile of block_n tokens holds half bf16's bytes, so more tokens an inner step may keep as many
 # loads in flight (issue 24: it streamed 438 GB/s against bf16's 1,169 at 256k on an H100 with bf16's launch); and the
-# tile read twice, so that both loads stream in asynchronously (triton_mla_decode's reread_tile)
+# tile read once (reread_tile off: the float8 default before, its one load not pipelined)
 FP8_DECODE_KNOBS = [dict(max_head_block=h, block_n=n, num_warps=w) for h in (16, 32) for n in (32, 64, 128)
-                    for w in (4, 8)] + [dict(reread_tile=True), dict(reread_tile=True, max_head_block=32),
-                                        dict(reread_tile=True, max_head_block=32, block_n=32, num_warps=4)]
+                    for w in (4, 8)] + [dict(reread_tile=False), dict(reread_tile=False, max_head_block=32)]
 
 
 def _knob_name(knobs: dict) -> str:

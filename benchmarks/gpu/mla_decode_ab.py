@@ -24,14 +24,14 @@ from kernels_bench import _copy_bandwidth, _decode_inputs, rel_err, timed  # noq
 from deltaserve.kernels.mla import triton_decode as current  # noqa: E402
 
 ROWS = [(1, 4096, 1 << 20), (1, 32768, 1 << 20), (1, 131072, 1 << 20), (1, 262144, 1 << 20), (1, 1 << 20, 1 << 20),
-        (64, 512, 65536), (64, 4096, 65536), (256, 512, 65536)]
+        (4, 32768, 1 << 18), (16, 4096, 65536), (64, 512, 65536), (64, 4096, 65536), (256, 512, 65536)]
 # launch knobs both trees take (each tree's defaults for the rest), then knobs of this tree only
 SHARED_KNOBS = [{}, {"max_head_block": 32}, {"max_head_block": 32, "num_warps": 8},
-                {"max_head_block": 32, "num_warps": 8, "num_stages": 3},
-                {"max_head_block": 32, "num_warps": 8, "block_n": 64}]
-CURRENT_ONLY = [{"lazy_slack": 0.0}, {"max_head_block": 32, "lazy_slack": 0.0}, {"num_stages": 2},
-                {"max_head_block": 32, "num_stages": 3}, {"max_head_block": 16, "num_warps": 4, "block_n": 32},
-                {"merge_slices": 16, "merge_cols": 128}, {"max_head_block": 32, "merge_slices": 16, "merge_cols": 128}]
+                {"max_head_block": 32, "num_warps": 8, "num_stages": 3}, {"pdl": False}]
+CURRENT_ONLY = [{"merge_slices": 1, "merge_cols": 512}, {"merge_slices": 32, "merge_cols": 32},
+                {"merge_slices": 128, "merge_cols": 32}, {"merge_slices": 64, "merge_cols": 16},
+                {"merge_slices": 16, "merge_cols": 64}, {"max_head_block": 32, "num_warps": 8, "merge_slices": 128,
+                                                         "merge_cols": 32}]
 
 
 def load(path: str):
@@ -70,6 +70,9 @@ def main() -> None:
         row["copy_fraction_best"] = max(row["GBps"].values()) * 1e9 / copy
         results.append(row)
         print(json.dumps(row), flush=True)
+        if args.json_out:  # rewritten after every row: a later row may run past the call's time limit
+            with open(args.json_out, "w") as f:
+                json.dump({"device": device, "copy_GBps": copy / 1e9, "rows": results}, f, indent=1)
     columns = [f"before {k}" for k in SHARED_KNOBS[:2]] + [f"after {k}" for k in SHARED_KNOBS[:2]]
     print("\nGB/s: batch, context, " + ", ".join(columns) + ", the best launch of this tree")
     for row in results:
@@ -77,9 +80,6 @@ def main() -> None:
         best = max((v, k) for k, v in g.items() if k.startswith("after"))
         print(f"{row['batch']:>5} {row['context']:>8} " + " ".join(f"{g[c]:>8.0f}" for c in columns)
               + f" {best[0]:>8.0f} ({best[1]}, {best[0] * 1e9 / copy:.0%} of copy)")
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"device": device, "copy_GBps": copy / 1e9, "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":

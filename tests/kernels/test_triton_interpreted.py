@@ -3,6 +3,7 @@ checks them without a GPU. On a machine with CUDA, tests/gpu runs the same kerne
 
 import pytest
 import torch
+import triton
 from helpers.kernels import (
     PagedLatents,
     mostly_equal,
@@ -22,7 +23,13 @@ from deltaserve.kernels.kda import fused_recurrent_kda, kda_gate, kda_prefill, l
 from deltaserve.kernels.kda.naive import naive_causal_conv1d  # noqa: E402
 from deltaserve.kernels.kda.triton_decode import kda_decode, kda_recurrent_varlen  # noqa: E402
 from deltaserve.kernels.mla.attention import torch_mla_decode  # noqa: E402
-from deltaserve.kernels.mla.triton_decode import triton_mla_decode  # noqa: E402
+from deltaserve.kernels.mla.triton_decode import (  # noqa: E402
+    MERGE_MIN_COLS,
+    MERGE_PROGRAMS,
+    MERGE_TILE,
+    merge_tiles,
+    triton_mla_decode,
+)
 from deltaserve.kernels.moe.experts import _weighted_sum  # noqa: E402
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk  # noqa: E402
 from deltaserve.kernels.moe.triton_blocks import SORT_CHUNK, block_experts, expert_blocks, torch_expert_blocks  # noqa: E402
@@ -230,12 +237,12 @@ def test_mla_decode_kernel_matches_torch_twin(lengths, H, R, DR, page, width, mi
     assert rel_err(out, twin) < 1e-5
 
 
-@pytest.mark.parametrize("merge_slices,merge_cols", [(1, None), (4, 16), (16, 8), (2, 64)])
+@pytest.mark.parametrize("merge_slices,merge_cols", [(None, None), (1, None), (4, 16), (16, 8), (2, 64)])
 def test_mla_decode_merge_kernel_variants_match_the_twin(merge_slices, merge_cols):
     """The merge kernel weighing several slices a step (a count of slices not a multiple of it, a context of one
-    slice) over column blocks of the latent (R not a multiple of the block: a masked tail)."""
+    slice) over column blocks of the latent (R not a multiple of the block: a masked tail); None: merge_tiles'."""
     lengths, H, R, DR = [1, 70, 333, 40], 4, 20, 8
-    gen = torch.Generator().manual_seed(merge_slices * 7 + (merge_cols or 0))
+    gen = torch.Generator().manual_seed((merge_slices or 0) * 7 + (merge_cols or 0))
     paged = PagedLatents(lengths, R + DR, 16, 32, gen)
     tables = paged.block_tables(None)
     q_latent = torch.randn(len(lengths), H, R, generator=gen)
@@ -247,6 +254,22 @@ def test_mla_decode_merge_kernel_variants_match_the_twin(merge_slices, merge_col
     assert rel_err(out, twin) < 1e-5
     with pytest.raises(ValueError, match="power of two"):
         triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3, merge_slices=3)
+
+
+@pytest.mark.parametrize("B,splits", [(1, 132), (1, 2), (3, 44), (16, 9), (64, 3), (256, 1), (1000, 1)])
+def test_mla_decode_merge_tiles_fill_the_gpu_or_take_whole_rows(B, splits):
+    """The 48B shape (32 heads, R 512): a batch of few rows splits the columns until MERGE_PROGRAMS programs or
+    MERGE_MIN_COLS columns a program; a large one keeps whole rows. Tiles are powers of two within MERGE_TILE, with
+    no more slices a step than the launch has."""
+    rows, R = B * 32, 512
+    slices, cols = merge_tiles(rows, R, splits)
+    programs = rows * -(-R // cols)
+    assert programs >= MERGE_PROGRAMS or cols == MERGE_MIN_COLS
+    assert cols == R or programs < 2 * MERGE_PROGRAMS  # no more columns split than filling the GPU needs
+    assert slices & (slices - 1) == 0 and cols & (cols - 1) == 0 and slices * cols <= max(MERGE_TILE, cols)
+    assert slices <= triton.next_power_of_2(splits)
+    chosen = {(1, 132): (64, 32), (64, 3): (4, 512), (256, 1): (1, 512)}  # the launches mla_decode_ab timed
+    assert (slices, cols) == chosen.get((B, splits), (slices, cols))
 
 
 @pytest.mark.parametrize("tile", [None, *_ROUTER_TILES])  # None: the (interpreter's one) autotuned config

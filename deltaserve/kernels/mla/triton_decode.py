@@ -22,7 +22,12 @@ NUM_STAGES = 3  # software pipelining of the split kernel's loads: two tiles' bu
 # streams in (benchmarks/gpu/compile_check.py uses it too); float32 tiles keep one buffer (NUM_STAGES_FLOAT32)
 NUM_STAGES_FLOAT32 = 2
 LAZY_SLACK = 8.0  # how far a head's score max may rise before the accumulator is rescaled (0: at every rise)
-MERGE_SLICES = 1  # slices the merge kernel weighs a step (a power of two); merge_cols: columns a program (all R)
+# the merge kernel's programs: a (sequence, head) row's slices are weighed in steps of [slices, columns] tiles; a
+# batch of few rows splits its columns over more programs (one sequence: 32 rows, 132 slices each, walked by 32
+# programs one slice a step, was a third of a 32k-token decode), down to MERGE_MIN_COLS columns a program
+MERGE_PROGRAMS = 2 * _TARGET_PROGRAMS
+MERGE_MIN_COLS = 32
+MERGE_TILE = 2048  # slices x columns a step, at most
 
 
 @triton.jit
@@ -196,12 +201,21 @@ def num_splits(batch: int, head_blocks: int, max_tokens: int, min_split: int = M
     return max(1, min(want, triton.cdiv(max_tokens, min_split)))
 
 
+def merge_tiles(rows: int, R: int, splits: int) -> tuple[int, int]:
+    """(slices a step, columns a program) of the merge kernel for rows (sequence, head) pairs of R latent columns
+    and splits slices each: columns split until there are MERGE_PROGRAMS programs or MERGE_MIN_COLS columns a
+    program, then as many slices a step as fill MERGE_TILE (no more than the launch has). Powers of two."""
+    col_blocks = min(triton.cdiv(R, MERGE_MIN_COLS), triton.next_power_of_2(triton.cdiv(MERGE_PROGRAMS, rows)))
+    cols = triton.next_power_of_2(triton.cdiv(R, col_blocks))
+    return min(triton.next_power_of_2(splits), max(1, MERGE_TILE // cols)), cols
+
+
 def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, scale: float, min_split: int = MIN_SPLIT_TOKENS,
                       max_head_block: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, splits: int | None = None, pdl: bool = True,
-                      block_n: int | None = None, lazy_slack: float = LAZY_SLACK, merge_slices: int = MERGE_SLICES,
-                      merge_cols: int | None = None, reread_tile: bool = False) -> torch.Tensor:
+                      block_n: int | None = None, lazy_slack: float = LAZY_SLACK, merge_slices: int | None = None,
+                      merge_cols: int | None = None, reread_tile: bool | None = None) -> torch.Tensor:
     """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr] (in
     q_latent's dtype or float8_e4m3fn), block_tables [B, max_blocks], context_lens [B] (>= 1 each). Returns [B, H, R]
     in q_latent's dtype. Only the first context_lens[b] tokens of each table are read; entries past them may hold
@@ -211,18 +225,18 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     short context's step is latency), 4 warps, 32 tokens a step; a batch: 32 heads (the latents read once for all
     heads), 8 warps, 64 tokens a step (bf16; float32 keeps 4 warps and 32 tokens); NUM_STAGES stages (float32:
     NUM_STAGES_FLOAT32, whose tiles are twice as wide). merge_slices and merge_cols: the merge kernel's slices a step
-    and latent columns a program (a long context's many slices in fewer, wider loads over more programs); by default
-    one slice a step and the whole row. reread_tile: load each latent tile twice, once for each product. A float8
-    tile's one load feeds both products, each in a shared-memory layout of its own, and Triton's pipeliner leaves
-    such a load synchronous (into registers, then copied for each product); loaded twice, each load has one product
-    and both stream in asynchronously, at twice the L2 reads. Off until timed on a GPU (kernels_bench's float8
-    sweep has it)."""
+    and latent columns a program, merge_tiles' by default. reread_tile: load each latent tile twice, once for each
+    product; on by default for a float8 cache. A float8 tile's one load feeds both products, each in a shared-memory
+    layout of its own, and Triton's pipeliner leaves such a load synchronous (into registers, then copied for each
+    product); loaded twice, each load has one product and both stream in asynchronously, at twice the L2 reads
+    (faster at every context kernels_bench's float8 sweep timed). A bf16 tile's one load is pipelined already."""
     B, H, R = q_latent.shape
     DR = q_rope.shape[-1]
     page = cache.shape[1]
     assert cache.shape[2] == R + DR and cache.stride(2) == 1 and q_latent.stride(2) == 1 and q_rope.stride(2) == 1
     assert block_tables.stride(1) == 1 and context_lens.is_contiguous()
-    if merge_slices < 1 or merge_slices & (merge_slices - 1) or (merge_cols is not None and merge_cols < 1):
+    if (merge_slices is not None and (merge_slices < 1 or merge_slices & (merge_slices - 1))) or (
+            merge_cols is not None and merge_cols < 1):
         raise ValueError(f"merge_slices must be a power of two and merge_cols positive; got {merge_slices}, "
                          f"{merge_cols}")
     max_head_block = max_head_block or (16 if B == 1 else 32)
@@ -236,6 +250,8 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     mid_o = torch.empty(B, H, splits, R, dtype=torch.float32, device=q_latent.device)
     mid_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q_latent.device)
     q_rope = q_rope.to(q_latent.dtype)
+    if reread_tile is None:
+        reread_tile = cache.element_size() == 1
     _mla_decode_split_kernel[(head_blocks, splits, B)](
         q_latent, q_rope, cache, block_tables, context_lens, mid_o, mid_lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
@@ -245,7 +261,9 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q_latent.device, pdl),
     )
     out = torch.empty(B, H, R, dtype=q_latent.dtype, device=q_latent.device)
-    merge_br = triton.next_power_of_2(merge_cols or R)
+    auto_slices, auto_cols = merge_tiles(B * H, R, splits)
+    merge_slices = merge_slices or auto_slices
+    merge_br = triton.next_power_of_2(merge_cols or auto_cols)
     _mla_decode_merge_kernel[(B * H, triton.cdiv(R, merge_br))](
         mid_o, mid_lse, context_lens, out, splits, min_split, H=H, R=R, BR=merge_br, BLOCK_N=block_n,
         SLICES=merge_slices, num_warps=4, **pdl_args(q_latent.device, pdl))
