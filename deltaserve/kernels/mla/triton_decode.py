@@ -27,7 +27,7 @@ LAZY_SLACK = 8.0  # how far a head's score max may rise before the accumulator i
 # programs one slice a step, was a third of a 32k-token decode), down to MERGE_MIN_COLS columns a program
 MERGE_PROGRAMS = 2 * _TARGET_PROGRAMS
 MERGE_MIN_COLS = 32
-MERGE_TILE = 2048  # slices x columns a step, at most
+MERGE_TILE = 4096  # slices x columns a step, at most (one sequence: 128 slices of 32 columns, its 132 in two steps)
 
 
 @triton.jit
