@@ -167,26 +167,29 @@ def main() -> int:
                             BV=min(triton.next_power_of_2(K), 32), VARLEN=varlen, PDL=True))
     # heads a program, tokens a step, warps: one sequence's launch (16, 32, 4) and a batch's (32, 64, 8); a page size
     # not a power of two looks up every token's page
-    for dtype, cache, (block_h, block_n, warps), page, reread in (
-            ("bf16", "bf16", (16, 32, 4), 16, False), ("bf16", "bf16", (32, 64, 8), 16, False),
-            ("bf16", "bf16", (32, 32, 4), 16, False), ("fp32", "fp32", (32, 32, 4), 16, False),
-            ("bf16", "fp8e4nv", (32, 64, 8), 16, False), ("bf16", "fp8e4nv", (16, 32, 4), 16, True),
-            ("bf16", "bf16", (32, 32, 4), 24, False)):
+    for dtype, cache, (block_h, block_n, warps), page, reread, wide in (
+            ("bf16", "bf16", (16, 32, 4), 16, False, 0), ("bf16", "bf16", (32, 64, 8), 16, False, 0),
+            ("bf16", "bf16", (32, 32, 4), 16, False, 0), ("fp32", "fp32", (32, 32, 4), 16, False, 0),
+            ("bf16", "fp8e4nv", (32, 64, 8), 16, False, 0), ("bf16", "fp8e4nv", (16, 32, 4), 16, True, 0),
+            ("bf16", "bf16", (32, 32, 4), 24, False, 0), ("bf16", "bf16", (16, 32, 4), 16, False, 32)):
         ok &= check(f"MLA decode, {dtype}, cache {cache}, {block_h} heads, {block_n} tokens, {warps} warps, "
-                    f"page {page}" + (", tile read twice" if reread else ""),
+                    f"page {page}" + (", tile read twice" if reread else "") + (f", wide mode {wide}" if wide else ""),
                     mla_triton_decode._mla_decode_split_kernel, dict(
                         q_ptr=f"*{dtype}", qr_ptr=f"*{dtype}", cache_ptr=f"*{cache}", bt_ptr="*i64", lens_ptr="*i64",
                         mid_o_ptr="*fp32", mid_lse_ptr="*fp32", q_stride_b="i32", q_stride_h="i32",
                         qr_stride_b="i32", qr_stride_h="i32", bt_stride="i32", page_stride="i32",
-                        token_stride="i32", scale="fp32", num_splits="i32", min_split="i32", PAGE=page, H=32, R=512,
-                        DR=64, BR=512, BDR=64, BLOCK_H=block_h, BLOCK_N=block_n, IEEE=dtype == "fp32",
+                        token_stride="i32", scale="fp32", num_splits="i32", min_split="i32", wide_from="i32",
+                        PAGE=page, H=32, R=512, DR=64, BR=512, BDR=64, BLOCK_H=block_h, BLOCK_N=block_n, WIDE_H=wide,
+                        IEEE=dtype == "fp32",
                         LAZY_SLACK=mla_triton_decode.LAZY_SLACK, REREAD=reread, PDL=True),
                     num_warps=warps, num_stages=mla_triton_decode.NUM_STAGES, aligned=MLA_STRIDES)
-    for dtype, cols, slices in (("bf16", 512, 1), ("fp32", 512, 1), ("bf16", 128, 16), ("bf16", 256, 8)):
+    for dtype, cols, slices in (("bf16", 512, 1), ("fp32", 512, 1), ("bf16", 32, 128), ("bf16", 256, 16),
+                                ("bf16", 512, 4)):
         ok &= check(f"MLA merge, {dtype}, {cols} columns, {slices} slices a step",
                     mla_triton_decode._mla_decode_merge_kernel, dict(
                         mid_o_ptr="*fp32", mid_lse_ptr="*fp32", lens_ptr="*i64", o_ptr=f"*{dtype}",
-                        num_splits="i32", min_split="i32", H=32, R=512, BR=cols, BLOCK_N=32, SLICES=slices,
+                        num_splits="i32", min_split="i32", mid_stride="i32", wide_from="i32", H=32, R=512, BR=cols,
+                        BLOCK_N=32, SLICES=slices,
                         PDL=True))
     for aligned in (True, False):
         ok &= check(f"fp8 matmul, aligned {aligned}", triton_linear._matmul_kernel, dict(

@@ -144,7 +144,8 @@ DECODE_KNOBS = [dict(min_split=m, max_head_block=h, num_warps=w, num_stages=st, 
     (64, 32, 8, 2)]] + [dict(max_head_block=32, splits=n) for n in (528, 1056)] + [
     dict(max_head_block=16, splits=528), dict(max_head_block=32, block_n=16), dict(max_head_block=32, block_n=64),
     dict(max_head_block=32, block_n=64, num_warps=8), dict(num_stages=2), dict(max_head_block=32, num_stages=3),
-    dict(max_head_block=16, num_warps=4, block_n=32)]  # the one-buffer pipeline before; 32 heads; a batch's 16
+    dict(max_head_block=16, num_warps=4, block_n=32),  # the one-buffer pipeline before; 32 heads; a batch's 16
+    dict(wide_from=1), dict(wide_from=262144)]  # every head a program (from 256k tokens), 16 heads a program below
 
 
 # the float8 cache: a tile of block_n tokens holds half bf16's bytes, so more tokens an inner step may keep as many

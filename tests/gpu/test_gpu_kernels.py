@@ -323,6 +323,27 @@ def test_triton_mla_decode_matches_torch_twin(lengths, width, dtype):
     assert rel_err(out, twin) < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("lengths,wide_from", [([17, 300, 1, 4097], 300), ([70001], 1), ([70001], 65536)])
+def test_triton_mla_decode_wide_mode_matches_torch_twin(lengths, wide_from):
+    """The 48B MLA shape, bf16, 16 heads a program: sequences of wide_from tokens or more attended with all 32 heads
+    a program over slices of their own, the others by head block, against the torch path in float32."""
+    from deltaserve.kernels.mla.attention import torch_mla_decode
+    from deltaserve.kernels.mla.triton_decode import triton_mla_decode
+
+    gen = torch.Generator().manual_seed(len(lengths) + wide_from)
+    H, R, DR = 32, 512, 64
+    paged = PagedLatents(lengths, R + DR, 16, sum(-(-n // 16) for n in lengths) + 8, gen, dtype=torch.bfloat16,
+                         device=DEV)
+    tables = paged.block_tables(None)
+    q_latent = (torch.randn(len(lengths), H, R, generator=gen) * 0.05).to(torch.bfloat16).to(DEV)
+    q_rope = (torch.randn(len(lengths), H, DR, generator=gen) * 0.05).to(torch.bfloat16).to(DEV)
+    lens = torch.tensor(lengths, device=DEV)
+    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 192 ** -0.5, max_head_block=16,
+                            wide_from=wide_from)
+    twin = torch_mla_decode(q_latent.float(), q_rope.float(), paged.cache.float(), tables, lens, 192 ** -0.5)
+    assert rel_err(out, twin) < 1e-2
+
+
 @pytest.mark.parametrize("reread_tile", [False, True])
 def test_triton_mla_decode_reads_a_float8_cache(reread_tile):
     """--kv-cache-dtype fp8 at the 48B shape: bf16 queries against a float8_e4m3fn cache, widened as read (the tile

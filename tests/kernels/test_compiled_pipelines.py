@@ -59,14 +59,16 @@ def _buffers(ttgir: str, tile: str) -> list[int]:
     return [int(n) for n in re.findall(rf"local_alloc\s*:\s*\(\)\s*->\s*!\w+\.memdesc<(\d+)x{tile}\b", ttgir)]
 
 
-def _mla_decode(block_h: int, block_n: int, warps: int, cache: str = "bf16", reread: bool = False) -> str:
+def _mla_decode(block_h: int, block_n: int, warps: int, cache: str = "bf16", reread: bool = False,
+                wide: int = 0) -> str:
     from deltaserve.kernels.mla import triton_decode as mla
 
     args = dict(q_ptr="*bf16", qr_ptr="*bf16", cache_ptr=f"*{cache}", bt_ptr="*i64", lens_ptr="*i64",
                 mid_o_ptr="*fp32", mid_lse_ptr="*fp32", q_stride_b="i32", q_stride_h="i32", qr_stride_b="i32",
                 qr_stride_h="i32", bt_stride="i32", page_stride="i32", token_stride="i32", scale="fp32",
-                num_splits="i32", min_split="i32", PAGE=16, H=32, R=512, DR=64, BR=512, BDR=64, BLOCK_H=block_h,
-                BLOCK_N=block_n, IEEE=False, LAZY_SLACK=mla.LAZY_SLACK, REREAD=reread, PDL=False)
+                num_splits="i32", min_split="i32", wide_from="i32", PAGE=16, H=32, R=512, DR=64, BR=512, BDR=64,
+                BLOCK_H=block_h, BLOCK_N=block_n, WIDE_H=wide, IEEE=False, LAZY_SLACK=mla.LAZY_SLACK, REREAD=reread,
+                PDL=False)
     return _ttgir("deltaserve.kernels.mla.triton_decode", "_mla_decode_split_kernel", args, warps, mla.NUM_STAGES)
 
 
@@ -76,6 +78,14 @@ def test_mla_decode_tile_gets_a_buffer_per_stage_in_flight(block_h, block_n, war
 
     assert NUM_STAGES - 1 >= 2
     assert _buffers(_mla_decode(block_h, block_n, warps), f"{block_n}x512xbf16") == [NUM_STAGES - 1]
+
+
+def test_mla_decode_wide_mode_streams_both_paths_tiles():
+    """With the wide mode compiled in (16 heads a program, all 32 from wide_from tokens), each path's loop keeps its
+    tile's buffers: two loops, num_stages - 1 buffers each."""
+    from deltaserve.kernels.mla.triton_decode import NUM_STAGES
+
+    assert _buffers(_mla_decode(16, 32, 4, wide=32), "32x512xbf16") == [NUM_STAGES - 1] * 2
 
 
 def test_float8_tile_read_twice_streams_in_both_loads():

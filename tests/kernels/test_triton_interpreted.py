@@ -237,6 +237,28 @@ def test_mla_decode_kernel_matches_torch_twin(lengths, H, R, DR, page, width, mi
     assert rel_err(out, twin) < 1e-5
 
 
+@pytest.mark.parametrize("lengths,H,wide_from,width", [
+    ([5, 1, 700, 333], 20, 300, None),  # two head blocks, the second ragged: 700 and 333 wide, 5 and 1 not
+    ([900], 32, 1, None),  # one sequence, every head in each program
+    ([64, 65], 32, 65, 128),  # the threshold between two contexts; a table wider than both
+])
+@pytest.mark.parametrize("splits", [None, 3])  # 3: a wide context uses all 6 slices, past a head block's 3
+def test_mla_decode_wide_mode_matches_the_twin(lengths, H, wide_from, width, splits):
+    """wide_from: a sequence of that many context tokens or more is attended by each program with all heads over its
+    own slice (head blocks x slices of them); shorter ones by head block, as without it. Same output as the twin."""
+    R, DR = 32, 16
+    gen = torch.Generator().manual_seed(sum(lengths) + H)
+    paged = PagedLatents(lengths, R + DR, 16, 128, gen)
+    tables = paged.block_tables(width)
+    q_latent = torch.randn(len(lengths), H, R, generator=gen)
+    q_rope = torch.randn(len(lengths), H, DR, generator=gen)
+    lens = torch.tensor(lengths)
+    twin = torch_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
+    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3, min_split=32, max_head_block=16,
+                            splits=splits, wide_from=wide_from)
+    assert rel_err(out, twin) < 1e-5
+
+
 @pytest.mark.parametrize("merge_slices,merge_cols", [(None, None), (1, None), (4, 16), (16, 8), (2, 64)])
 def test_mla_decode_merge_kernel_variants_match_the_twin(merge_slices, merge_cols):
     """The merge kernel weighing several slices a step (a count of slices not a multiple of it, a context of one

@@ -38,9 +38,9 @@ def _used_slices(ctx, num_splits, min_split, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _slice_of(lens_ptr, b, i_split, num_splits, min_split, BLOCK_N: tl.constexpr):
-    """(start, end) of this program's slice of sequence b's context: empty for the slices past those it uses."""
-    ctx = tl.load(lens_ptr + b).to(tl.int32)
+def _slice_of(ctx, i_split, num_splits, min_split, BLOCK_N: tl.constexpr):
+    """(start, end) of slice i_split of a context of ctx tokens split num_splits ways: empty for the slices past
+    those it uses."""
     used = _used_slices(ctx, num_splits, min_split, BLOCK_N)
     per_split = tl.cdiv(tl.cdiv(ctx, used), BLOCK_N) * BLOCK_N
     start = i_split * per_split
@@ -99,26 +99,16 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _mla_decode_split_kernel(
-    q_ptr, qr_ptr, cache_ptr, bt_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
-    q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale,
-    num_splits, min_split, PAGE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, BR: tl.constexpr,
-    BDR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, LAZY_SLACK: tl.constexpr,
-    REREAD: tl.constexpr, PDL: tl.constexpr,
-):
-    """num_splits and min_split are runtime arguments: the split count follows the batch and the table width, and a
-    constant would compile a variant per value while serving. The page size (PAGE) is the engine's, one value: a
-    constant, so a token's page and row are shifts, not divisions. A sequence uses _used_slices of the num_splits
-    slices (a short context in a wide table: few, each partial output worth its traffic); the slices past those are
-    empty. REREAD: the latent tile loaded a second time for the P.V product (triton_mla_decode's reread_tile). PDL:
-    kernels.pdl."""
-    pdl_enter(PDL)
-    i_hb, i_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    start, end = _slice_of(lens_ptr, b, i_split, num_splits, min_split, BLOCK_N)
-
-    heads = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+def _attend_slice(q_ptr, qr_ptr, cache_ptr, bt_ptr, bt_stride, mid_o_ptr, mid_lse_ptr, b, heads, ctx, i_slice,
+                  n_slices, mid_stride, min_split, q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, page_stride,
+                  token_stride, scale, PAGE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr,
+                  BR: tl.constexpr, BDR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                  IEEE: tl.constexpr, LAZY_SLACK: tl.constexpr, REREAD: tl.constexpr):
+    """The BLOCK_H heads (past H: masked) of sequence b attend to slice i_slice of its context split n_slices ways;
+    the partial output and log-sum-exp go to slot i_slice of each head's mid_stride."""
     mh = heads < H
-    mid = (b * H + heads) * num_splits + i_split  # [BLOCK_H]
+    start, end = _slice_of(ctx, i_slice, n_slices, min_split, BLOCK_N)
+    mid = (b * H + heads) * mid_stride + i_slice  # [BLOCK_H]
     if start < end:  # a slice past the context reads nothing: weight zero in the merge
         offs_r, offs_dr = tl.arange(0, BR), tl.arange(0, BDR)
         mr, mdr = offs_r < R, offs_dr < DR
@@ -127,6 +117,7 @@ def _mla_decode_split_kernel(
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BR], dtype=tl.float32)
+        # computed here, in the branch: outside it, the 16-head launch took 255 registers, not 168 (Triton 3.9)
         table = bt_ptr + b * bt_stride
         pages = _tile_pages(table, start, end, PAGE, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
@@ -163,20 +154,59 @@ def _mla_decode_split_kernel(
 
 
 @triton.jit
-def _mla_decode_merge_kernel(mid_o_ptr, mid_lse_ptr, lens_ptr, o_ptr, num_splits, min_split, H: tl.constexpr,
-                             R: tl.constexpr, BR: tl.constexpr, BLOCK_N: tl.constexpr, SLICES: tl.constexpr,
-                             PDL: tl.constexpr):
+def _mla_decode_split_kernel(
+    q_ptr, qr_ptr, cache_ptr, bt_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
+    q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale,
+    num_splits, min_split, wide_from, PAGE: tl.constexpr, H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr,
+    BR: tl.constexpr, BDR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_H: tl.constexpr,
+    IEEE: tl.constexpr, LAZY_SLACK: tl.constexpr, REREAD: tl.constexpr, PDL: tl.constexpr,
+):
+    """num_splits and min_split are runtime arguments: the split count follows the batch and the table width, and a
+    constant would compile a variant per value while serving. The page size (PAGE) is the engine's, one value: a
+    constant, so a token's page and row are shifts, not divisions. A sequence uses _used_slices of the num_splits
+    slices (a short context in a wide table: few, each partial output worth its traffic); the slices past those are
+    empty. WIDE_H (0: none): the wide mode's head block, all H heads, taken by a sequence of wide_from tokens or
+    more: the launch's head-block programs then take num_splits slices each of the context split head-blocks times
+    num_splits ways, so each tile is read once for every head (triton_mla_decode's wide_from). REREAD: the latent
+    tile loaded a second time for the P.V product (triton_mla_decode's reread_tile). PDL: kernels.pdl."""
+    pdl_enter(PDL)
+    i_hb, i_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    ctx = tl.load(lens_ptr + b).to(tl.int32)
+    mid_stride = num_splits * tl.num_programs(0) if WIDE_H > 0 else num_splits
+    heads = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    if WIDE_H > 0:
+        if ctx >= wide_from:  # every head, slice i_hb * num_splits + i_split of mid_stride
+            _attend_slice(q_ptr, qr_ptr, cache_ptr, bt_ptr, bt_stride, mid_o_ptr, mid_lse_ptr, b, tl.arange(0, WIDE_H),
+                          ctx, i_hb * num_splits + i_split, mid_stride, mid_stride, min_split, q_stride_b, q_stride_h,
+                          qr_stride_b, qr_stride_h, page_stride, token_stride, scale, PAGE, H, R, DR, BR, BDR, WIDE_H,
+                          BLOCK_N, IEEE, LAZY_SLACK, REREAD)
+        else:
+            _attend_slice(q_ptr, qr_ptr, cache_ptr, bt_ptr, bt_stride, mid_o_ptr, mid_lse_ptr, b, heads, ctx, i_split,
+                          num_splits, mid_stride, min_split, q_stride_b, q_stride_h, qr_stride_b, qr_stride_h,
+                          page_stride, token_stride, scale, PAGE, H, R, DR, BR, BDR, BLOCK_H, BLOCK_N, IEEE, LAZY_SLACK,
+                          REREAD)
+    else:  # the same call as just above: a launch without the wide mode compiles no branch for it
+        _attend_slice(q_ptr, qr_ptr, cache_ptr, bt_ptr, bt_stride, mid_o_ptr, mid_lse_ptr, b, heads, ctx, i_split,
+                      num_splits, mid_stride, min_split, q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, page_stride,
+                      token_stride, scale, PAGE, H, R, DR, BR, BDR, BLOCK_H, BLOCK_N, IEEE, LAZY_SLACK, REREAD)
+
+
+@triton.jit
+def _mla_decode_merge_kernel(mid_o_ptr, mid_lse_ptr, lens_ptr, o_ptr, num_splits, min_split, mid_stride, wide_from,
+                             H: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BLOCK_N: tl.constexpr,
+                             SLICES: tl.constexpr, PDL: tl.constexpr):
     """One (sequence, head) and BR of its R columns (program axis 1): the used slices' outputs weighted by exp(lse -
-    max) (the split kernel's rule for how many slices a context uses and how long each is; a slice past the
-    context, lse -inf, weighs 0), SLICES slices a step."""
+    max) (the split kernel's rule for how many slices a context uses and how long each is: of num_splits, or of
+    mid_stride, each row's slots, from wide_from tokens; a slice past the context, lse -inf, weighs 0), SLICES slices
+    a step."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     ctx = tl.load(lens_ptr + row // H).to(tl.int32)
-    used = _used_slices(ctx, num_splits, min_split, BLOCK_N)
+    used = _used_slices(ctx, tl.where(ctx >= wide_from, mid_stride, num_splits), min_split, BLOCK_N)
     offs_r = tl.program_id(1) * BR + tl.arange(0, BR)
     mr = offs_r < R
     offs_s = tl.arange(0, SLICES)
-    lse_row = mid_lse_ptr + row * num_splits
+    lse_row = mid_lse_ptr + row * mid_stride
     m = tl.full([SLICES], float("-inf"), tl.float32)
     for s0 in range(0, used, SLICES):
         m = tl.maximum(m, tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < used, other=float("-inf")))
@@ -186,7 +216,7 @@ def _mla_decode_merge_kernel(mid_o_ptr, mid_lse_ptr, lens_ptr, o_ptr, num_splits
     for s0 in range(0, used, SLICES):
         s = s0 + offs_s
         w = tl.exp(tl.load(lse_row + s, mask=s < used, other=float("-inf")) - m_all)  # [SLICES]
-        part = tl.load(mid_o_ptr + (row * num_splits + s[:, None]) * R + offs_r[None, :],
+        part = tl.load(mid_o_ptr + (row * mid_stride + s[:, None]) * R + offs_r[None, :],
                        mask=(s[:, None] < used) & mr[None, :], other=0.0)
         acc += tl.sum(tl.where(w[:, None] > 0, w[:, None] * part, 0.0), axis=0)  # an empty slice's was never written
         total += tl.sum(w, axis=0)
@@ -215,7 +245,8 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
                       max_head_block: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, splits: int | None = None, pdl: bool = True,
                       block_n: int | None = None, lazy_slack: float = LAZY_SLACK, merge_slices: int | None = None,
-                      merge_cols: int | None = None, reread_tile: bool | None = None) -> torch.Tensor:
+                      merge_cols: int | None = None, reread_tile: bool | None = None,
+                      wide_from: int | None = None) -> torch.Tensor:
     """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr] (in
     q_latent's dtype or float8_e4m3fn), block_tables [B, max_blocks], context_lens [B] (>= 1 each). Returns [B, H, R]
     in q_latent's dtype. Only the first context_lens[b] tokens of each table are read; entries past them may hold
@@ -229,7 +260,12 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     product; on by default for a float8 cache. A float8 tile's one load feeds both products, each in a shared-memory
     layout of its own, and Triton's pipeliner leaves such a load synchronous (into registers, then copied for each
     product); loaded twice, each load has one product and both stream in asynchronously, at twice the L2 reads
-    (faster at every context kernels_bench's float8 sweep timed). A bf16 tile's one load is pipelined already."""
+    (faster at every context kernels_bench's float8 sweep timed). A bf16 tile's one load is pipelined already.
+    wide_from (None: off): a sequence of at least this many context tokens is attended by every program of the launch
+    with all heads at once, each over its own slice of the context (head blocks x slices of them), so each tile is
+    read once, not once per head block. Where a launch has one head block, it changes nothing. One sequence at 1M
+    tokens streamed 18% faster with 32 heads a program than with 16, and slower at 128k and below (BENCHMARKS.md,
+    stop 43); a CUDA graph's launch cannot follow the context, this choice inside the kernel can. Off until timed."""
     B, H, R = q_latent.shape
     DR = q_rope.shape[-1]
     page = cache.shape[1]
@@ -247,24 +283,28 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     block_h = max(min(triton.next_power_of_2(H), max_head_block), 16)  # tl.dot needs 16 rows
     head_blocks = triton.cdiv(H, block_h)
     splits = splits or num_splits(B, head_blocks, block_tables.shape[1] * page, min_split)
-    mid_o = torch.empty(B, H, splits, R, dtype=torch.float32, device=q_latent.device)
-    mid_lse = torch.empty(B, H, splits, dtype=torch.float32, device=q_latent.device)
+    wide = wide_from is not None and head_blocks > 1
+    slots = splits * head_blocks if wide else splits  # each (sequence, head)'s partial outputs
+    mid_o = torch.empty(B, H, slots, R, dtype=torch.float32, device=q_latent.device)
+    mid_lse = torch.empty(B, H, slots, dtype=torch.float32, device=q_latent.device)
+    wide_from = max(1, wide_from) if wide else 2**31 - 1  # never, as an int32 context length
     q_rope = q_rope.to(q_latent.dtype)
     if reread_tile is None:
         reread_tile = cache.element_size() == 1
     _mla_decode_split_kernel[(head_blocks, splits, B)](
         q_latent, q_rope, cache, block_tables, context_lens, mid_o, mid_lse,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
-        cache.stride(0), cache.stride(1), scale, splits, min_split, PAGE=page,
+        cache.stride(0), cache.stride(1), scale, splits, min_split, wide_from, PAGE=page,
         H=H, R=R, DR=DR, BR=triton.next_power_of_2(R), BDR=max(16, triton.next_power_of_2(DR)), BLOCK_H=block_h,
-        BLOCK_N=block_n, IEEE=q_latent.dtype == torch.float32, LAZY_SLACK=lazy_slack, REREAD=reread_tile,
+        BLOCK_N=block_n, WIDE_H=triton.next_power_of_2(H) if wide else 0, IEEE=q_latent.dtype == torch.float32,
+        LAZY_SLACK=lazy_slack, REREAD=reread_tile,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q_latent.device, pdl),
     )
     out = torch.empty(B, H, R, dtype=q_latent.dtype, device=q_latent.device)
-    auto_slices, auto_cols = merge_tiles(B * H, R, splits)
+    auto_slices, auto_cols = merge_tiles(B * H, R, slots)
     merge_slices = merge_slices or auto_slices
     merge_br = triton.next_power_of_2(merge_cols or auto_cols)
     _mla_decode_merge_kernel[(B * H, triton.cdiv(R, merge_br))](
-        mid_o, mid_lse, context_lens, out, splits, min_split, H=H, R=R, BR=merge_br, BLOCK_N=block_n,
+        mid_o, mid_lse, context_lens, out, splits, min_split, slots, wide_from, H=H, R=R, BR=merge_br, BLOCK_N=block_n,
         SLICES=merge_slices, num_warps=4, **pdl_args(q_latent.device, pdl))
     return out
