@@ -246,36 +246,32 @@ def test_mla_decode_kernel_matches_torch_twin(lengths, H, R, DR, page, width, mi
 def test_mla_decode_wide_mode_matches_the_twin(lengths, H, wide_from, width, splits):
     """wide_from: a sequence of that many context tokens or more is attended by each program with all heads over its
     own slice (head blocks x slices of them); shorter ones by head block, as without it. Same output as the twin."""
-    R, DR = 32, 16
     gen = torch.Generator().manual_seed(sum(lengths) + H)
-    paged = PagedLatents(lengths, R + DR, 16, 128, gen)
+    assert _decode_against_twin(lengths, H, 32, 16, 128, gen, width, min_split=32, max_head_block=16, splits=splits,
+                                wide_from=wide_from) < 1e-5
+
+
+def _decode_against_twin(lengths, H, R, DR, num_pages, gen, width=None, **knobs) -> float:
+    """rel_err of triton_mla_decode (with knobs) against the twin: random latents of sequences of `lengths` in pages of
+    16, block tables `width` pages wide (default: the longest's)."""
+    paged = PagedLatents(lengths, R + DR, 16, num_pages, gen)
     tables = paged.block_tables(width)
     q_latent = torch.randn(len(lengths), H, R, generator=gen)
     q_rope = torch.randn(len(lengths), H, DR, generator=gen)
     lens = torch.tensor(lengths)
     twin = torch_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
-    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3, min_split=32, max_head_block=16,
-                            splits=splits, wide_from=wide_from)
-    assert rel_err(out, twin) < 1e-5
+    return rel_err(triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3, **knobs), twin)
 
 
 @pytest.mark.parametrize("merge_slices,merge_cols", [(None, None), (1, None), (4, 16), (16, 8), (2, 64)])
 def test_mla_decode_merge_kernel_variants_match_the_twin(merge_slices, merge_cols):
     """The merge kernel weighing several slices a step (a count of slices not a multiple of it, a context of one
     slice) over column blocks of the latent (R not a multiple of the block: a masked tail); None: merge_tiles'."""
-    lengths, H, R, DR = [1, 70, 333, 40], 4, 20, 8
     gen = torch.Generator().manual_seed((merge_slices or 0) * 7 + (merge_cols or 0))
-    paged = PagedLatents(lengths, R + DR, 16, 32, gen)
-    tables = paged.block_tables(None)
-    q_latent = torch.randn(len(lengths), H, R, generator=gen)
-    q_rope = torch.randn(len(lengths), H, DR, generator=gen)
-    lens = torch.tensor(lengths)
-    twin = torch_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3)
-    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3, min_split=16,
-                            merge_slices=merge_slices, merge_cols=merge_cols)
-    assert rel_err(out, twin) < 1e-5
+    assert _decode_against_twin([1, 70, 333, 40], 4, 20, 8, 32, gen, min_split=16, merge_slices=merge_slices,
+                                merge_cols=merge_cols) < 1e-5
     with pytest.raises(ValueError, match="power of two"):
-        triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 0.3, merge_slices=3)
+        _decode_against_twin([1], 4, 20, 8, 4, gen, merge_slices=3)
 
 
 @pytest.mark.parametrize("B,splits", [(1, 132), (1, 2), (3, 44), (16, 9), (64, 3), (256, 1), (1000, 1)])
