@@ -180,8 +180,7 @@ def main() -> int:
                         qr_stride_b="i32", qr_stride_h="i32", bt_stride="i32", page_stride="i32",
                         token_stride="i32", scale="fp32", num_splits="i32", min_split="i32", wide_from="i32",
                         PAGE=page, H=32, R=512, DR=64, BR=512, BDR=64, BLOCK_H=block_h, BLOCK_N=block_n, WIDE_H=wide,
-                        IEEE=dtype == "fp32",
-                        LAZY_SLACK=mla_triton_decode.LAZY_SLACK, REREAD=reread, PDL=True),
+                        IEEE=dtype == "fp32", LAZY_SLACK=mla_triton_decode.LAZY_SLACK, REREAD=reread, PDL=True),
                     num_warps=warps, num_stages=mla_triton_decode.NUM_STAGES, aligned=MLA_STRIDES)
     for dtype, cols, slices in (("bf16", 512, 1), ("fp32", 512, 1), ("bf16", 32, 128), ("bf16", 256, 16),
                                 ("bf16", 512, 4)):
@@ -189,8 +188,7 @@ def main() -> int:
                     mla_triton_decode._mla_decode_merge_kernel, dict(
                         mid_o_ptr="*fp32", mid_lse_ptr="*fp32", lens_ptr="*i64", o_ptr=f"*{dtype}",
                         num_splits="i32", min_split="i32", mid_stride="i32", wide_from="i32", H=32, R=512, BR=cols,
-                        BLOCK_N=32, SLICES=slices,
-                        PDL=True))
+                        BLOCK_N=32, SLICES=slices, PDL=True))
     for aligned in (True, False):
         ok &= check(f"fp8 matmul, aligned {aligned}", triton_linear._matmul_kernel, dict(
             x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", y_ptr="*fp32", M="i32", N="i32", K=4096, S_COLS=32,

@@ -165,10 +165,10 @@ def _mla_decode_split_kernel(
     constant would compile a variant per value while serving. The page size (PAGE) is the engine's, one value: a
     constant, so a token's page and row are shifts, not divisions. A sequence uses _used_slices of the num_splits
     slices (a short context in a wide table: few, each partial output worth its traffic); the slices past those are
-    empty. WIDE_H (0: none): the wide mode's head block, all H heads, taken by a sequence of wide_from tokens or
-    more: the launch's head-block programs then take num_splits slices each of the context split head-blocks times
-    num_splits ways, so each tile is read once for every head (triton_mla_decode's wide_from). REREAD: the latent
-    tile loaded a second time for the P.V product (triton_mla_decode's reread_tile). PDL: kernels.pdl."""
+    empty. WIDE_H (0: none): the wide mode's head block, all H heads. A sequence of wide_from tokens or more is split
+    head_blocks x num_splits ways instead, each of the launch's programs taking one slice with every head, so each
+    tile is read once, not once per head block (triton_mla_decode's wide_from). REREAD: the latent tile loaded a
+    second time for the P.V product (triton_mla_decode's reread_tile). PDL: kernels.pdl."""
     pdl_enter(PDL)
     i_hb, i_split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     ctx = tl.load(lens_ptr + b).to(tl.int32)
@@ -260,12 +260,12 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     product; on by default for a float8 cache. A float8 tile's one load feeds both products, each in a shared-memory
     layout of its own, and Triton's pipeliner leaves such a load synchronous (into registers, then copied for each
     product); loaded twice, each load has one product and both stream in asynchronously, at twice the L2 reads
-    (faster at every context kernels_bench's float8 sweep timed). A bf16 tile's one load is pipelined already.
+    (faster at every context timed: BENCHMARKS.md, stop 43). A bf16 tile's one load is pipelined already.
     wide_from (None: off): a sequence of at least this many context tokens is attended by every program of the launch
     with all heads at once, each over its own slice of the context (head blocks x slices of them), so each tile is
     read once, not once per head block. Where a launch has one head block, it changes nothing. One sequence at 1M
-    tokens streamed 18% faster with 32 heads a program than with 16, and slower at 128k and below (BENCHMARKS.md,
-    stop 43); a CUDA graph's launch cannot follow the context, this choice inside the kernel can. Off until timed."""
+    tokens streamed faster with 32 heads a program than with 16, and slower at 128k and below (BENCHMARKS.md, stop
+    43); a CUDA graph's launch cannot follow the context, this choice inside the kernel can. Off until timed."""
     B, H, R = q_latent.shape
     DR = q_rope.shape[-1]
     page = cache.shape[1]
