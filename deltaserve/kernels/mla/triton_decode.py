@@ -23,8 +23,8 @@ NUM_STAGES = 3  # software pipelining of the split kernel's loads: two tiles' bu
 NUM_STAGES_FLOAT32 = 2
 LAZY_SLACK = 8.0  # how far a head's score max may rise before the accumulator is rescaled (0: at every rise)
 # the merge kernel's programs: a (sequence, head) row's slices are weighed in steps of [slices, columns] tiles; a
-# batch of few rows splits its columns over more programs (one sequence: 32 rows, 132 slices each, walked by 32
-# programs one slice a step, was a third of a 32k-token decode), down to MERGE_MIN_COLS columns a program
+# batch of few rows splits its columns over more programs, down to MERGE_MIN_COLS columns a program (a row a
+# program, one sequence's 32 programs each walked their 132 slices serially: BENCHMARKS.md, stop 43)
 MERGE_PROGRAMS = 2 * _TARGET_PROGRAMS
 MERGE_MIN_COLS = 32
 MERGE_TILE = 4096  # slices x columns a step, at most (one sequence: 128 slices of 32 columns, its 132 in two steps)
@@ -117,7 +117,7 @@ def _attend_slice(q_ptr, qr_ptr, cache_ptr, bt_ptr, bt_stride, mid_o_ptr, mid_ls
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BR], dtype=tl.float32)
-        # computed here, in the branch: outside it, the 16-head launch took 255 registers, not 168 (Triton 3.9)
+        # computed here, in the branch: before it, Triton 3.9 gave the 16-head launch more registers and spills
         table = bt_ptr + b * bt_stride
         pages = _tile_pages(table, start, end, PAGE, BLOCK_N)
         for n0 in range(start, end, BLOCK_N):
