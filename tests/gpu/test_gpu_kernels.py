@@ -302,66 +302,52 @@ def test_routing_kernel_matches_naive(T, E, k):
                           rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("lengths,width", [([1], None), ([17, 300, 1, 4097], None), ([33, 2, 700], 65536 // 16)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_mla_decode_matches_torch_twin(lengths, width, dtype):
-    """The 48B model's MLA shape (32 heads, R 512, Dr 64, pages of 16) against the torch path in float32 on the same
-    values; the widest table is a CUDA graph's for a 64k model length, its entries past each context unread."""
+def _mla_decode_against_twin(lengths, width, cache_dtype, seed, **knobs):
+    """triton_mla_decode (with knobs) at the 48B model's MLA shape (32 heads, R 512, Dr 64, pages of 16) on a cache of
+    cache_dtype (queries in float32 for a float32 cache, else bf16), and its relative error against the torch path
+    in float32 on the same values: (out, rel_err). Block tables `width` pages wide (default: the longest's)."""
     from deltaserve.kernels.mla.attention import torch_mla_decode
     from deltaserve.kernels.mla.triton_decode import triton_mla_decode
 
-    gen = torch.Generator().manual_seed(len(lengths))
+    gen = torch.Generator().manual_seed(seed)
     H, R, DR = 32, 512, 64
-    paged = PagedLatents(lengths, R + DR, 16, 400, gen, dtype=dtype, device=DEV)
+    q_dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
+    num_pages = max(400, sum(-(-n // 16) for n in lengths) + 8)
+    paged = PagedLatents(lengths, R + DR, 16, num_pages, gen, dtype=cache_dtype, device=DEV)
     tables = paged.block_tables(width)
-    q_latent = (torch.randn(len(lengths), H, R, generator=gen) * 0.05).to(dtype).to(DEV)
-    q_rope = (torch.randn(len(lengths), H, DR, generator=gen) * 0.05).to(dtype).to(DEV)
+    q_latent = (torch.randn(len(lengths), H, R, generator=gen) * 0.05).to(q_dtype).to(DEV)
+    q_rope = (torch.randn(len(lengths), H, DR, generator=gen) * 0.05).to(q_dtype).to(DEV)
     lens = torch.tensor(lengths, device=DEV)
-    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 192 ** -0.5)
+    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 192 ** -0.5, **knobs)
     used = tables[:, : -(-max(lengths) // 16)]
     twin = torch_mla_decode(q_latent.float(), q_rope.float(), paged.cache.float(), used, lens, 192 ** -0.5)
-    assert rel_err(out, twin) < (1e-5 if dtype == torch.float32 else 1e-2)
+    return out, rel_err(out, twin)
+
+
+@pytest.mark.parametrize("lengths,width", [([1], None), ([17, 300, 1, 4097], None), ([33, 2, 700], 65536 // 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_mla_decode_matches_torch_twin(lengths, width, dtype):
+    """The 48B model's MLA shape against the torch path; the widest table is a CUDA graph's for a 64k model length,
+    its entries past each context unread."""
+    _, err = _mla_decode_against_twin(lengths, width, dtype, len(lengths))
+    assert err < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("lengths,wide_from", [([17, 300, 1, 4097], 300), ([70001], 1), ([70001], 65536)])
 def test_triton_mla_decode_wide_mode_matches_torch_twin(lengths, wide_from):
-    """The 48B MLA shape, bf16, 16 heads a program: sequences of wide_from tokens or more attended with all 32 heads
-    a program over slices of their own, the others by head block, against the torch path in float32."""
-    from deltaserve.kernels.mla.attention import torch_mla_decode
-    from deltaserve.kernels.mla.triton_decode import triton_mla_decode
-
-    gen = torch.Generator().manual_seed(len(lengths) + wide_from)
-    H, R, DR = 32, 512, 64
-    paged = PagedLatents(lengths, R + DR, 16, sum(-(-n // 16) for n in lengths) + 8, gen, dtype=torch.bfloat16,
-                         device=DEV)
-    tables = paged.block_tables(None)
-    q_latent = (torch.randn(len(lengths), H, R, generator=gen) * 0.05).to(torch.bfloat16).to(DEV)
-    q_rope = (torch.randn(len(lengths), H, DR, generator=gen) * 0.05).to(torch.bfloat16).to(DEV)
-    lens = torch.tensor(lengths, device=DEV)
-    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 192 ** -0.5, max_head_block=16,
-                            wide_from=wide_from)
-    twin = torch_mla_decode(q_latent.float(), q_rope.float(), paged.cache.float(), tables, lens, 192 ** -0.5)
-    assert rel_err(out, twin) < 1e-2
+    """bf16, 16 heads a program: sequences of wide_from tokens or more attended with all 32 heads a program over
+    slices of their own, the others by head block."""
+    _, err = _mla_decode_against_twin(lengths, None, torch.bfloat16, len(lengths) + wide_from, max_head_block=16,
+                                      wide_from=wide_from)
+    assert err < 1e-2
 
 
 @pytest.mark.parametrize("reread_tile", [False, True])
 def test_triton_mla_decode_reads_a_float8_cache(reread_tile):
-    """--kv-cache-dtype fp8 at the 48B shape: bf16 queries against a float8_e4m3fn cache, widened as read (the tile
-    read once, or once for each product), against the torch path in float32 on the same float8 values."""
-    from deltaserve.kernels.mla.attention import torch_mla_decode
-    from deltaserve.kernels.mla.triton_decode import triton_mla_decode
-
-    gen = torch.Generator().manual_seed(5)
-    H, R, DR, lengths = 32, 512, 64, [3000, 17, 700]
-    paged = PagedLatents(lengths, R + DR, 16, 400, gen, dtype=torch.float8_e4m3fn, device=DEV)
-    tables = paged.block_tables(4096)
-    q_latent = (torch.randn(len(lengths), H, R, generator=gen) * 0.05).bfloat16().to(DEV)
-    q_rope = (torch.randn(len(lengths), H, DR, generator=gen) * 0.05).bfloat16().to(DEV)
-    lens = torch.tensor(lengths, device=DEV)
-    out = triton_mla_decode(q_latent, q_rope, paged.cache, tables, lens, 192 ** -0.5, reread_tile=reread_tile)
-    used = tables[:, : -(-max(lengths) // 16)]
-    twin = torch_mla_decode(q_latent.float(), q_rope.float(), paged.cache, used, lens, 192 ** -0.5)
-    assert out.dtype == torch.bfloat16 and rel_err(out, twin) < 1e-2
+    """--kv-cache-dtype fp8: bf16 queries against a float8_e4m3fn cache, widened as read (the tile read once, or once
+    for each product)."""
+    out, err = _mla_decode_against_twin([3000, 17, 700], 4096, torch.float8_e4m3fn, 5, reread_tile=reread_tile)
+    assert out.dtype == torch.bfloat16 and err < 1e-2
 
 
 @pytest.mark.parametrize("T", [1, 5, 16])
