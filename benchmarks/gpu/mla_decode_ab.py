@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from kernels_bench import _copy_bandwidth, _decode_inputs, rel_err, timed  # noqa: E402
+from kernels_bench import _copy_bandwidth, _decode_inputs, _write_json, rel_err, timed  # noqa: E402
 
 from deltaserve.kernels.mla import triton_decode as current  # noqa: E402
 
@@ -70,8 +70,7 @@ def main() -> None:
         results.append(row)
         print(json.dumps(row), flush=True)
         if args.json_out:  # rewritten after every row: a later row may run past the call's time limit
-            with open(args.json_out, "w") as f:
-                json.dump({"device": device, "copy_GBps": copy / 1e9, "rows": results}, f, indent=1)
+            _write_json({"device": device, "copy_GBps": copy / 1e9, "rows": results}, args.json_out)
     columns = [f"before {k}" for k in SHARED_KNOBS[:2]] + [f"after {k}" for k in SHARED_KNOBS[:2]]
     print("\nGB/s: batch, context, " + ", ".join(columns) + ", the best launch of this tree")
     for row in results:
