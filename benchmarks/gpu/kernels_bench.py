@@ -145,7 +145,7 @@ DECODE_KNOBS = [dict(min_split=m, max_head_block=h, num_warps=w, num_stages=st, 
     dict(max_head_block=16, splits=528), dict(max_head_block=32, block_n=16), dict(max_head_block=32, block_n=64),
     dict(max_head_block=32, block_n=64, num_warps=8), dict(num_stages=2), dict(max_head_block=32, num_stages=3),
     dict(max_head_block=16, num_warps=4, block_n=32),  # the one-buffer pipeline before; 32 heads; a batch's 16
-    dict(wide_from=1), dict(wide_from=262144)]  # every head a program (from 256k tokens), 16 heads a program below
+    dict(wide_from=1), dict(wide_from=None)]  # every head a program at every context; 16 heads at every context
 
 
 # the float8 cache: a tile of block_n tokens holds half bf16's bytes, so more tokens an inner step may keep as many

@@ -28,9 +28,10 @@ ROWS = [(1, 4096, 1 << 20), (1, 32768, 1 << 20), (1, 131072, 1 << 20), (1, 26214
 # launch knobs both trees take (each tree's defaults for the rest), then knobs of this tree only
 SHARED_KNOBS = [{}, {"max_head_block": 32}, {"max_head_block": 32, "num_warps": 8},
                 {"max_head_block": 32, "num_warps": 8, "num_stages": 3}, {"pdl": False}]
-# (the merge before merge_tiles; every head a program from a context of wide_from tokens, 16 heads a program below)
-CURRENT_ONLY = [{"merge_slices": 1, "merge_cols": 512}, {"wide_from": 1}, {"wide_from": 131072},
-                {"wide_from": 262144}, {"wide_from": 524288}]
+# (the merge before merge_tiles; every head a program from a context of wide_from tokens, 16 heads a program below;
+# None: 16 heads at every context)
+CURRENT_ONLY = [{"merge_slices": 1, "merge_cols": 512}, {"wide_from": None}, {"wide_from": 1}, {"wide_from": 262144},
+                {"wide_from": 524288}]
 
 
 def load(path: str):

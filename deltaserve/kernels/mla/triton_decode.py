@@ -28,6 +28,7 @@ LAZY_SLACK = 8.0  # how far a head's score max may rise before the accumulator i
 MERGE_PROGRAMS = 2 * _TARGET_PROGRAMS
 MERGE_MIN_COLS = 32
 MERGE_TILE = 4096  # slices x columns a step, at most (one sequence: 128 slices of 32 columns, its 132 in two steps)
+WIDE_FROM = 131072  # one sequence of this many context tokens or more: every head a program (triton_mla_decode)
 
 
 @triton.jit
@@ -246,7 +247,7 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
                       num_stages: int | None = None, splits: int | None = None, pdl: bool = True,
                       block_n: int | None = None, lazy_slack: float = LAZY_SLACK, merge_slices: int | None = None,
                       merge_cols: int | None = None, reread_tile: bool | None = None,
-                      wide_from: int | None = None) -> torch.Tensor:
+                      wide_from: int | None = WIDE_FROM) -> torch.Tensor:
     """Same contract as attention.mla_decode: q_latent [B, H, R], q_rope [B, H, Dr], cache [P, page, R+Dr] (in
     q_latent's dtype or float8_e4m3fn), block_tables [B, max_blocks], context_lens [B] (>= 1 each). Returns [B, H, R]
     in q_latent's dtype. Only the first context_lens[b] tokens of each table are read; entries past them may hold
@@ -263,9 +264,11 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     (faster at every context timed: BENCHMARKS.md, stop 43). A bf16 tile's one load is pipelined already.
     wide_from (None: off): a sequence of at least this many context tokens is attended by every program of the launch
     with all heads at once, each over its own slice of the context (head blocks x slices of them), so each tile is
-    read once, not once per head block. Where a launch has one head block, it changes nothing. One sequence at 1M
-    tokens streamed faster with 32 heads a program than with 16, and slower at 128k and below (BENCHMARKS.md, stop
-    43); a CUDA graph's launch cannot follow the context, this choice inside the kernel can. Off until timed."""
+    read once, not once per head block. Where a launch has one head block (a batch's 32 heads), or its table holds
+    fewer than wide_from tokens (a model length below it), the wide path is not compiled in: compiled in, it costs
+    the other path registers. All heads a program stream faster from 128k tokens and slower at 32k and below, so
+    WIDE_FROM is the default (BENCHMARKS.md, stop 44); a CUDA graph's launch cannot follow the context, this choice
+    inside the kernel can."""
     B, H, R = q_latent.shape
     DR = q_rope.shape[-1]
     page = cache.shape[1]
@@ -283,7 +286,7 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     block_h = max(min(triton.next_power_of_2(H), max_head_block), 16)  # tl.dot needs 16 rows
     head_blocks = triton.cdiv(H, block_h)
     splits = splits or num_splits(B, head_blocks, block_tables.shape[1] * page, min_split)
-    wide = wide_from is not None and head_blocks > 1
+    wide = wide_from is not None and head_blocks > 1 and block_tables.shape[1] * page >= wide_from
     slots = splits * head_blocks if wide else splits  # each (sequence, head)'s partial outputs
     mid_o = torch.empty(B, H, slots, R, dtype=torch.float32, device=q_latent.device)
     mid_lse = torch.empty(B, H, slots, dtype=torch.float32, device=q_latent.device)
