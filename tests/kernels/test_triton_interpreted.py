@@ -22,11 +22,13 @@ from deltaserve.kernels.gemv import GEMV_TILES, gemv  # noqa: E402
 from deltaserve.kernels.kda import fused_recurrent_kda, kda_gate, kda_prefill, l2norm  # noqa: E402
 from deltaserve.kernels.kda.naive import naive_causal_conv1d  # noqa: E402
 from deltaserve.kernels.kda.triton_decode import kda_decode, kda_recurrent_varlen  # noqa: E402
+from deltaserve.kernels.mla import triton_decode  # noqa: E402
 from deltaserve.kernels.mla.attention import torch_mla_decode  # noqa: E402
 from deltaserve.kernels.mla.triton_decode import (  # noqa: E402
     MERGE_MIN_COLS,
     MERGE_PROGRAMS,
     MERGE_TILE,
+    WIDE_FROM,
     merge_tiles,
     triton_mla_decode,
 )
@@ -249,6 +251,28 @@ def test_mla_decode_wide_mode_matches_the_twin(lengths, H, wide_from, width, spl
     gen = torch.Generator().manual_seed(sum(lengths) + H)
     assert _decode_against_twin(lengths, H, 32, 16, 128, gen, width, min_split=32, max_head_block=16, splits=splits,
                                 wide_from=wide_from) < 1e-5
+
+
+@pytest.mark.parametrize("H,table_tokens,wide_h", [(32, WIDE_FROM - 16, 0), (32, WIDE_FROM, 32), (16, WIDE_FROM, 0)])
+def test_mla_decode_wide_path_compiled_in_only_where_it_can_run(monkeypatch, H, table_tokens, wide_h):
+    """By default (WIDE_FROM), the all-heads path is compiled into the split kernel only where a sequence can reach
+    it: the block table holds WIDE_FROM tokens and the heads make more than one head block. Elsewhere it would cost
+    the 16-head path registers for nothing."""
+    class Launched(Exception):
+        pass
+
+    class Spy:  # the launch's grid, then its arguments: records WIDE_H and stops
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise Launched(kwargs["WIDE_H"])
+            return launch
+
+    monkeypatch.setattr(triton_decode, "_mla_decode_split_kernel", Spy())
+    tables = torch.zeros(1, table_tokens // 16, dtype=torch.int64)
+    with pytest.raises(Launched) as launched:
+        triton_mla_decode(torch.randn(1, H, 32), torch.randn(1, H, 16), torch.zeros(1, 16, 48), tables,
+                          torch.tensor([1]), 0.3)
+    assert launched.value.args == (wide_h,)
 
 
 def _decode_against_twin(lengths, H, R, DR, num_pages, gen, width=None, **knobs) -> float:
