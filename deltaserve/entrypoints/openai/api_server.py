@@ -22,7 +22,7 @@ from deltaserve.entrypoints.openai.errors import OpenAIError, install_handlers
 from deltaserve.entrypoints.openai.guard import RequestGuard
 from deltaserve.entrypoints.openai.metrics import ServerMetrics
 from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from deltaserve.entrypoints.openai.serving import ServerConfig, ServingContext
+from deltaserve.entrypoints.openai.serving import ServerConfig, ServingContext, body_limit
 from deltaserve.entrypoints.openai.serving_chat import ChatServing
 from deltaserve.entrypoints.openai.serving_completions import CompletionServing
 
@@ -50,9 +50,10 @@ def build_app(engine: Engine | EngineProcess, config: ServerConfig) -> FastAPI:
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     install_handlers(app, metrics.on_error_response)
-    app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                       on_error=metrics.on_error_response)
     ctx = ServingContext(async_engine, config)
+    app.state.max_body_bytes = config.max_body_bytes or body_limit(ctx.max_model_len)
+    app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=app.state.max_body_bytes,
+                       on_error=metrics.on_error_response)
     _add_routes(app, ctx, CompletionServing(ctx), ChatServing(ctx), metrics, int(time.time()))
     app.openapi = lambda: _openapi(app)
     return app

@@ -20,7 +20,9 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model as given)")
     g.add_argument("--max-queue", type=int, default=256,
                    help="requests that may wait beyond the --max-num-seqs running ones; more are answered 429")
-    g.add_argument("--max-body-bytes", type=int, default=4 << 20, help="larger request bodies are answered 413")
+    g.add_argument("--max-body-bytes", type=int, default=None,
+                   help="larger request bodies are answered 413 (default: 16 bytes a token of the model's length "
+                        "plus 1 MiB, at least 4 MiB, so that a prompt filling the context fits as text or token ids)")
     g.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before exiting")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
@@ -40,7 +42,7 @@ def server_config(args):
         raise ValueError(f"--port {args.port}: must be in [0, 65535]")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue {args.max_queue}: must be >= 0")
-    if args.max_body_bytes < 1024:
+    if args.max_body_bytes is not None and args.max_body_bytes < 1024:
         raise ValueError(f"--max-body-bytes {args.max_body_bytes}: must be at least 1024")
     if args.drain_timeout <= 0:
         raise ValueError(f"--drain-timeout {args.drain_timeout}: must be > 0 seconds")

@@ -24,11 +24,27 @@ from deltaserve.tokenizer import ChatTemplateError
 log = logging.getLogger("deltaserve")
 
 
+# a text prompt this long or longer is tokenized in a worker thread (tiktoken's core releases the GIL), so the event
+# loop keeps streaming the other requests' tokens meanwhile; a shorter one costs less than the thread's hand-off
+OFF_LOOP_CHARS = 1 << 16
+# the request body's default limit: BODY_BYTES_A_TOKEN for each token of the model's length (a prompt that fills the
+# context fits as JSON token ids, at most 7 bytes each, or as text that JSON escapes) plus 1 MiB for the rest of
+# the body, at least MIN_BODY_BYTES
+BODY_BYTES_A_TOKEN = 16
+MIN_BODY_BYTES = 4 << 20
+
+
+def body_limit(max_model_len: int) -> int:
+    """The request body's limit in bytes when --max-body-bytes is not given: a prompt of the model's whole
+    context must fit (a 1M-token context: ~17 MiB), and never less than MIN_BODY_BYTES."""
+    return max(MIN_BODY_BYTES, BODY_BYTES_A_TOKEN * max_model_len + (1 << 20))
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_name: str
     api_key: str | None = None
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int | None = None  # None: body_limit of the engine's model length
     max_queue: int = 256  # engine requests that may wait beyond the max_num_seqs running ones
     default_seed: int | None = None  # for requests that send no seed (the serve command's --seed)
 
@@ -76,8 +92,9 @@ class ServingContext:
                               "'prompt' to /v1/completions instead")
         return self.tokenizer
 
-    def encode(self, text: str, param: str) -> list[int]:
-        """Token ids of a text prompt; a text that cannot fit the context is refused before it is tokenized."""
+    async def encode(self, text: str, param: str) -> list[int]:
+        """Token ids of a text prompt; a text that cannot fit the context is refused before it is tokenized. A
+        text of OFF_LOOP_CHARS or more is tokenized in a worker thread, off the event loop."""
         tokenizer = self.need_tokenizer("a text prompt")
         try:
             num_bytes = len(text.encode("utf-8"))
@@ -88,7 +105,9 @@ class ServingContext:
         if min_tokens >= self.max_model_len:
             raise bad_request(f"'{param}' is {num_bytes} bytes, at least {min_tokens} tokens, and this model's "
                               f"maximum context length is {self.max_model_len} tokens; shorten it", param)
-        return tokenizer.encode(text, add_special_tokens=True)
+        if len(text) < OFF_LOOP_CHARS:
+            return tokenizer.encode(text, add_special_tokens=True)
+        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=True)
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None, tool_choice,
                     parallel_tool_calls: bool = True) -> ChatPrompt:

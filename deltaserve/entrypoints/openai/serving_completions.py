@@ -27,7 +27,7 @@ class CompletionServing:
         ctx.check_request(body)
         _check_unsupported(body)
         ctx.check_max_tokens(body.max_tokens, "max_tokens")
-        prompts = self._prompts(body)
+        prompts = await self._prompts(body)
         ctx.check_fanout(len(prompts) * body.n)
         constraint = structured_spec(body)
         if constraint is not None:
@@ -48,7 +48,7 @@ class CompletionServing:
             return ctx.sse(self._chunks(body, stream, echoes, meta), stream, watcher)
         return await respond_or_gone(self._whole(body, stream, watcher, echoes, meta))
 
-    def _prompts(self, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    async def _prompts(self, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         prompt = body.prompt
         if isinstance(prompt, str):
             prompt = [prompt]
@@ -56,7 +56,7 @@ class CompletionServing:
             return [(None, list(prompt))]
         if not prompt or not all(prompt):  # no prompt, or an empty text or id list among them
             raise bad_request("'prompt' must not be empty: send text, or at least one token id", "prompt")
-        return [(None, p) if isinstance(p, list) else (p, self.ctx.encode(p, "prompt")) for p in prompt]
+        return [(None, p) if isinstance(p, list) else (p, await self.ctx.encode(p, "prompt")) for p in prompt]
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:
         if text is not None:
