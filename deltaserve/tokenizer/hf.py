@@ -13,6 +13,9 @@ from deltaserve.tokenizer.files import parse_json_object, read_text
 from deltaserve.tokenizer.tokenizer_config import CONFIG_FILE, load_tokenizer_config
 
 TOKENIZER_FILE = "tokenizer.json"
+# a text this long or longer is encoded through encode_batch, which gives up the GIL while it runs (encode keeps it):
+# a server tokenizing a long prompt in a worker thread then keeps its event loop serving; the same ids either way
+BATCH_ENCODE_CHARS = 1 << 13
 
 
 class HFTokenizer(Tokenizer):
@@ -31,7 +34,9 @@ class HFTokenizer(Tokenizer):
         super().__init__(load_tokenizer_config(model_dir), str(model_dir / CONFIG_FILE))
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < BATCH_ENCODE_CHARS:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

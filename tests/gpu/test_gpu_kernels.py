@@ -324,11 +324,13 @@ def _mla_decode_against_twin(lengths, width, cache_dtype, seed, **knobs):
     return out, rel_err(out, twin)
 
 
-@pytest.mark.parametrize("lengths,width", [([1], None), ([17, 300, 1, 4097], None), ([33, 2, 700], 65536 // 16)])
+@pytest.mark.parametrize("lengths,width", [([1], None), ([17, 300, 1, 4097], None), ([33, 2, 700], 65536 // 16),
+                                           ([131071], 1 << 16), ([131072], 1 << 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_mla_decode_matches_torch_twin(lengths, width, dtype):
-    """The 48B model's MLA shape against the torch path; the widest table is a CUDA graph's for a 64k model length,
-    its entries past each context unread."""
+    """The 48B model's MLA shape against the torch path, default launch; the widest tables are CUDA graphs' for a 64k
+    and a 1M model length, their entries past each context unread. One sequence just short of WIDE_FROM and one at
+    it: 16 heads a program, then all of them."""
     _, err = _mla_decode_against_twin(lengths, width, dtype, len(lengths))
     assert err < (1e-5 if dtype == torch.float32 else 1e-2)
 

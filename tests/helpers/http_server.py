@@ -64,7 +64,7 @@ class ServerThread:
         return httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
 
 
-def start_server(model_dir, api_key: str | None = API_KEY, max_queue: int = 256, max_body_bytes: int = 1 << 20,
+def start_server(model_dir, api_key: str | None = API_KEY, max_queue: int = 256, max_body_bytes: int | None = 1 << 20,
                  engine_process: bool = False, **engine_options) -> ServerThread:
     config = ServerConfig(MODEL_NAME, api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes)
     return ServerThread(model_dir, config, engine_process, **engine_options).start()

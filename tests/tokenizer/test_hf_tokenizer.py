@@ -4,7 +4,7 @@ import random
 import pytest
 
 from deltaserve.tokenizer import TokenizerError, load_tokenizer
-from deltaserve.tokenizer.hf import HFTokenizer
+from deltaserve.tokenizer.hf import BATCH_ENCODE_CHARS, HFTokenizer
 from deltaserve.tokenizer.train import BOS, EOS, IM_END, IM_START, PAD
 
 ROUND_TRIP_TEXTS = [
@@ -20,6 +20,17 @@ ROUND_TRIP_TEXTS = [
 @pytest.mark.parametrize("text", ROUND_TRIP_TEXTS)
 def test_round_trip(tokenizer, text):
     assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+@pytest.mark.parametrize("add_special_tokens", [False, True])
+def test_long_text_encodes_the_same_through_the_batch_path(tokenizer, add_special_tokens):
+    """From BATCH_ENCODE_CHARS characters the text goes through encode_batch (which gives up the GIL): the same ids
+    as encode, on either side of the threshold, specials inside the text included."""
+    body = "".join(ROUND_TRIP_TEXTS) + f"{IM_START}user\n{IM_END}"
+    for length in (BATCH_ENCODE_CHARS - 1, BATCH_ENCODE_CHARS, 3 * BATCH_ENCODE_CHARS + 7):
+        text = (body * (length // len(body) + 1))[:length]
+        expected = tokenizer._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        assert tokenizer.encode(text, add_special_tokens=add_special_tokens) == expected
 
 
 def test_special_tokens_round_trip_and_skip(tokenizer):

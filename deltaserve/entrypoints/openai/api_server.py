@@ -45,13 +45,14 @@ def build_app(engine: Engine | EngineProcess, config: ServerConfig) -> FastAPI:
         metrics.on_step(async_engine.info.stats)
         yield
         await async_engine.shutdown()
+        ctx.close()
 
     app = FastAPI(title="deltaserve", summary="OpenAI-compatible server for Kimi-Linear", lifespan=lifespan)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     install_handlers(app, metrics.on_error_response)
     ctx = ServingContext(async_engine, config)
-    app.state.max_body_bytes = config.max_body_bytes or body_limit(ctx.max_model_len)
+    app.state.max_body_bytes = body_limit(ctx.max_model_len) if config.max_body_bytes is None else config.max_body_bytes
     app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=app.state.max_body_bytes,
                        on_error=metrics.on_error_response)
     _add_routes(app, ctx, CompletionServing(ctx), ChatServing(ctx), metrics, int(time.time()))

@@ -22,7 +22,8 @@ def add_serve_options(parser: argparse.ArgumentParser) -> None:
                    help="requests that may wait beyond the --max-num-seqs running ones; more are answered 429")
     g.add_argument("--max-body-bytes", type=int, default=None,
                    help="larger request bodies are answered 413 (default: 16 bytes a token of the model's length "
-                        "plus 1 MiB, at least 4 MiB, so that a prompt filling the context fits as text or token ids)")
+                        "plus 1 MiB, at least 4 MiB, so that a prompt filling the context fits as token ids or "
+                        "typical text)")
     g.add_argument("--drain-timeout", type=float, default=60.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before exiting")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,

@@ -4,10 +4,12 @@ handing requests to the EngineClient, watching for a client that leaves, and ser
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -24,19 +26,21 @@ from deltaserve.tokenizer import ChatTemplateError
 log = logging.getLogger("deltaserve")
 
 
-# a text prompt this long or longer is tokenized in a worker thread (tiktoken's core releases the GIL), so the event
-# loop keeps streaming the other requests' tokens meanwhile; a shorter one costs less than the thread's hand-off
-OFF_LOOP_CHARS = 1 << 16
+# a text prompt this long or longer is tokenized in one of TOKENIZE_THREADS worker threads (the tokenizers give up the
+# GIL while they encode a long text), so the event loop keeps streaming the other requests' tokens meanwhile; a
+# shorter one holds the loop for about a millisecond, a few times the hand-off to a thread
+OFF_LOOP_CHARS = 1 << 13
+TOKENIZE_THREADS = 2  # long prompts tokenized at once, at most (each holds its text and ids meanwhile)
 # the request body's default limit: BODY_BYTES_A_TOKEN for each token of the model's length (a prompt that fills the
-# context fits as JSON token ids, at most 7 bytes each, or as text that JSON escapes) plus 1 MiB for the rest of
-# the body, at least MIN_BODY_BYTES
+# context fits as JSON token ids, at most 8 bytes each with a space, or as typical text, escaped or not) plus 1 MiB
+# for the rest of the body, at least MIN_BODY_BYTES
 BODY_BYTES_A_TOKEN = 16
 MIN_BODY_BYTES = 4 << 20
 
 
 def body_limit(max_model_len: int) -> int:
     """The request body's limit in bytes when --max-body-bytes is not given: a prompt of the model's whole
-    context must fit (a 1M-token context: ~17 MiB), and never less than MIN_BODY_BYTES."""
+    context fits (a 1M-token context: 17 MiB), and never less than MIN_BODY_BYTES."""
     return max(MIN_BODY_BYTES, BODY_BYTES_A_TOKEN * max_model_len + (1 << 20))
 
 
@@ -61,6 +65,11 @@ class ServingContext:
         self.max_model_len = async_engine.info.max_model_len
         self.cache_tokens = async_engine.info.cache_tokens
         self.max_token_bytes = _longest_token_bytes(self.tokenizer)
+        self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="deltaserve-tokenize")
+
+    def close(self) -> None:
+        """Stop the tokenizing threads (a prompt being tokenized is finished first)."""
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def token_text(self, token_id: int, entry: dict | None) -> str:
         """A token as logprobs show it: its text, or token_id:N for a model without a tokenizer."""
@@ -107,7 +116,8 @@ class ServingContext:
                               f"maximum context length is {self.max_model_len} tokens; shorten it", param)
         if len(text) < OFF_LOOP_CHARS:
             return tokenizer.encode(text, add_special_tokens=True)
-        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=True)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, functools.partial(tokenizer.encode, text, add_special_tokens=True))
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None, tool_choice,
                     parallel_tool_calls: bool = True) -> ChatPrompt:

@@ -28,7 +28,7 @@ LAZY_SLACK = 8.0  # how far a head's score max may rise before the accumulator i
 MERGE_PROGRAMS = 2 * _TARGET_PROGRAMS
 MERGE_MIN_COLS = 32
 MERGE_TILE = 4096  # slices x columns a step, at most (one sequence: 128 slices of 32 columns, its 132 in two steps)
-WIDE_FROM = 131072  # one sequence of this many context tokens or more: every head a program (triton_mla_decode)
+WIDE_FROM = 131072  # a sequence of this many context tokens or more: every head a program (triton_mla_decode)
 
 
 @triton.jit
@@ -266,9 +266,9 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     with all heads at once, each over its own slice of the context (head blocks x slices of them), so each tile is
     read once, not once per head block. Where a launch has one head block (a batch's 32 heads), or its table holds
     fewer than wide_from tokens (a model length below it), the wide path is not compiled in: compiled in, it costs
-    the other path registers. All heads a program stream faster from 128k tokens and slower at 32k and below, so
-    WIDE_FROM is the default (BENCHMARKS.md, stop 44); a CUDA graph's launch cannot follow the context, this choice
-    inside the kernel can."""
+    the other path registers. All heads a program stream faster from 256k tokens, about as fast at 128k (faster
+    than the 16-head path with the wide path compiled in) and slower at 32k and below, so WIDE_FROM is the default
+    (BENCHMARKS.md, stop 44); a CUDA graph's launch cannot follow the context, this choice inside the kernel can."""
     B, H, R = q_latent.shape
     DR = q_rope.shape[-1]
     page = cache.shape[1]
@@ -279,18 +279,18 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
         raise ValueError(f"merge_slices must be a power of two and merge_cols positive; got {merge_slices}, "
                          f"{merge_cols}")
     max_head_block = max_head_block or (16 if B == 1 else 32)
-    wide = B > 1 and q_latent.element_size() <= 2  # float32 tiles of 64 tokens would not fit in shared memory
-    num_warps = num_warps or (8 if wide else 4)
-    block_n = block_n or (2 * _BLOCK_N if wide else _BLOCK_N)
+    batch_tiles = B > 1 and q_latent.element_size() <= 2  # float32 tiles of 64 tokens would not fit in shared memory
+    num_warps = num_warps or (8 if batch_tiles else 4)
+    block_n = block_n or (2 * _BLOCK_N if batch_tiles else _BLOCK_N)
     num_stages = num_stages or (NUM_STAGES_FLOAT32 if q_latent.dtype == torch.float32 else NUM_STAGES)
     block_h = max(min(triton.next_power_of_2(H), max_head_block), 16)  # tl.dot needs 16 rows
     head_blocks = triton.cdiv(H, block_h)
     splits = splits or num_splits(B, head_blocks, block_tables.shape[1] * page, min_split)
-    wide = wide_from is not None and head_blocks > 1 and block_tables.shape[1] * page >= wide_from
-    slots = splits * head_blocks if wide else splits  # each (sequence, head)'s partial outputs
+    wide_mode = wide_from is not None and head_blocks > 1 and block_tables.shape[1] * page >= wide_from
+    slots = splits * head_blocks if wide_mode else splits  # each (sequence, head)'s partial outputs
     mid_o = torch.empty(B, H, slots, R, dtype=torch.float32, device=q_latent.device)
     mid_lse = torch.empty(B, H, slots, dtype=torch.float32, device=q_latent.device)
-    wide_from = max(1, wide_from) if wide else 2**31 - 1  # never, as an int32 context length
+    wide_from = max(1, wide_from) if wide_mode else 2**31 - 1  # never, as an int32 context length
     q_rope = q_rope.to(q_latent.dtype)
     if reread_tile is None:
         reread_tile = cache.element_size() == 1
@@ -299,7 +299,7 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), block_tables.stride(0),
         cache.stride(0), cache.stride(1), scale, splits, min_split, wide_from, PAGE=page,
         H=H, R=R, DR=DR, BR=triton.next_power_of_2(R), BDR=max(16, triton.next_power_of_2(DR)), BLOCK_H=block_h,
-        BLOCK_N=block_n, WIDE_H=triton.next_power_of_2(H) if wide else 0, IEEE=q_latent.dtype == torch.float32,
+        BLOCK_N=block_n, WIDE_H=triton.next_power_of_2(H) if wide_mode else 0, IEEE=q_latent.dtype == torch.float32,
         LAZY_SLACK=lazy_slack, REREAD=reread_tile,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q_latent.device, pdl),
     )

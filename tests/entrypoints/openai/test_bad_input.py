@@ -75,7 +75,7 @@ def test_bad_request_gets_openai_error(http, path, body, status, words):
 
 
 def test_oversized_body_is_413_by_length_and_by_chunks(http, server):
-    too_big = json.dumps(completion(prompt="x" * (server.config.max_body_bytes + 1))).encode()
+    too_big = json.dumps(completion(prompt="x" * (server.app.state.max_body_bytes + 1))).encode()
     response = http.post(COMPLETIONS, content=too_big, headers={"content-type": "application/json"})
     assert response.status_code == 413 and "larger than" in response.json()["error"]["message"]
 
