@@ -171,7 +171,8 @@ def main() -> int:
             ("bf16", "bf16", (16, 32, 4), 16, False, 0), ("bf16", "bf16", (32, 64, 8), 16, False, 0),
             ("bf16", "bf16", (32, 32, 4), 16, False, 0), ("fp32", "fp32", (32, 32, 4), 16, False, 0),
             ("bf16", "fp8e4nv", (32, 64, 8), 16, False, 0), ("bf16", "fp8e4nv", (16, 32, 4), 16, True, 0),
-            ("bf16", "bf16", (32, 32, 4), 24, False, 0), ("bf16", "bf16", (16, 32, 4), 16, False, 32)):
+            ("bf16", "bf16", (32, 32, 4), 24, False, 0), ("bf16", "bf16", (16, 32, 4), 16, False, 32),
+            ("fp32", "fp32", (16, 32, 4), 16, False, 32)):  # float32's eager decode past WIDE_FROM
         ok &= check(f"MLA decode, {dtype}, cache {cache}, {block_h} heads, {block_n} tokens, {warps} warps, "
                     f"page {page}" + (", tile read twice" if reread else "") + (f", wide mode {wide}" if wide else ""),
                     mla_triton_decode._mla_decode_split_kernel, dict(
@@ -181,7 +182,8 @@ def main() -> int:
                         token_stride="i32", scale="fp32", num_splits="i32", min_split="i32", wide_from="i32",
                         PAGE=page, H=32, R=512, DR=64, BR=512, BDR=64, BLOCK_H=block_h, BLOCK_N=block_n, WIDE_H=wide,
                         IEEE=dtype == "fp32", LAZY_SLACK=mla_triton_decode.LAZY_SLACK, REREAD=reread, PDL=True),
-                    num_warps=warps, num_stages=mla_triton_decode.NUM_STAGES, aligned=MLA_STRIDES)
+                    num_warps=warps, aligned=MLA_STRIDES, num_stages=mla_triton_decode.NUM_STAGES_FLOAT32
+                    if dtype == "fp32" else mla_triton_decode.NUM_STAGES)
     for dtype, cols, slices in (("bf16", 512, 1), ("fp32", 512, 1), ("bf16", 32, 128), ("bf16", 256, 16),
                                 ("bf16", 512, 4)):
         ok &= check(f"MLA merge, {dtype}, {cols} columns, {slices} slices a step",
