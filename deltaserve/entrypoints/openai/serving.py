@@ -68,7 +68,8 @@ class ServingContext:
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="deltaserve-tokenize")
 
     def close(self) -> None:
-        """Stop the tokenizing threads (a prompt being tokenized is finished first)."""
+        """Let the tokenizing threads go: a prompt being tokenized finishes, queued ones are dropped (the server is
+        stopping; their requests end with it)."""
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     def token_text(self, token_id: int, entry: dict | None) -> str:
