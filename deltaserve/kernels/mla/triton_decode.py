@@ -285,8 +285,9 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     num_stages = num_stages or (NUM_STAGES_FLOAT32 if q_latent.dtype == torch.float32 else NUM_STAGES)
     block_h = max(min(triton.next_power_of_2(H), max_head_block), 16)  # tl.dot needs 16 rows
     head_blocks = triton.cdiv(H, block_h)
-    splits = splits or num_splits(B, head_blocks, block_tables.shape[1] * page, min_split)
-    wide_mode = wide_from is not None and head_blocks > 1 and block_tables.shape[1] * page >= wide_from
+    table_tokens = block_tables.shape[1] * page
+    splits = splits or num_splits(B, head_blocks, table_tokens, min_split)
+    wide_mode = wide_from is not None and head_blocks > 1 and table_tokens >= wide_from
     slots = splits * head_blocks if wide_mode else splits  # each (sequence, head)'s partial outputs
     mid_o = torch.empty(B, H, slots, R, dtype=torch.float32, device=q_latent.device)
     mid_lse = torch.empty(B, H, slots, dtype=torch.float32, device=q_latent.device)
