@@ -15,8 +15,17 @@ MAX_N = 128  # choices per request, OpenAI's limit
 MAX_STOP = 16  # stop strings per request
 
 INT32_MAX = 2**31 - 1  # bounds what reaches int64 tensors
-TokenIds = list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
-Stop = str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None
+
+
+def ListOf(item, **constraints):  # noqa: N802 (a type, named as one)
+    """list[item] that stops at its first bad item. Pydantic otherwise reports every bad item, once for each member
+    of a union it is in: a body of a million bad token ids made millions of errors, seconds of the server's event
+    loop (BENCHMARKS.md, "Bodies with a million bad items")."""
+    return Annotated[list[item], Field(fail_fast=True, **constraints)]
+
+
+TokenIds = ListOf(Annotated[int, Field(ge=0, le=INT32_MAX)])
+Stop = str | ListOf(Annotated[str, Field(min_length=1)], max_length=MAX_STOP) | None
 
 
 class _Request(BaseModel):
@@ -46,7 +55,7 @@ class StructuredOutputsFields(_Request):
 
     json_: dict | str | None = Field(None, alias="json")  # `json` would shadow pydantic's method
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: ListOf(str) | None = None
     grammar: str | None = None
     json_object: bool | None = None
 
@@ -69,14 +78,14 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict | None = None  # refused when given (serving.py): its entries are not read
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    prompt: str | ListOf(str) | TokenIds | ListOf(TokenIds)
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -91,18 +100,18 @@ class TextPart(_Request):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | ListOf(TextPart) | None = None
     name: str | None = None
-    tool_calls: list[dict] | None = None  # an assistant turn's earlier calls, rendered by the chat template
+    tool_calls: ListOf(dict) | None = None  # an assistant turn's earlier calls, rendered by the chat template
     tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: ListOf(ChatMessage, min_length=1)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict] | None = None
+    tools: ListOf(dict) | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None

@@ -7,6 +7,9 @@ import json
 
 import pytest
 from helpers.http_server import read_metrics
+from pydantic import ValidationError
+
+from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -55,7 +58,35 @@ CASES = [
     ("empty stop string", COMPLETIONS, completion(stop=[""]), 400, "'stop'"),
     ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
     ("unpaired surrogate", COMPLETIONS, b'{"prompt": "a\\ud800b", "max_tokens": 1}', 400, "surrogate"),
+    ("many negative token ids", COMPLETIONS, completion(prompt=[-1] * 200_000), 400, "'prompt' must be a string"),
+    ("many bad stop_token_ids", CHAT, chat(stop_token_ids=[-1] * 200_000), 400, "'stop_token_ids[0]'"),
+    ("many bad messages", CHAT, chat(messages=[7] * 200_000), 400, "'messages[0]'"),
 ]
+
+
+# (request model, body): every list-like field given many bad items
+MANY_BAD_ITEMS = [
+    (CompletionRequest, {"prompt": [-1] * 20_000}),
+    (CompletionRequest, {"prompt": [5] * 19_999 + [-1]}),
+    (CompletionRequest, {"prompt": [[-1]] * 20_000}),
+    (CompletionRequest, {"prompt": [1.5] * 20_000}),
+    (CompletionRequest, {"prompt": "x", "stop_token_ids": [-1] * 20_000}),
+    (CompletionRequest, {"prompt": "x", "stop": [1] * 20_000}),
+    (CompletionRequest, {"prompt": "x", "structured_outputs": {"choice": [1] * 20_000}}),
+    (ChatCompletionRequest, {"messages": [1] * 20_000}),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [1] * 20_000}]}),
+    (ChatCompletionRequest, {"messages": USER, "tools": [1] * 20_000}),
+    (ChatCompletionRequest, {"messages": [{"role": "assistant", "tool_calls": [1] * 20_000}]}),
+]
+
+
+@pytest.mark.parametrize("model, body", MANY_BAD_ITEMS, ids=range(len(MANY_BAD_ITEMS)))
+def test_many_bad_items_make_few_errors(model, body):
+    """A list stops at its first bad item: pydantic would report each one, once for each union member the list is
+    in, and building those errors held the server's event loop for seconds at a million items."""
+    with pytest.raises(ValidationError) as raised:
+        model.model_validate(body)
+    assert len(raised.value.errors()) <= 4
 
 
 @pytest.mark.parametrize("path, body, status, words", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
