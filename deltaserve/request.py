@@ -44,6 +44,10 @@ class Request:
     num_indexed_blocks: int = 0  # leading block_ids already entered in the prefix cache's index
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
+    def __post_init__(self):
+        # looked up for every sampled token; a list of thousands of ids cost each step milliseconds a request
+        self.stop_token_set = frozenset(self.sampling_params.stop_token_ids)
+
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -327,7 +327,7 @@ class Scheduler:
         params = req.sampling_params
         if not params.ignore_eos and token_id in req.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED  # stop_reason stays None for eos, as in vLLM and OpenAI
-        if token_id in params.stop_token_ids:
+        if token_id in req.stop_token_set:
             req.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:

@@ -1,7 +1,8 @@
 """Errors in OpenAI's shape and with OpenAI's statuses: {"error": {"message", "type", "param", "code"}}.
 
 Handlers turn every failure into that shape: our own OpenAIError, pydantic's validation errors (400, not
-FastAPI's 422), routing errors (404, 405) and anything unexpected (500, logged with its traceback)."""
+FastAPI's 422), routing errors (404, 405), a body nested past Python's recursion limit (400) and anything
+unexpected (500, logged with its traceback)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,13 @@ def install_handlers(app: FastAPI, on_error) -> None:
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
         return respond(exc.status_code, error_body(exc.status_code, str(exc.detail)), exc.headers)
+
+    @app.exception_handler(RecursionError)
+    async def _too_deep(request: Request, exc: RecursionError):
+        # the body parsed (json's own limit is deeper), then a walk over it (the chat template's, the tools') ran
+        # out of Python's stack: the client's to fix, not a server error with a thousand-frame traceback
+        return respond(400, error_body(400, "request nests objects or lists too deeply to process (Python's "
+                                            "recursion limit); flatten tool parameters and message contents"))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

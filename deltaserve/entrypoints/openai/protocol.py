@@ -13,6 +13,7 @@ from deltaserve.sampling_params import MAX_LOGPROBS
 
 MAX_N = 128  # choices per request, OpenAI's limit
 MAX_STOP = 16  # stop strings per request
+MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request: each choice's SamplingParams checks them all
 
 INT32_MAX = 2**31 - 1  # bounds what reaches int64 tensors
 
@@ -24,7 +25,8 @@ def ListOf(item, **constraints):  # noqa: N802 (a type, named as one)
     return Annotated[list[item], Field(fail_fast=True, **constraints)]
 
 
-TokenIds = ListOf(Annotated[int, Field(ge=0, le=INT32_MAX)])
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenIds = ListOf(TokenId)
 Stop = str | ListOf(Annotated[str, Field(min_length=1)], max_length=MAX_STOP) | None
 
 
@@ -74,7 +76,7 @@ class SamplingFields(_Request):
     repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     stop: Stop = None
-    stop_token_ids: TokenIds | None = None
+    stop_token_ids: ListOf(TokenId, max_length=MAX_STOP_TOKEN_IDS) | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -27,8 +27,8 @@ class CompletionServing:
         ctx.check_request(body)
         _check_unsupported(body)
         ctx.check_max_tokens(body.max_tokens, "max_tokens")
+        ctx.check_fanout(_num_prompts(body.prompt) * body.n)  # before tokenizing: thousands of prompts cost the loop
         prompts = await self._prompts(body)
-        ctx.check_fanout(len(prompts) * body.n)
         constraint = structured_spec(body)
         if constraint is not None:
             await compile_constraint(ctx.async_engine, *constraint)
@@ -37,10 +37,11 @@ class CompletionServing:
             max_tokens = ctx.default_max_tokens(len(ids)) if body.max_tokens is None else body.max_tokens
             ctx.check_length(len(ids), max_tokens, "prompt")
             prompt_logprobs = body.logprobs if body.echo else None
+            echo = self._echo_text(text, ids) if body.echo else ""  # decoded once for all of the prompt's choices
             for params in ctx.sampling_params(body, max_tokens, body.logprobs, prompt_logprobs,
                                               constraint[0] if constraint else None):
                 inputs.append(EngineInput(ids, params, text))
-                echoes.append(self._echo_text(text, ids) if body.echo else "")
+                echoes.append(echo)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream, watcher = await ctx.start(inputs, request_id, request)
         meta = ctx.response_meta(request_id)
@@ -112,6 +113,11 @@ def _check_unsupported(body: CompletionRequest) -> None:
         raise bad_request("'suffix' is not supported by this server", "suffix")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("'best_of' other than n is not supported by this server", "best_of")
+
+
+def _num_prompts(prompt) -> int:
+    """Prompts in a request's prompt field: a text or a list of token ids is one."""
+    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
 
 
 def _prompt_scored(output: RequestOutput) -> list[tuple[int, dict | None]]:

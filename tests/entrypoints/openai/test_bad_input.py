@@ -24,6 +24,13 @@ def chat(**fields):
     return {"model": "tiny", "messages": USER, "max_tokens": 2, **fields}
 
 
+def with_nested_tool(depth: int) -> bytes:
+    """A chat body whose tool's parameters are {"a": {"a": ... {}}}, depth objects deep: it parses (json's own limit
+    is deeper; json.dumps's is not, hence the text), yet walking it recursively runs out of Python's stack."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": "NESTED"}}
+    return json.dumps(chat(tools=[tool])).replace('"NESTED"', '{"a": ' * depth + "{}" + "}" * depth).encode()
+
+
 # (case id, path, JSON body or raw bytes, status, words the message must hold)
 CASES = [
     ("malformed JSON", COMPLETIONS, b'{"prompt": "hi",', 400, "not valid JSON"),
@@ -59,7 +66,10 @@ CASES = [
     ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
     ("unpaired surrogate", COMPLETIONS, b'{"prompt": "a\\ud800b", "max_tokens": 1}', 400, "surrogate"),
     ("many negative token ids", COMPLETIONS, completion(prompt=[-1] * 200_000), 400, "'prompt' must be a string"),
-    ("many bad stop_token_ids", CHAT, chat(stop_token_ids=[-1] * 200_000), 400, "'stop_token_ids[0]'"),
+    ("many bad stop_token_ids", CHAT, chat(stop_token_ids=[-1] * 200_000), 400, "'stop_token_ids"),
+    ("more prompts than sequences", COMPLETIONS, completion(prompt=["hi"] * 5000), 400, "sequences (prompts x n)"),
+    ("too many stop_token_ids", COMPLETIONS, completion(stop_token_ids=[5] * 1025), 400, "at most 1024"),
+    ("tool parameters nested 600 deep", CHAT, with_nested_tool(600), 400, "nests objects or lists too deeply"),
     ("many bad messages", CHAT, chat(messages=[7] * 200_000), 400, "'messages[0]'"),
 ]
 
