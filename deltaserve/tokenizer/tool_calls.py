@@ -14,6 +14,7 @@ marks `"special": false`, so they stay in the detokenized text that this parser 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
@@ -23,6 +24,7 @@ ARGUMENT_BEGIN = "<|tool_call_argument_begin|>"
 CALL_END = "<|tool_call_end|>"
 MARKERS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END)
 _LONGEST_MARKER = max(map(len, MARKERS))
+_MARKER = re.compile("|".join(map(re.escape, MARKERS)))  # no marker begins another: at most one matches at a place
 _ID_PREFIX = "functions."
 
 # where the parser is: plain content, between calls, reading a call's id, reading its arguments
@@ -91,17 +93,15 @@ class ToolCallStreamParser:
     def push(self, text: str) -> list[dict]:
         if self._finished:
             raise RuntimeError("push() after finish(); make a new ToolCallStreamParser for each output")
-        self._pending += text
-        while self._pending:
-            start, marker = _first_marker(self._pending)
-            if marker is None:
-                safe = len(self._pending) - _marker_prefix_length(self._pending)
-                self._read_text(self._pending[:safe])
-                self._pending = self._pending[safe:]
-                break
-            self._read_text(self._pending[:start])
-            self._pending = self._pending[start + len(marker):]
-            self._read_marker(marker)
+        pending, read = self._pending + text, 0
+        for match in _MARKER.finditer(pending):  # one pass: each search from the last marker's end
+            self._read_text(pending[read:match.start()])
+            self._read_marker(match.group())
+            read = match.end()
+        rest = pending[read:]
+        safe = len(rest) - _marker_prefix_length(rest)
+        self._read_text(rest[:safe])
+        self._pending = rest[safe:]
         return self._take_deltas()
 
     def finish(self) -> list[dict]:
@@ -186,11 +186,6 @@ class ToolCallStreamParser:
     def _take_deltas(self) -> list[dict]:
         deltas, self._deltas = self._deltas, []
         return deltas
-
-
-def _first_marker(text: str) -> tuple[int, str | None]:
-    found = [(i, marker) for marker in MARKERS if (i := text.find(marker)) >= 0]
-    return min(found) if found else (-1, None)
 
 
 def _marker_prefix_length(text: str) -> int:
