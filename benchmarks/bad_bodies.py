@@ -6,8 +6,8 @@ errors.install_handlers), timed from the client's send to the answer.
 
     python benchmarks/bad_bodies.py --items 1000000
 
-Before 2026-12-06 the lists reported every bad item (once for each member of the union they are in): compare with
-`git stash`-ing deltaserve/entrypoints/openai/protocol.py at that commit.
+Before 5a6c6d5 the lists reported every bad item (once for each member of the union they are in); to time that,
+check out its parent's deltaserve/entrypoints/openai/protocol.py (`git show 5a6c6d5^:...`) and run this again.
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ class CompletionServing:
         ctx.check_request(body)
         _check_unsupported(body)
         ctx.check_max_tokens(body.max_tokens, "max_tokens")
-        ctx.check_fanout(_num_prompts(body.prompt) * body.n)  # before tokenizing: thousands of prompts cost the loop
-        prompts = await self._prompts(body)
+        listed = _listed(body.prompt)
+        ctx.check_fanout(len(listed) * body.n)  # before tokenizing: thousands of prompts cost the loop
+        prompts = await self._tokenized(listed)
         constraint = structured_spec(body)
         if constraint is not None:
             await compile_constraint(ctx.async_engine, *constraint)
@@ -49,15 +50,11 @@ class CompletionServing:
             return ctx.sse(self._chunks(body, stream, echoes, meta), stream, watcher)
         return await respond_or_gone(self._whole(body, stream, watcher, echoes, meta))
 
-    async def _prompts(self, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            prompt = [prompt]
-        if prompt and isinstance(prompt[0], int):  # one prompt of token ids (the schema made them all ints)
-            return [(None, list(prompt))]
-        if not prompt or not all(prompt):  # no prompt, or an empty text or id list among them
+    async def _tokenized(self, prompts: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) of each prompt."""
+        if not prompts or not all(prompts):  # no prompt, or an empty text or id list among them
             raise bad_request("'prompt' must not be empty: send text, or at least one token id", "prompt")
-        return [(None, p) if isinstance(p, list) else (p, await self.ctx.encode(p, "prompt")) for p in prompt]
+        return [(None, p) if isinstance(p, list) else (p, await self.ctx.encode(p, "prompt")) for p in prompts]
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:
         if text is not None:
@@ -115,9 +112,10 @@ def _check_unsupported(body: CompletionRequest) -> None:
         raise bad_request("'best_of' other than n is not supported by this server", "best_of")
 
 
-def _num_prompts(prompt) -> int:
-    """Prompts in a request's prompt field: a text or a list of token ids is one."""
-    return 1 if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int) else len(prompt)
+def _listed(prompt) -> list[str | list[int]]:
+    """The prompts of a request's prompt field: a text or a list of token ids (the schema made them all ints) is
+    one."""
+    return [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
 
 
 def _prompt_scored(output: RequestOutput) -> list[tuple[int, dict | None]]:

@@ -61,6 +61,8 @@ CASES = [
     ("unpaired surrogate", COMPLETIONS, b'{"prompt": "a\\ud800b", "max_tokens": 1}', 400, "surrogate"),
     ("many negative token ids", COMPLETIONS, completion(prompt=[-1] * 200_000), 400, "'prompt' must be a string"),
     ("many bad stop_token_ids", CHAT, chat(stop_token_ids=[-1] * 200_000), 400, "'stop_token_ids"),
+    ("logit_bias", COMPLETIONS, completion(logit_bias={"5": 1.0}), 400, "'logit_bias' is not supported"),
+    ("logit_bias of odd values", CHAT, chat(logit_bias={"5": "a"}), 400, "'logit_bias' is not supported"),
     ("more prompts than sequences", COMPLETIONS, completion(prompt=["hi"] * 5000), 400, "sequences (prompts x n)"),
     ("too many stop_token_ids", COMPLETIONS, completion(stop_token_ids=[5] * 1025), 400, "at most 1024"),
     ("many bad messages", CHAT, chat(messages=[7] * 200_000), 400, "'messages[0]'"),
