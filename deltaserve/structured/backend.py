@@ -17,16 +17,21 @@ byte): one that is sampled is taken back and its position sampled again without 
 from __future__ import annotations
 
 import codecs
+import importlib.util
 import json
+import logging
 import os
 import re
 
 import torch
 
 from deltaserve.sampling_params import StructuredOutputsParams
+from deltaserve.structured import errors
+from deltaserve.structured.compile_worker import CompileWorkers, WorkerDied, first_mask
 from deltaserve.structured.errors import GrammarError, StructuredOutputsUnavailable
 from deltaserve.structured.schema_check import parse_schema
 
+log = logging.getLogger("deltaserve")
 _JSON_OBJECT = '{"type": "object"}'
 # "[04:38:45] /project/cpp/regex_converter.cc:83: " and "Check failed: (error.empty()) is false: "
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: |Check failed: .*? is false: ")
@@ -47,14 +52,25 @@ def param_name(spec: StructuredOutputsParams) -> str:
 
 
 class GrammarBackend:
-    """xgrammar's compiler for one model: its vocabulary size, tokenizer and stop ids."""
+    """xgrammar's compiler for one model: its vocabulary size, tokenizer and stop ids. Compiles run in worker
+    processes that are killed past timeout_s or memory_bytes (compile_worker), unless isolated is False."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], max_threads: int = 1):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], max_threads: int = 1,
+                 isolated: bool = True, timeout_s: float | None = None, memory_bytes: int | None = None):
+        # compiles in child processes, bounded (compile_worker); None: in this process, unbounded. The first worker
+        # is started before xgrammar is imported here, so that the two imports overlap
+        isolated = isolated and importlib.util.find_spec("xgrammar") is not None
+        timeout_s = errors.COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
+        memory_bytes = errors.COMPILE_MEMORY_BYTES if memory_bytes is None else memory_bytes
+        self._workers = self._start_workers(memory_bytes, timeout_s) if isolated else None
         xgr = import_xgrammar()
         special = tokenizer.all_special_ids
         vocab = [b"" if i in special else tokenizer.id_to_bytes(i) for i in range(vocab_size)]
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self.xgr = xgr
+        self._info = info
+        if self._workers is not None:
+            self._workers.set_vocabulary(info.serialize_json())
         self.vocab_size = vocab_size
         self.text_safe_bitmask = pack_bitmask([utf8_possible(token) for token in vocab])  # every constraint's
         self.json_safe_bitmask = pack_bitmask([not any(b < 0x20 for b in token) for token in vocab])  # JSON's too
@@ -65,30 +81,71 @@ class GrammarBackend:
         self._batch = xgr.BatchGrammarMatcher(self.fill_threads)
 
     def compile(self, spec: StructuredOutputsParams):
-        """spec's CompiledGrammar; GrammarError (naming the field) when xgrammar refuses it, or when no token can
-        begin an output it admits (e.g. a schema that is only a $ref to itself): such a request could only sample
-        from a row of -inf logits."""
+        """spec's CompiledGrammar; GrammarError (naming the field) when xgrammar refuses it, when its compile needs
+        more than memory_bytes, or when no token can begin an output it admits (e.g. a schema that is only a $ref to
+        itself): such a request could only sample from a row of -inf logits. CompileTimeout past timeout_s."""
         kind = param_name(spec)
-        try:
-            compiled = self._compile(spec, kind)
-        except RuntimeError as e:  # xgrammar's C++ errors, with a timestamp and a source path
-            raise GrammarError(f"{kind}: {one_line(e)}", kind) from None
-        bitmask = self.allocate_bitmask(1)
-        self.fill([self.matcher(compiled)], bitmask)
-        if not bitmask.any():
+        method, args, kwargs = self._call(spec, kind)
+        isolated = self._workers is not None and self._compile_isolated(kind, method, args, kwargs)
+        compiled, first_mask_s, admits = isolated or (None, None, None)
+        if compiled is None:
+            try:
+                compiled = getattr(self._compiler, method)(*args, **kwargs)
+            except RuntimeError as e:  # xgrammar's C++ errors, with a timestamp and a source path
+                raise GrammarError(f"{kind}: {one_line(e)}", kind) from None
+        if first_mask_s is None:
+            first_mask_s, admits = first_mask(self.xgr, compiled)
+        if not admits:
             raise GrammarError(f"{kind}: the constraint admits no output (no token can begin one)", kind)
+        if first_mask_s > errors.MAX_FIRST_MASK_S:
+            raise GrammarError(f"{kind}: the constraint's first token mask took {first_mask_s:.2f} s to compute (the "
+                               f"most is {errors.MAX_FIRST_MASK_S:g} s: the requests beside it would wait that long "
+                               "at each token); simplify it (fewer nested or ambiguous repetitions)", kind)
         return compiled
 
-    def _compile(self, spec: StructuredOutputsParams, kind: str):
+    @staticmethod
+    def _start_workers(memory_bytes: int, timeout_s: float) -> CompileWorkers | None:
+        try:
+            return CompileWorkers(memory_bytes, timeout_s)
+        except OSError as e:
+            log.warning("grammar compiles run in this process, without bounds of time or memory: %s", e)
+            return None
+
+    @staticmethod
+    def _call(spec: StructuredOutputsParams, kind: str) -> tuple[str, tuple, dict]:
+        """The GrammarCompiler method that compiles spec, and its arguments."""
         if kind in ("json", "json_object"):
             schema = json.dumps(parse_schema(spec.json, "json")) if kind == "json" else _JSON_OBJECT
-            return self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+            return "compile_json_schema", (schema,), {"any_whitespace": False, "strict_mode": True}
         if kind == "regex":
-            return self._compiler.compile_regex(spec.regex)
+            return "compile_regex", (spec.regex,), {}
         if kind == "choice":
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
-            return self._compiler.compile_grammar(f"root ::= {alternatives}")
-        return self._compiler.compile_grammar(spec.grammar)
+            return "compile_grammar", (f"root ::= {alternatives}",), {}
+        return "compile_grammar", (spec.grammar,), {}
+
+    def _compile_isolated(self, kind: str, method: str, args: tuple, kwargs: dict) -> tuple | None:
+        """The compile run in a worker (compile_worker): its CompiledGrammar (None when it fits the bounds and is
+        cheaper to compile again here than to pass over), first_mask's seconds, and whether that mask allows a
+        token; None when no worker could start (logged; compiled here from now on, unbounded). CompileTimeout past
+        the time limit; GrammarError when it failed, ran out of its memory or crashed the worker."""
+        workers = self._workers
+        try:
+            answer, value, *mask = workers.compile(method, args, kwargs)
+        except WorkerDied as e:
+            if e.timed_out:
+                raise errors.CompileTimeout(workers.timeout_s) from None
+            raise GrammarError(f"{kind}: the grammar compiler crashed on this constraint; simplify it", kind) from None
+        except OSError as e:
+            log.warning("grammar compiles run in this process from now on, without bounds of time or memory: %s", e)
+            self._workers = None
+            return None
+        if answer == "memory":
+            raise GrammarError(f"{kind}: compiling the constraint needs more than "
+                               f"{workers.memory_bytes / 2**30:g} GiB of memory; simplify it", kind)
+        if answer == "error":
+            raise GrammarError(f"{kind}: {one_line(value)}", kind)
+        return None if value is None else self.xgr.CompiledGrammar.deserialize_json(value, self._info), *mask
 
     def matcher(self, compiled):
         return self.xgr.GrammarMatcher(compiled)
@@ -100,6 +157,11 @@ class GrammarBackend:
     def fill(self, matchers: list, bitmask: torch.Tensor) -> None:
         """Row i of bitmask [len(matchers), W] int32 (CPU) := the tokens matchers[i] allows next."""
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+
+    def close(self) -> None:
+        """Stop the compile workers (a compile running now is killed when it answers)."""
+        if self._workers is not None:
+            self._workers.close()
 
 
 _SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")  # U+D800-U+DFFF, not UTF-8 (the decoder lets a partial one by)

@@ -21,14 +21,19 @@ class GrammarError(ValueError):
         self.param = param
 
 
-COMPILE_TIMEOUT_S = 60.0  # a constraint that takes longer to compile is refused (its pool thread runs on, cached)
+COMPILE_TIMEOUT_S = 60.0  # a constraint that takes longer to compile is refused (its compile is killed: compile_worker)
+COMPILE_MEMORY_BYTES = 2 << 30  # a compile's memory beyond its worker's start-up (compile_worker); past it, refused
+# a constraint whose first token mask takes longer to fill is refused: every step of its batch would wait for its
+# masks (the engine ends a request whose masks are slow at several steps in a row: structured.manager.FILL_LIMIT_S)
+MAX_FIRST_MASK_S = 0.5
 
 
 class CompileTimeout(ValueError):
-    """A constraint whose grammar did not compile within COMPILE_TIMEOUT_S."""
+    """A constraint whose grammar did not compile within seconds (COMPILE_TIMEOUT_S)."""
 
-    def __init__(self):
-        super().__init__(f"the constraint did not compile within {COMPILE_TIMEOUT_S:g} s; simplify it (a smaller "
+    def __init__(self, seconds: float | None = None):
+        seconds = COMPILE_TIMEOUT_S if seconds is None else seconds
+        super().__init__(f"the constraint did not compile within {seconds:g} s; simplify it (a smaller "
                          "schema, fewer or shorter bounded repetitions)")
 
 

@@ -173,6 +173,21 @@ def test_a_constraint_that_does_not_compile_in_time_is_a_400_and_the_server_goes
     assert re.fullmatch("[vwx]{4}", text)
 
 
+@pytest.mark.parametrize("regex, message", [
+    ("(a*)*" * 100_000, "needs more than 2 GiB of memory"),  # grew the server to 24 GB before compiles had bounds
+    ("(a*)*" * 500, "first token mask took"),  # each mask over a second: every stream beside it would wait
+], ids=["memory", "first-mask"])
+def test_a_constraint_past_the_compiles_bounds_is_a_400_and_the_server_goes_on(client, regex, message):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", prompt="Go:", max_tokens=8, extra_body={"structured_outputs": {
+            "regex": regex}})
+    body = err.value.response.json()["error"]
+    assert body["param"] == "structured_outputs.regex" and message in body["message"], body
+    text = client.completions.create(model="tiny", prompt="Go:", max_tokens=8, extra_body={"structured_outputs": {
+        "regex": "[yz]{5}"}}).choices[0].text
+    assert re.fullmatch("[yz]{5}", text)
+
+
 def test_a_new_constraint_past_the_compiles_in_flight_is_a_429_and_the_server_goes_on(client, demo_server,
                                                                                       monkeypatch):
     import threading
