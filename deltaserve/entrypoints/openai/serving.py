@@ -36,6 +36,15 @@ TOKENIZE_THREADS = 2  # long prompts tokenized at once, at most (each holds its 
 # for the rest of the body, at least MIN_BODY_BYTES
 BODY_BYTES_A_TOKEN = 16
 MIN_BODY_BYTES = 4 << 20
+MIN_ECHO_LOGPROBS = 1 << 20
+
+
+def echo_logprobs_limit(max_model_len: int) -> int:
+    """The most prompt logprob entries (prompt tokens x n x (logprobs + 1)) one completions request may ask for with
+    echo: a prompt of the model's whole context with logprobs 1 fits (lm-eval's loglikelihood), and never less than
+    MIN_ECHO_LOGPROBS. Each entry is built and rendered on the event loop (a few microseconds: BENCHMARKS.md), and a
+    small body of token ids could otherwise ask for millions (a 0.15 MiB body made a 110 MB response)."""
+    return max(MIN_ECHO_LOGPROBS, 2 * max_model_len)
 
 
 def body_limit(max_model_len: int) -> int:
@@ -146,6 +155,15 @@ class ServingContext:
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
         return max(0, min(self.max_model_len, self.cache_tokens) - num_prompt_tokens)
+
+    def check_echo_logprobs(self, num_prompt_tokens: int, n: int, logprobs: int) -> None:
+        """Refuse an echo with logprobs whose prompt logprob entries pass echo_logprobs_limit."""
+        entries, limit = num_prompt_tokens * n * (logprobs + 1), echo_logprobs_limit(self.max_model_len)
+        if entries > limit:
+            raise bad_request(f"echo with logprobs asks for {entries:,} prompt logprob entries ({num_prompt_tokens:,} "
+                              f"prompt tokens x n {n} x (logprobs {logprobs} + 1)) and this server renders at most "
+                              f"{limit:,} a request; lower logprobs or n, or send fewer prompt tokens a request",
+                              "logprobs")
 
     def check_fanout(self, num_inputs: int) -> None:
         if num_inputs > self.async_engine.capacity:

@@ -30,6 +30,8 @@ class CompletionServing:
         listed = _listed(body.prompt)
         ctx.check_fanout(len(listed) * body.n)  # before tokenizing: thousands of prompts cost the loop
         prompts = await self._tokenized(listed)
+        if body.echo and body.logprobs is not None:
+            ctx.check_echo_logprobs(sum(len(ids) for _, ids in prompts), body.n, body.logprobs)
         constraint = structured_spec(body)
         if constraint is not None:
             await compile_constraint(ctx.async_engine, *constraint)

@@ -66,6 +66,8 @@ CASES = [
     ("more prompts than sequences", COMPLETIONS, completion(prompt=["hi"] * 5000), 400, "sequences (prompts x n)"),
     ("too many stop_token_ids", COMPLETIONS, completion(stop_token_ids=[5] * 1025), 400, "at most 1024"),
     ("many bad messages", CHAT, chat(messages=[7] * 200_000), 400, "'messages[0]'"),
+    ("echo logprobs past the limit", COMPLETIONS, completion(prompt=[[5] * 500] * 128, echo=True, logprobs=20), 400,
+     "asks for 1,344,000 prompt logprob entries (64,000 prompt tokens x n 1 x (logprobs 20 + 1))"),
 ]
 
 
@@ -159,3 +161,17 @@ def test_normal_requests_succeed_after_bad_ones(http):
     assert response.json()["usage"]["completion_tokens"] == 3
     response = http.post(CHAT, json=chat(max_tokens=3, ignore_eos=True))
     assert response.status_code == 200 and response.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_echo_logprobs_limit_counts_tokens_choices_and_entries():
+    from types import SimpleNamespace
+
+    from deltaserve.entrypoints.openai.errors import OpenAIError
+    from deltaserve.entrypoints.openai.serving import MIN_ECHO_LOGPROBS, ServingContext, echo_logprobs_limit
+
+    assert echo_logprobs_limit(1024) == MIN_ECHO_LOGPROBS and echo_logprobs_limit(1 << 20) == 2 << 20
+    ctx = SimpleNamespace(max_model_len=1 << 20)  # a whole context's prompt with logprobs 1 fits (lm-eval's way)
+    ServingContext.check_echo_logprobs(ctx, (1 << 20) - 1, 1, 1)
+    ServingContext.check_echo_logprobs(ctx, 1 << 19, 2, 1)  # exactly at the limit
+    with pytest.raises(OpenAIError, match="2,097,156 prompt logprob entries"):
+        ServingContext.check_echo_logprobs(ctx, (1 << 19) + 1, 1, 3)
