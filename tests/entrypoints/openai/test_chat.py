@@ -22,6 +22,16 @@ def test_greedy_chat_equals_llm_chat(client, offline_llm):
     assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
 
 
+def test_a_chat_rendered_in_a_thread_gives_the_same_tokens(client, offline_llm, monkeypatch):
+    """A chat of OFF_LOOP_ITEMS or more messages and tools is rendered off the event loop: same prompt, same tokens."""
+    from deltaserve.entrypoints.openai import serving
+
+    monkeypatch.setattr(serving, "OFF_LOOP_ITEMS", 1)
+    test_greedy_chat_equals_llm_chat(client, offline_llm)
+    with pytest.raises(openai.BadRequestError, match="tool_choice = 'auto' needs tools"):  # still a clear 400
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, tool_choice="auto")
+
+
 def test_content_parts_and_developer_role_render_like_plain_text(client):
     plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0)
     system = [{"type": "text", "text": "You are "}, {"type": "text", "text": "terse."}]

@@ -1,0 +1,91 @@
+"""What one large request costs the other streams on the server's event loop: a thread pings /health every 10 ms
+while it runs, and the longest wait for an answer is how long every stream stalled. Two kinds:
+
+- completions with echo and logprobs: the prompt logprob entries (prompt tokens x n x (logprobs + 1)) are built and
+  rendered as JSON on the loop; --entries asks for about that many (up to 8 prompts of up to 4,000 tokens, n growing
+  past them; the table prints what each asked for). The limit here is echo_logprobs_limit's floor (1,048,576).
+- chat with many messages: the body is validated on the loop, then the messages are rendered by the chat template
+  and the prompt tokenized (in a thread past OFF_LOOP_ITEMS and OFF_LOOP_CHARS); --messages gives their counts.
+
+The server runs the demo model (engine in its own process, as `deltaserve serve` runs it) with a 4,096-token context
+and the body limit it gets at a 1M-token context (17 MiB).
+
+    python benchmarks/loop_stall.py --entries 100000,1000000,5376000 --messages 140000,600000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOGPROBS = 20
+PROMPT_LEN = 4000
+
+
+def ping(client, gaps: list[float], stop: threading.Event) -> None:
+    while not stop.is_set():
+        start = time.perf_counter()
+        client.get("/health")
+        gaps.append(time.perf_counter() - start)
+        time.sleep(0.01)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--entries", default="100000,1000000,5376000",
+                        help="prompt logprob entries a request asks for, comma-separated ('' for none)")
+    parser.add_argument("--messages", default="140000,600000",
+                        help="messages in a chat request, comma-separated ('' for none)")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers.http_server import start_server
+
+    from deltaserve.entrypoints.llm import BUNDLED_MODEL
+    from deltaserve.entrypoints.openai.serving import body_limit
+
+    server = start_server(BUNDLED_MODEL, max_model_len=PROMPT_LEN + 96, max_body_bytes=body_limit(1 << 20),
+                          engine_process=True)
+    print("| request | body MB | status | response MB | request s | longest /health wait, s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    try:
+        with server.http() as client, server.http() as pinger:
+            client.timeout = 600
+            for entries in [int(e) for e in args.entries.split(",") if e]:
+                tokens = max(1, entries // (LOGPROBS + 1))
+                prompts = max(1, min(8, tokens // PROMPT_LEN))
+                n = max(1, tokens // (prompts * PROMPT_LEN))
+                length = min(PROMPT_LEN, tokens // (prompts * n))
+                body = {"model": "tiny", "prompt": [[5 + i % 100 for i in range(length)]] * prompts, "n": n,
+                        "echo": True, "logprobs": LOGPROBS, "max_tokens": 1, "temperature": 0}
+                asked = prompts * n * length * (LOGPROBS + 1)
+                timed(client, pinger, "/v1/completions", body, f"echo, logprobs {LOGPROBS}: {asked:,} entries "
+                                                                f"({prompts} x n {n} of {length:,} tokens)")
+            for count in [int(m) for m in args.messages.split(",") if m]:
+                messages = [{"role": ("user", "assistant")[i % 2], "content": "hi"} for i in range(count)]
+                body = {"model": "tiny", "messages": messages, "max_tokens": 1}
+                timed(client, pinger, "/v1/chat/completions", body, f"chat of {count:,} messages")
+    finally:
+        server.stop()
+
+
+def timed(client, pinger, path: str, body: dict, name: str) -> None:
+    raw = json.dumps(body).encode()
+    gaps, stop = [], threading.Event()
+    thread = threading.Thread(target=ping, args=(pinger, gaps, stop))
+    thread.start()
+    start = time.perf_counter()
+    response = client.post(path, content=raw, headers={"content-type": "application/json"})
+    elapsed = time.perf_counter() - start
+    stop.set()
+    thread.join()
+    print(f"| {name} | {len(raw) / 1e6:.1f} | {response.status_code} | {len(response.content) / 1e6:.1f} | "
+          f"{elapsed:.2f} | {max(gaps):.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
