@@ -16,6 +16,7 @@ stdin and stdout (ours, both ends)."""
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import resource
@@ -46,14 +47,17 @@ class CompileWorker:
 
     def __init__(self):
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_PACKAGE_ROOT, os.environ.get("PYTHONPATH")])))
-        self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        # a session of its own: the terminal's Ctrl-C is the parent's to handle (the child ends when its stdin does)
+        self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                      start_new_session=True)
 
-    def start(self, tokenizer_info_json: str, memory_bytes: int, serialize_s_per_byte: float) -> None:
-        """Send the vocabulary, the memory budget and the cost of passing a grammar back (a compile that took less
-        than its grammar's bytes times serialize_s_per_byte is compiled again by the parent); OSError when the child
-        does not answer ready within START_TIMEOUT_S."""
+    def start(self, tokenizer_info_json: str, memory_bytes: int, timeout_s: float, serialize_s_per_byte: float) -> None:
+        """Send the vocabulary, the memory budget, the time limit (the child stops itself at twice that in CPU time,
+        should the parent be gone) and the cost of passing a grammar back (a compile that took less than its
+        grammar's bytes times serialize_s_per_byte is compiled again by the parent); OSError when the child does not
+        answer ready within START_TIMEOUT_S."""
         try:
-            message = (tokenizer_info_json, memory_bytes, serialize_s_per_byte)
+            message = (tokenizer_info_json, memory_bytes, timeout_s, serialize_s_per_byte)
             ready = self._call(message, START_TIMEOUT_S)[0] == "ready"
         except WorkerDied:
             ready = False
@@ -126,7 +130,7 @@ class CompileWorkers:
             fresh, self._first = (self._first, None) if worker is None else (None, self._first)
         if worker is None:
             worker = fresh or CompileWorker()
-            worker.start(self._vocabulary, self.memory_bytes, self.serialize_s_per_byte)
+            worker.start(self._vocabulary, self.memory_bytes, self.timeout_s, self.serialize_s_per_byte)
         answer = worker.compile(method, args, kwargs, self.timeout_s)
         with self._lock:
             if answer[0] == "memory" or self._closed or not worker.alive():
@@ -154,6 +158,14 @@ def first_mask(xgrammar, compiled) -> tuple[float, bool]:
     return time.perf_counter() - start, bool(bitmask.any())
 
 
+def _limit_cpu(seconds: float) -> None:
+    """Let this process use `seconds` more of CPU time (the kernel then ends it with SIGXCPU)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = math.ceil(usage.ru_utime + usage.ru_stime + seconds)
+    hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+    resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+
 def _address_space() -> int:
     """This process's virtual memory size in bytes (Linux's /proc; 0 where there is none)."""
     try:
@@ -165,8 +177,8 @@ def _address_space() -> int:
 
 
 def _serve() -> None:
-    """The child: read the vocabulary and the budget, bound the address space, then answer compiles until stdin
-    closes (the parent exited or closed us)."""
+    """The child: read the vocabulary and the bounds, bound the address space, then answer compiles (each bounded in
+    CPU time too) until stdin closes (the parent exited or closed us)."""
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # a library's print goes to stderr, never into the replies
     requests = sys.stdin.buffer
@@ -178,7 +190,7 @@ def _serve() -> None:
     import xgrammar  # while the parent builds the vocabulary
 
     try:
-        info_json, memory_bytes, serialize_s_per_byte = pickle.load(requests)
+        info_json, memory_bytes, timeout_s, serialize_s_per_byte = pickle.load(requests)
     except EOFError:  # closed before it was given a vocabulary
         return
     compiler = xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.deserialize_json(info_json), max_threads=1,
@@ -191,6 +203,7 @@ def _serve() -> None:
             method, args, kwargs = pickle.load(requests)
         except EOFError:
             return
+        _limit_cpu(2 * timeout_s)  # the parent kills us at timeout_s; this ends a compile it can no longer kill
         start = time.perf_counter()
         try:
             compiled = getattr(compiler, method)(*args, **kwargs)

@@ -2,6 +2,7 @@
 the worker is replaced, and what a worker compiles masks exactly as a compile in this process does."""
 
 import logging
+import signal
 import sys
 import time
 
@@ -11,7 +12,7 @@ from deltaserve.entrypoints.llm import BUNDLED_MODEL
 from deltaserve.sampling_params import StructuredOutputsParams
 from deltaserve.structured import CompileTimeout, GrammarError
 from deltaserve.structured.backend import GrammarBackend
-from deltaserve.structured.compile_worker import CompileWorker
+from deltaserve.structured.compile_worker import CompileWorker, WorkerDied
 from deltaserve.tokenizer import load_tokenizer
 
 pytest.importorskip("xgrammar", reason="the structured extra is part of the test extra")
@@ -67,6 +68,18 @@ def test_a_compile_past_its_time_is_killed_and_the_next_compiles(bounded):
         bounded.compile(SLOW)
     assert time.monotonic() - start < 10
     assert masks(bounded, SPECS[3], "(1").any()
+
+
+def test_a_worker_ends_a_compile_past_twice_its_time_limit_in_cpu_by_itself(tokenizer):
+    """Should the parent be gone (nobody to kill it at the time limit), a worker stops at twice that in CPU time."""
+    here = GrammarBackend(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, isolated=False)
+    worker = CompileWorker()
+    worker.start(here._info.serialize_json(), 512 << 20, timeout_s=1.0, serialize_s_per_byte=0.0)
+    start = time.monotonic()
+    with pytest.raises(WorkerDied) as died:
+        worker.compile("compile_regex", (SLOW.regex,), {}, timeout_s=60.0)  # no kill from here
+    assert not died.value.timed_out and worker._proc.returncode == -signal.SIGXCPU
+    assert time.monotonic() - start < 30
 
 
 @pytest.mark.parametrize("isolated", [True, False], ids=["worker", "here"])
