@@ -22,12 +22,13 @@ import json
 import logging
 import os
 import re
+import weakref
 
 import torch
 
 from deltaserve.sampling_params import StructuredOutputsParams
-from deltaserve.structured import errors
-from deltaserve.structured.compile_worker import CompileWorkers, WorkerDied, first_mask
+from deltaserve.structured import compile_worker, errors
+from deltaserve.structured.compile_worker import WorkerDied, first_mask
 from deltaserve.structured.errors import GrammarError, StructuredOutputsUnavailable
 from deltaserve.structured.schema_check import parse_schema
 
@@ -57,20 +58,21 @@ class GrammarBackend:
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], max_threads: int = 1,
                  isolated: bool = True, timeout_s: float | None = None, memory_bytes: int | None = None):
-        # compiles in child processes, bounded (compile_worker); None: in this process, unbounded. The first worker
-        # is started before xgrammar is imported here, so that the two imports overlap
-        isolated = isolated and importlib.util.find_spec("xgrammar") is not None
-        timeout_s = errors.COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
-        memory_bytes = errors.COMPILE_MEMORY_BYTES if memory_bytes is None else memory_bytes
-        self._workers = self._start_workers(memory_bytes, timeout_s) if isolated else None
+        # compiles in worker processes, bounded (compile_worker); None: in this process, unbounded. The process's
+        # first worker is started before xgrammar is imported here, so that the two imports overlap
+        isolated = isolated and importlib.util.find_spec("xgrammar") is not None and _prestarted()
         xgr = import_xgrammar()
         special = tokenizer.all_special_ids
         vocab = [b"" if i in special else tokenizer.id_to_bytes(i) for i in range(vocab_size)]
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
         self.xgr = xgr
         self._info = info
-        if self._workers is not None:
-            self._workers.set_vocabulary(info.serialize_json())
+        self._workers, self._release = None, None
+        if isolated:
+            timeout_s = errors.COMPILE_TIMEOUT_S if timeout_s is None else timeout_s
+            memory_bytes = errors.COMPILE_MEMORY_BYTES if memory_bytes is None else memory_bytes
+            self._workers = compile_worker.acquire(info.serialize_json(), memory_bytes, timeout_s)
+            self._release = weakref.finalize(self, compile_worker.release, self._workers)  # once: close or collected
         self.vocab_size = vocab_size
         self.text_safe_bitmask = pack_bitmask([utf8_possible(token) for token in vocab])  # every constraint's
         self.json_safe_bitmask = pack_bitmask([not any(b < 0x20 for b in token) for token in vocab])  # JSON's too
@@ -86,7 +88,8 @@ class GrammarBackend:
         itself): such a request could only sample from a row of -inf logits. CompileTimeout past timeout_s."""
         kind = param_name(spec)
         method, args, kwargs = self._call(spec, kind)
-        isolated = self._workers is not None and self._compile_isolated(kind, method, args, kwargs)
+        workers = self._workers
+        isolated = workers is not None and self._compile_isolated(workers, kind, method, args, kwargs)
         compiled, first_mask_s, admits = isolated or (None, None, None)
         if compiled is None:
             try:
@@ -104,14 +107,6 @@ class GrammarBackend:
         return compiled
 
     @staticmethod
-    def _start_workers(memory_bytes: int, timeout_s: float) -> CompileWorkers | None:
-        try:
-            return CompileWorkers(memory_bytes, timeout_s)
-        except OSError as e:
-            log.warning("grammar compiles run in this process, without bounds of time or memory: %s", e)
-            return None
-
-    @staticmethod
     def _call(spec: StructuredOutputsParams, kind: str) -> tuple[str, tuple, dict]:
         """The GrammarCompiler method that compiles spec, and its arguments."""
         if kind in ("json", "json_object"):
@@ -124,12 +119,11 @@ class GrammarBackend:
             return "compile_grammar", (f"root ::= {alternatives}",), {}
         return "compile_grammar", (spec.grammar,), {}
 
-    def _compile_isolated(self, kind: str, method: str, args: tuple, kwargs: dict) -> tuple | None:
+    def _compile_isolated(self, workers, kind: str, method: str, args: tuple, kwargs: dict) -> tuple | None:
         """The compile run in a worker (compile_worker): its CompiledGrammar (None when it fits the bounds and is
         cheaper to compile again here than to pass over), first_mask's seconds, and whether that mask allows a
         token; None when no worker could start (logged; compiled here from now on, unbounded). CompileTimeout past
         the time limit; GrammarError when it failed, ran out of its memory or crashed the worker."""
-        workers = self._workers
         try:
             answer, value, *mask = workers.compile(method, args, kwargs)
         except WorkerDied as e:
@@ -138,7 +132,7 @@ class GrammarBackend:
             raise GrammarError(f"{kind}: the grammar compiler crashed on this constraint; simplify it", kind) from None
         except OSError as e:
             log.warning("grammar compiles run in this process from now on, without bounds of time or memory: %s", e)
-            self._workers = None
+            self.close()
             return None
         if answer == "memory":
             raise GrammarError(f"{kind}: compiling the constraint needs more than "
@@ -159,9 +153,21 @@ class GrammarBackend:
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
 
     def close(self) -> None:
-        """Stop the compile workers (a compile running now is killed when it answers)."""
-        if self._workers is not None:
-            self._workers.close()
+        """Let go of the compile workers: the last backend over this vocabulary and bounds stops them (a compile
+        running now is killed when it answers). Compiles after it run in this process."""
+        if self._release is not None:
+            self._release()
+        self._workers = None
+
+
+def _prestarted() -> bool:
+    """compile_worker.prestart; False (logged) when no worker process can be started."""
+    try:
+        compile_worker.prestart()
+    except OSError as e:
+        log.warning("grammar compiles run in this process, without bounds of time or memory: %s", e)
+        return False
+    return True
 
 
 _SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")  # U+D800-U+DFFF, not UTF-8 (the decoder lets a partial one by)

@@ -16,6 +16,7 @@ stdin and stdout (ours, both ends)."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import pickle
@@ -105,31 +106,26 @@ class CompileWorker:
 
 
 class CompileWorkers:
-    """The workers of one vocabulary: an idle one is handed to each compile, and a new one started when none is
-    idle (so there are at most as many as compiles at once). The first is started at construction, so that its
-    import of xgrammar overlaps the caller's building the vocabulary. Thread-safe."""
+    """The workers of one vocabulary and one pair of bounds, shared by every GrammarBackend of this process that has
+    them (acquire, release): an idle worker is handed to each compile, and a new one started when none is idle (so
+    there are at most as many as compiles at once). Thread-safe."""
 
-    def __init__(self, memory_bytes: int, timeout_s: float):
+    def __init__(self, key: tuple, tokenizer_info_json: str, memory_bytes: int, timeout_s: float):
+        self.key, self.users = key, 0
         self.memory_bytes, self.timeout_s = memory_bytes, timeout_s
         self.serialize_s_per_byte = SERIALIZE_S_PER_BYTE
-        self._vocabulary: str | None = None
-        self._first: CompileWorker | None = CompileWorker()  # OSError when no process can be started
+        self._vocabulary = tokenizer_info_json
         self._idle: list[CompileWorker] = []
         self._lock = threading.Lock()
         self._closed = False
-
-    def set_vocabulary(self, tokenizer_info_json: str) -> None:
-        """xgrammar's TokenizerInfo.serialize_json(), which every worker compiles against; before any compile."""
-        self._vocabulary = tokenizer_info_json
 
     def compile(self, method: str, args: tuple, kwargs: dict) -> tuple:
         """CompileWorker.compile on an idle or new worker, bounded by timeout_s: WorkerDied when the worker ended
         before it answered, OSError when a new one could not start."""
         with self._lock:
             worker = self._idle.pop() if self._idle else None
-            fresh, self._first = (self._first, None) if worker is None else (None, self._first)
         if worker is None:
-            worker = fresh or CompileWorker()
+            worker = _take_spare() or CompileWorker()
             worker.start(self._vocabulary, self.memory_bytes, self.timeout_s, self.serialize_s_per_byte)
         answer = worker.compile(method, args, kwargs, self.timeout_s)
         with self._lock:
@@ -143,10 +139,54 @@ class CompileWorkers:
         """Kill the idle workers; those compiling now are killed when they answer."""
         with self._lock:
             self._closed = True
-            idle, self._idle = self._idle + [self._first] * (self._first is not None), []
-            self._first = None
+            idle, self._idle = self._idle, []
         for worker in idle:
             worker.close()
+
+
+# the pools of this process, by (vocabulary digest, memory, time): a server's engines, or a notebook's many LLMs over
+# one model, share their workers (~270 MB each) and pay one start
+_pools: dict[tuple, CompileWorkers] = {}
+_spare: CompileWorker | None = None  # started by prestart, taken by the first new worker
+_pools_lock = threading.Lock()
+
+
+def prestart() -> None:
+    """Start a worker now when none runs in this process (OSError when none can start), so that its import of
+    xgrammar overlaps the caller's own and its building of the vocabulary: the first constrained request's start."""
+    global _spare
+    with _pools_lock:
+        if not _pools and _spare is None:
+            _spare = CompileWorker()
+
+
+def _take_spare() -> CompileWorker | None:
+    global _spare
+    with _pools_lock:
+        spare, _spare = _spare, None
+    return spare
+
+
+def acquire(tokenizer_info_json: str, memory_bytes: int, timeout_s: float) -> CompileWorkers:
+    """The pool of this vocabulary (xgrammar's TokenizerInfo.serialize_json()) and bounds, shared; release it once
+    done with it."""
+    key = (hashlib.sha256(tokenizer_info_json.encode()).hexdigest(), memory_bytes, timeout_s)
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None:
+            pool = _pools[key] = CompileWorkers(key, tokenizer_info_json, memory_bytes, timeout_s)
+        pool.users += 1
+    return pool
+
+
+def release(pool: CompileWorkers) -> None:
+    """One user less of pool; the last closes its workers."""
+    with _pools_lock:
+        pool.users -= 1
+        if pool.users > 0:
+            return
+        _pools.pop(pool.key, None)
+    pool.close()
 
 
 def first_mask(xgrammar, compiled) -> tuple[float, bool]:

@@ -1,6 +1,7 @@
 """Grammar compiles in worker processes: a compile past its memory budget or its time limit is refused and stopped,
 the worker is replaced, and what a worker compiles masks exactly as a compile in this process does."""
 
+import gc
 import logging
 import signal
 import sys
@@ -100,7 +101,7 @@ def test_a_workers_grammar_masks_as_one_compiled_here(tokenizer, serialize_s_per
     """Both ways a compile comes back (the worker's grammar serialized, or 'it fits' and compiled again here) mask
     every spec exactly as a compile in this process, after a prefix of its output."""
     here = GrammarBackend(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, isolated=False)
-    there = GrammarBackend(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    there = GrammarBackend(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, timeout_s=59.0)  # its own pool
     there._workers.serialize_s_per_byte = serialize_s_per_byte
     try:
         for spec, prefix in zip(SPECS, PREFIXES):
@@ -115,18 +116,23 @@ def test_a_workers_grammar_masks_as_one_compiled_here(tokenizer, serialize_s_per
                          ids=["cannot-exec", "exits-at-once"])
 def test_without_a_worker_compiles_run_here_and_say_so(monkeypatch, tokenizer, caplog, command):
     monkeypatch.setattr(CompileWorker, "command", command)
-    with caplog.at_level(logging.WARNING, logger="deltaserve"):
-        backend = GrammarBackend(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):  # bounds of its own: a pool with no worker yet
+        backend = GrammarBackend(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, timeout_s=57.0)
         assert masks(backend, SPECS[2], "m").any()
         assert masks(backend, SPECS[1], "ab").any()
     assert backend._workers is None
     assert sum("without bounds of time or memory" in r.message for r in caplog.records) == 1
 
 
-def test_close_kills_the_workers(tokenizer):
-    backend = GrammarBackend(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
-    backend.compile(SPECS[2])
-    workers = list(backend._workers._idle)
-    assert workers and all(worker.alive() for worker in workers)
-    backend.close()
-    assert not any(worker.alive() for worker in workers)
+def test_backends_of_one_vocabulary_share_workers_and_the_last_closes_them(tokenizer):
+    make = lambda: GrammarBackend(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids, timeout_s=58.0)  # noqa: E731
+    first, second = make(), make()
+    assert first._workers is second._workers
+    first.compile(SPECS[2])
+    second.compile(SPECS[3])  # on the worker the first left idle
+    [worker] = first._workers._idle
+    first.close()
+    assert worker.alive() and second.compile(SPECS[0])
+    del second
+    gc.collect()  # a backend collected lets go as close does
+    assert not worker.alive()
