@@ -171,5 +171,5 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._backend is not None:  # one being built now keeps its worker until it is collected (the pipe closes)
+        if self._backend is not None:  # one being built now lets go of its compile workers when it is collected
             self._backend.close()
