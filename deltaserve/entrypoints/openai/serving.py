@@ -130,20 +130,20 @@ class ServingContext:
         return await asyncio.get_running_loop().run_in_executor(
             self._tokenize_pool, functools.partial(tokenizer.encode, text, add_special_tokens=True))
 
-    async def render_chat(self, make_messages, num_items: int, tools: list[dict] | None, tool_choice,
+    async def render_chat(self, messages: list, as_dict, tools: list[dict] | None, tool_choice,
                           parallel_tool_calls: bool = True) -> ChatPrompt:
-        """The prompt text of the messages make_messages() returns, and whether to read tool calls out of the output
-        (tools with tool_choice "auto"). With OFF_LOOP_ITEMS or more messages and tools (num_items) it is rendered in
-        a worker thread: the template runs in Python, and the event loop gets the GIL between its slices (140k
-        messages took 1.3 s to render)."""
+        """The prompt text of messages (each made a template's dict by as_dict), and whether to read tool calls out
+        of the output (tools with tool_choice "auto"). With OFF_LOOP_ITEMS or more messages and tools, both steps run
+        in a worker thread: they are Python, and the event loop gets the GIL between their slices (140k messages
+        took 1.3 s to render)."""
         tokenizer = self.need_tokenizer("chat")
 
         def render() -> ChatPrompt:
-            return render_chat_prompt(tokenizer, make_messages(), tools, tool_choice,
+            return render_chat_prompt(tokenizer, [as_dict(m) for m in messages], tools, tool_choice,
                                       parallel_tool_calls=parallel_tool_calls)
 
         try:
-            if num_items < OFF_LOOP_ITEMS:
+            if len(messages) + len(tools or ()) < OFF_LOOP_ITEMS:
                 return render()
             return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, render)
         except ToolRequestError as e:

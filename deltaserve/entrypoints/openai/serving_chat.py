@@ -32,8 +32,7 @@ class ChatServing:
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         ctx.check_max_tokens(max_tokens, param)
         ctx.check_fanout(body.n)
-        prompt = await ctx.render_chat(lambda: [_template_message(m) for m in body.messages],
-                                       len(body.messages) + len(body.tools or ()), body.tools, body.tool_choice,
+        prompt = await ctx.render_chat(body.messages, _template_message, body.tools, body.tool_choice,
                                        body.parallel_tool_calls is not False)
         ids = await ctx.encode(prompt.text, "messages")
         max_tokens = ctx.default_max_tokens(len(ids)) if max_tokens is None else max_tokens
