@@ -4,13 +4,15 @@ while it runs, and the longest wait for an answer is how long every stream stall
 - completions with echo and logprobs: the prompt logprob entries (prompt tokens x n x (logprobs + 1)) are built and
   rendered as JSON on the loop; --entries asks for about that many (up to 8 prompts of up to 4,000 tokens, n growing
   past them; the table prints what each asked for). The limit here is echo_logprobs_limit's floor (1,048,576).
-- chat with many messages: the body is validated on the loop, then the messages are rendered by the chat template
-  and the prompt tokenized (in a thread past OFF_LOOP_ITEMS and OFF_LOOP_CHARS); --messages gives their counts.
+- chat with many messages: the body is validated (in a thread, in pieces, past OFF_LOOP_BYTES), then the messages
+  are rendered by the chat template and the prompt tokenized (in a thread past OFF_LOOP_ITEMS and OFF_LOOP_CHARS);
+  --messages gives their counts.
+- bodies of many small items, each as large as the body limit allows (--bodies: names from SHAPES).
 
 The server runs the demo model (engine in its own process, as `deltaserve serve` runs it) with a 4,096-token context
 and the body limit it gets at a 1M-token context (17 MiB).
 
-    python benchmarks/loop_stall.py --entries 100000,1000000,5376000 --messages 140000,600000
+    python benchmarks/loop_stall.py --entries 100000,1000000,5376000 --messages 140000,600000 --bodies all
 """
 
 from __future__ import annotations
@@ -25,6 +27,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LOGPROBS = 20
 PROMPT_LEN = 4000
+USER = {"role": "user"}
+# bodies of many small items, by the item and how many fit in a body of `size` bytes
+SHAPES = {
+    "messages of a role alone": lambda size: ("/v1/chat/completions", {"messages": [USER] * (size // 18)}),
+    "one message of many parts": lambda size: ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": ""}] * (size // 31)}]}),
+    "tools of {}": lambda size: ("/v1/chat/completions", {"messages": [USER], "tools": [{}] * (size // 4)}),
+    "prompt of token ids": lambda size: ("/v1/completions", {"prompt": [7] * (size // 3)}),
+    "prompt of one-token lists": lambda size: ("/v1/completions", {"prompt": [[7]] * (size // 5)}),
+}
 
 
 def ping(client, gaps: list[float], stop: threading.Event) -> None:
@@ -41,6 +53,7 @@ def main() -> None:
                         help="prompt logprob entries a request asks for, comma-separated ('' for none)")
     parser.add_argument("--messages", default="140000,600000",
                         help="messages in a chat request, comma-separated ('' for none)")
+    parser.add_argument("--bodies", default="", help=f"'all' or names from {list(SHAPES)}, comma-separated")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers.http_server import start_server
@@ -69,6 +82,9 @@ def main() -> None:
                 messages = [{"role": ("user", "assistant")[i % 2], "content": "hi"} for i in range(count)]
                 body = {"model": "tiny", "messages": messages, "max_tokens": 1}
                 timed(client, pinger, "/v1/chat/completions", body, f"chat of {count:,} messages")
+            for name in SHAPES if args.bodies == "all" else [b for b in args.bodies.split(",") if b]:
+                path, body = SHAPES[name](server.app.state.max_body_bytes - 256)
+                timed(client, pinger, path, {"model": "tiny", "max_tokens": 1, **body}, name)
     finally:
         server.stop()
 

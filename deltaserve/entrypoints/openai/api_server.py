@@ -22,6 +22,7 @@ from deltaserve.entrypoints.openai.errors import OpenAIError, install_handlers
 from deltaserve.entrypoints.openai.guard import RequestGuard
 from deltaserve.entrypoints.openai.metrics import ServerMetrics
 from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from deltaserve.entrypoints.openai.request_body import read_body
 from deltaserve.entrypoints.openai.serving import ServerConfig, ServingContext, body_limit
 from deltaserve.entrypoints.openai.serving_chat import ChatServing
 from deltaserve.entrypoints.openai.serving_completions import CompletionServing
@@ -31,6 +32,7 @@ if TYPE_CHECKING:  # the server's process of an engine process needs no torch
 
 _ERROR = {"description": "an error in OpenAI's shape: {\"error\": {\"message\", \"type\", \"param\", \"code\"}}"}
 ERROR_RESPONSES = {status: _ERROR for status in (400, 401, 404, 413, 429, 503)}
+BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 
 
 def build_app(engine: Engine | EngineProcess, config: ServerConfig) -> FastAPI:
@@ -65,13 +67,14 @@ def _add_routes(app: FastAPI, ctx: ServingContext, completions: CompletionServin
     model_card = {"id": ctx.config.served_model_name, "object": "model", "created": created, "owned_by": "deltaserve",
                   "max_model_len": ctx.max_model_len}
 
+    # the bodies are read by read_body (a large one is validated off the loop); _openapi documents them
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
-    async def create_completion(body: CompletionRequest, request: Request):
-        return await completions.create(body, request)
+    async def create_completion(request: Request):
+        return await completions.create(await read_body(request, CompletionRequest, ctx.body_pool), request)
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
-    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-        return await chat.create(body, request)
+    async def create_chat_completion(request: Request):
+        return await chat.create(await read_body(request, ChatCompletionRequest, ctx.body_pool), request)
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def list_models():
@@ -94,9 +97,18 @@ def _add_routes(app: FastAPI, ctx: ServingContext, completions: CompletionServin
 
 
 def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema, less the 422 it documents for every route: validation errors are 400 here."""
+    """FastAPI's schema with the request bodies that read_body validates, less the 422 FastAPI documents for every
+    route: validation errors are 400 here."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in BODIES.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            schema["paths"][path]["post"]["requestBody"] = {
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+                "required": True}
         for path in schema["paths"].values():
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)

@@ -88,7 +88,7 @@ def describe_validation(errors) -> tuple[str, str | None]:
     fields = [p for p in path if isinstance(p, int) or _is_field_name(p)]
     param = _param(fields)
     if not param:
-        if error.get("type") in ("model_attributes_type", "dict_type"):
+        if error.get("type") in ("model_type", "model_attributes_type", "dict_type"):
             return "request body must be a JSON object of the request's fields", None
         return f"request body: {error['msg']}", None
     union_field = next((p for p in reversed(fields) if isinstance(p, str)), None)

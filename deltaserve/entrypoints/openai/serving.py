@@ -76,6 +76,7 @@ class ServingContext:
         self.cache_tokens = async_engine.info.cache_tokens
         self.max_token_bytes = _longest_token_bytes(self.tokenizer)
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="deltaserve-tokenize")
+        self.body_pool = self._tokenize_pool  # large request bodies are parsed there too
 
     def close(self) -> None:
         """Let the tokenizing threads go: a prompt being tokenized finishes, queued ones are dropped (the server is

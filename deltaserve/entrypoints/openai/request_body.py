@@ -1,0 +1,158 @@
+"""Request bodies read, parsed and validated into the protocol's models, without holding the event loop long.
+
+A body under OFF_LOOP_BYTES is parsed and validated on the loop (well under a millisecond a kilobyte). A larger one
+goes to a worker thread, and there its long lists (LONG_LISTS: the prompt, the messages and their content parts, the
+tools) are validated PIECE items at a time: pydantic holds the GIL for the whole of one call (400,000 messages took
+1.1 s), and between pieces the loop gets it back. The JSON text itself is still parsed in one call (Python's json,
+~0.2-0.6 s at the 17 MiB body limit of a 1M-token context; BENCHMARKS.md, "Bodies validated in pieces").
+
+The result equals the model's own validation of the whole body, and so do the errors of a body with one bad item;
+of a body with several, the one reported may differ (a long list is checked before the other fields)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from email.message import Message
+from functools import cache
+from typing import Annotated
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
+
+from deltaserve.entrypoints.openai.errors import bad_request
+from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+OFF_LOOP_BYTES = 1 << 20
+PIECE = 4096  # items of a long list validated in one call (~10 ms of messages)
+# the fields of each model that may hold long lists, and the model of their items (whose own lists may be long)
+LONG_LISTS: dict[type[BaseModel], dict[str, type[BaseModel] | None]] = {
+    CompletionRequest: {"prompt": None},
+    ChatCompletionRequest: {"messages": ChatMessage, "tools": None},
+    ChatMessage: {"content": None},
+}
+
+
+async def read_body(request: Request, model: type[BaseModel], pool) -> BaseModel:
+    """The request's JSON body as a model; a large body is parsed in pool's threads. Raises RequestValidationError
+    (a 400 in OpenAI's shape) for a body that is not one, as FastAPI would for a body parameter."""
+    content_type = request.headers.get("content-type")
+    if not _is_json(content_type):
+        raise bad_request(f"request body must be JSON sent with the header 'Content-Type: application/json' (got "
+                          f"{'none' if content_type is None else repr(content_type[:80])})")
+    raw = await request.body()
+    if len(raw) < OFF_LOOP_BYTES:
+        return parse_body(raw, model)
+    return await asyncio.get_running_loop().run_in_executor(pool, parse_body, raw, model, True)
+
+
+def parse_body(raw: bytes, model: type[BaseModel], in_pieces: bool = False) -> BaseModel:
+    """raw parsed as JSON and validated as model; in_pieces validates long lists a piece at a time."""
+    if not raw:
+        raise bad_request("request body is empty; send the request's fields as a JSON object")
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": e.msg}}]) from None
+    return _validate(model, data, ()) if in_pieces else _validate_whole(model, data, ())
+
+
+def _validate_whole(model: type[BaseModel], data, where: tuple) -> BaseModel:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestValidationError(_located(e.errors(), where)) from None
+
+
+def _validate(model: type[BaseModel], data, where: tuple) -> BaseModel:
+    """model.model_validate(data), with the lists of LONG_LISTS[model] validated in pieces when they are long or
+    hold items whose own lists are; where locates data in the body, for errors."""
+    if not isinstance(data, dict):
+        return _validate_whole(model, data, where)
+    done = {}
+    for name, item_model in LONG_LISTS.get(model, {}).items():
+        value = data.get(name)
+        if not isinstance(value, list):
+            continue
+        longs = [i for i, item in enumerate(value) if _has_long_list(item_model, item)] if item_model else []
+        if len(value) > PIECE or longs:
+            done[name] = _validate_list(_field_adapter(model, name), value, (*where, name), item_model, longs)
+    # the other fields, with each long list stood for by its first (validated) item; then the lists put in
+    out = _validate_whole(model, {**data, **{name: items[:1] for name, items in done.items()}}, where)
+    for name, items in done.items():
+        setattr(out, name, items)
+    return out
+
+
+def _validate_list(adapter: TypeAdapter, items: list, where: tuple, item_model: type[BaseModel] | None = None,
+                   longs: list[int] = ()) -> list:
+    """items validated by adapter (a list type, or a union of them) PIECE at a time, in order; the items at longs
+    (whose own lists are long) are validated as item_model first, each a piece of its own. A union must take the same
+    member for every piece (a prompt of token ids throughout, not ids then strings): where one does not, the list's
+    first item and the piece's are validated together, for the error the whole list gets."""
+    out, alone = [], set(longs)
+    for start, end in _spans(len(items), longs):
+        piece = items[start:end] if start not in alone else [_validate(item_model, items[start], (*where, start))]
+        try:
+            valid = adapter.validate_python(piece)
+        except ValidationError as e:
+            raise RequestValidationError(_located(e.errors(), where, start)) from None
+        if out and type(valid[0]) is not type(out[0]):
+            try:
+                adapter.validate_python([items[0], piece[0]])
+            except ValidationError as e:
+                raise RequestValidationError(_located(e.errors(), where, start - 1)) from None
+        out.extend(valid)
+    return out
+
+
+def _spans(length: int, longs: list[int]):
+    """(start, end) of the pieces of a list: at most PIECE items each, and each index in longs a piece alone."""
+    start = 0
+    for long in [*longs, length]:
+        while start < long:
+            end = min(start + PIECE, long)
+            yield start, end
+            start = end
+        if long < length:
+            yield long, long + 1
+            start = long + 1
+
+
+def _has_long_list(model: type[BaseModel], data) -> bool:
+    return isinstance(data, dict) and any(isinstance(data.get(name), list) and len(data[name]) > PIECE
+                                          for name in LONG_LISTS.get(model, {}))
+
+
+@cache
+def _field_adapter(model: type[BaseModel], name: str) -> TypeAdapter:
+    """A validator of one field's value alone, with the field's constraints and the models' strictness."""
+    field = model.model_fields[name]
+    annotation = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+    return TypeAdapter(annotation, config=ConfigDict(strict=True))
+
+
+def _located(errors: list[dict], where: tuple, offset: int = 0) -> list[dict]:
+    """errors located in the body (where: the path to what was validated) with offset added to the first index in
+    each (a piece's start)."""
+    out = []
+    for error in errors:
+        loc = list(error["loc"])
+        if offset:
+            first = next((i for i, part in enumerate(loc) if isinstance(part, int)), None)
+            if first is not None:
+                loc[first] += offset
+        out.append({**error, "loc": ("body", *where, *loc)})
+    return out
+
+
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI's rule for a JSON body: application/json or application/*+json."""
+    if not content_type:
+        return False
+    message = Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))

@@ -1,0 +1,137 @@
+"""Request bodies validated in pieces (a large body, off the event loop) against the models' own validation of the
+whole: the same request, or the same error, on fresh random bodies at ragged lengths around the piece size."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+
+from deltaserve.entrypoints.openai import request_body
+from deltaserve.entrypoints.openai.errors import OpenAIError, describe_validation
+from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+PIECE = 3
+CHAT = "/v1/chat/completions"
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    monkeypatch.setattr(request_body, "PIECE", PIECE)
+
+
+def outcome(raw: bytes, model, in_pieces: bool):
+    try:
+        return "ok", request_body.parse_body(raw, model, in_pieces).model_dump()
+    except RequestValidationError as e:
+        return "error", describe_validation(e.errors())
+    except OpenAIError as e:
+        return "error", (e.message, e.param)
+
+
+def ragged(rng: random.Random) -> int:
+    return rng.choice([0, 1, PIECE - 1, PIECE, PIECE + 1, 2 * PIECE, 2 * PIECE + 1, rng.randrange(4 * PIECE)])
+
+
+def completion_body(rng: random.Random) -> dict:
+    n = ragged(rng)
+    prompt = rng.choice([lambda: "hello", lambda: [f"t{i}" for i in range(n)], lambda: [rng.randrange(100)] * n,
+                         lambda: [[rng.randrange(100)] * rng.randrange(1, 4) for _ in range(n)]])()
+    return {"prompt": prompt, "max_tokens": 4}
+
+
+def chat_body(rng: random.Random) -> dict:
+    def content(i: int):
+        return f"m{i}" if rng.random() < 0.5 else [{"type": "text", "text": f"p{j}"} for j in range(ragged(rng))]
+
+    body = {"messages": [{"role": rng.choice(["user", "assistant", "system"]), "content": content(i)}
+                         for i in range(max(1, ragged(rng)))]}
+    if rng.random() < 0.5:
+        body["tools"] = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(ragged(rng))]
+    return body
+
+
+BAD_ITEMS = {"prompt": [7, None, ["x"], -1, "7", 2.5, True, 2**31, [-1]], "messages": [
+    {"role": "robot", "content": "x"}, {"content": "x"}, "hi", {"role": "user", "content": 5}],
+    "content": [{"type": "image"}, {"text": "x"}, "p"], "tools": ["f", 3, None]}
+
+
+def spoil_one(rng: random.Random, body: dict) -> dict:
+    """body with one thing wrong, or as it is (a third of the time): an item of one of its lists (a prompt of one
+    type then another from a random index on, among them), or a scalar field. Of several errors, the one reported
+    may differ (request_body's docstring)."""
+    lists = [(name, value) for name, value in body.items() if isinstance(value, list) and value]
+    lists += [("content", m["content"]) for m in body.get("messages", ()) if isinstance(m["content"], list) and
+              m["content"]]
+    choice = rng.randrange(3)
+    if choice == 0 or not lists:
+        return {**body, "temperature": "hot"} if choice == 0 else body
+    name, items = rng.choice(lists)
+    index = rng.randrange(len(items))
+    if choice == 1 or name != "prompt":
+        items[index] = rng.choice(BAD_ITEMS[name])
+    else:
+        items[index:] = [f"t{i}" if not isinstance(items[0], str) else i for i in range(len(items) - index)]
+    return body
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_a_body_in_pieces_is_the_body_whole(small_pieces, seed):
+    rng = random.Random(seed)
+    model, body = (CompletionRequest, completion_body(rng)) if seed % 2 else (ChatCompletionRequest, chat_body(rng))
+    raw = json.dumps(spoil_one(rng, body)).encode()
+    assert outcome(raw, model, True) == outcome(raw, model, False), body
+
+
+def test_long_lists_are_validated_in_pieces(small_pieces, monkeypatch):
+    """The pieces are the point: no call of the field's validator sees more than PIECE items."""
+    seen = []
+    adapter = request_body._field_adapter
+    monkeypatch.setattr(request_body, "_field_adapter", lambda model, name: _Counting(adapter(model, name), seen))
+    messages = [{"role": "user", "content": "x"} for _ in range(3 * PIECE + 1)]
+    messages[1]["content"] = [{"type": "text", "text": "p"} for _ in range(2 * PIECE)]
+    request = request_body.parse_body(json.dumps({"messages": messages}).encode(), ChatCompletionRequest, True)
+    assert len(request.messages) == 3 * PIECE + 1 and len(request.messages[1].content) == 2 * PIECE
+    assert seen and max(seen) <= PIECE
+
+
+class _Counting:
+    def __init__(self, adapter, seen: list):
+        self.adapter, self.seen = adapter, seen
+
+    def validate_python(self, items):
+        self.seen.append(len(items))
+        return self.adapter.validate_python(items)
+
+
+@pytest.mark.parametrize("raw, words", [(b"", "body is empty"), (b"{\"messages\": [", "not valid JSON"),
+                                        (b"[1, 2]", "must be a JSON object")])
+def test_not_a_body(raw, words):
+    for in_pieces in (False, True):
+        status, (message, _) = outcome(raw, ChatCompletionRequest, in_pieces)
+        assert status == "error" and words in message
+
+
+def test_a_body_not_sent_as_json_is_refused_with_how_to_send_it(http):
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    for headers in ({"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}):
+        response = http.post(CHAT, content=body, headers=headers)
+        assert response.status_code == 400
+        assert "Content-Type: application/json" in response.json()["error"]["message"]
+    assert http.post(CHAT, content=body, headers={"content-type": "application/json; charset=utf-8"}).status_code == 200
+
+
+def test_a_large_body_is_checked_as_a_small_one(http, monkeypatch):
+    """Over OFF_LOOP_BYTES, the body is validated in a worker thread and in pieces; its bad item is named."""
+    monkeypatch.setattr(request_body, "OFF_LOOP_BYTES", 1 << 16)
+    parse, calls = request_body.parse_body, []
+    monkeypatch.setattr(request_body, "parse_body", lambda *args: calls.append(args[2:]) or parse(*args))
+    messages = [{"role": "user", "content": "x" * 100} for _ in range(2000)]
+    index = len(messages) - 7
+    messages[index] = {"role": "robot", "content": "x"}
+    response = http.post(CHAT, json={"messages": messages})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == f"messages[{index}].role"
+    assert calls == [(True,)]
