@@ -10,6 +10,7 @@ from __future__ import annotations
 import uuid
 
 from fastapi import Request
+from fastapi.responses import Response
 
 from deltaserve.core.async_engine import EngineInput
 from deltaserve.core.outputs import RequestOutput
@@ -50,17 +51,22 @@ class ChatServing:
             return ctx.sse(self._chunks(body, stream, meta, prompt), stream, watcher)
         return await respond_or_gone(self._whole(body, stream, watcher, meta, prompt))
 
-    async def _whole(self, body: ChatCompletionRequest, stream, watcher, meta: dict, prompt: ChatPrompt) -> dict:
+    async def _whole(self, body: ChatCompletionRequest, stream, watcher, meta: dict, prompt: ChatPrompt) -> Response:
         outputs = await self.ctx.collect(stream, watcher)
-        choices = []
-        for index, output in enumerate(outputs):
-            completion = output.outputs[0]
-            parser = parse_chat_output(completion.text, prompt.parse_tool_calls, prompt.forced)
-            logprobs = self._logprobs(output, 0, body.top_logprobs or 0) if body.logprobs else None
-            choices.append({"index": index, "message": parser.message(), "logprobs": logprobs,
-                            "finish_reason": parser.finish_reason(completion.finish_reason),
-                            "stop_reason": completion.stop_reason})
-        return {**meta, "object": "chat.completion", "choices": choices, "usage": usage(outputs, body.n)}
+
+        def build() -> dict:
+            choices = []
+            for index, output in enumerate(outputs):
+                completion = output.outputs[0]
+                parser = parse_chat_output(completion.text, prompt.parse_tool_calls, prompt.forced)
+                logprobs = self._logprobs(output, 0, body.top_logprobs or 0) if body.logprobs else None
+                choices.append({"index": index, "message": parser.message(), "logprobs": logprobs,
+                                "finish_reason": parser.finish_reason(completion.finish_reason),
+                                "stop_reason": completion.stop_reason})
+            return {**meta, "object": "chat.completion", "choices": choices, "usage": usage(outputs, body.n)}
+
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return await self.ctx.respond(build, tokens * ((body.top_logprobs or 0) + 1) if body.logprobs else 0)
 
     async def _chunks(self, body: ChatCompletionRequest, stream, meta: dict, prompt: ChatPrompt):
         """A role chunk per choice, a chunk per content or tool-call delta (the last with finish_reason), then the

@@ -9,6 +9,7 @@ from __future__ import annotations
 import uuid
 
 from fastapi import Request
+from fastapi.responses import Response
 
 from deltaserve.core.async_engine import EngineInput
 from deltaserve.core.outputs import RequestOutput
@@ -63,18 +64,23 @@ class CompletionServing:
             return text
         return self.ctx.tokenizer.decode(ids) if self.ctx.tokenizer is not None else ""
 
-    async def _whole(self, body: CompletionRequest, stream, watcher, echoes: list[str], meta: dict) -> dict:
+    async def _whole(self, body: CompletionRequest, stream, watcher, echoes: list[str], meta: dict) -> Response:
         outputs = await self.ctx.collect(stream, watcher)
-        choices = []
-        for index, (output, echo) in enumerate(zip(outputs, echoes)):
-            completion = output.outputs[0]
-            logprobs = None
-            if body.logprobs is not None:
-                parts = [(_prompt_scored(output), 0)] if body.echo else []
-                logprobs = _logprobs(parts + [(_output_scored(output, 0), len(echo))], self.ctx.token_text)
-            choices.append({"index": index, "text": echo + completion.text, "logprobs": logprobs,
-                            "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
-        return {**meta, "object": "text_completion", "choices": choices, "usage": usage(outputs, body.n)}
+
+        def build() -> dict:
+            choices = []
+            for index, (output, echo) in enumerate(zip(outputs, echoes)):
+                completion = output.outputs[0]
+                logprobs = None
+                if body.logprobs is not None:
+                    parts = [(_prompt_scored(output), 0)] if body.echo else []
+                    logprobs = _logprobs(parts + [(_output_scored(output, 0), len(echo))], self.ctx.token_text)
+                choices.append({"index": index, "text": echo + completion.text, "logprobs": logprobs,
+                                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
+            return {**meta, "object": "text_completion", "choices": choices, "usage": usage(outputs, body.n)}
+
+        scored = sum(len(o.prompt_token_ids) * body.echo + len(o.outputs[0].token_ids) for o in outputs)
+        return await self.ctx.respond(build, 0 if body.logprobs is None else scored * (body.logprobs + 1))
 
     async def _chunks(self, body: CompletionRequest, stream, echoes: list[str], meta: dict):
         """One chunk per choice that gained text (the echo comes with its first), then the usage chunk if asked."""

@@ -1,5 +1,6 @@
-"""Request bodies validated in pieces (a large body, off the event loop) against the models' own validation of the
-whole: the same request, or the same error, on fresh random bodies at ragged lengths around the piece size."""
+"""Large bodies off the event loop, in pieces. Requests: validated in pieces against the models' own validation of
+the whole (the same request, or the same error). Responses: rendered in pieces against JSONResponse (the same
+bytes). Fresh random bodies, with lists of ragged lengths around the piece size."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import random
 
 import pytest
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 
-from deltaserve.entrypoints.openai import request_body
+from deltaserve.entrypoints.openai import request_body, serving
 from deltaserve.entrypoints.openai.errors import OpenAIError, describe_validation
 from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -135,3 +137,32 @@ def test_a_large_body_is_checked_as_a_small_one(http, monkeypatch):
     assert response.status_code == 400
     assert response.json()["error"]["param"] == f"messages[{index}].role"
     assert calls == [(True,)]
+
+
+def random_json(rng: random.Random, depth: int = 0):
+    """A JSON value of every kind, with lists of ragged lengths around the render piece."""
+    kind = rng.choice(["list", "dict", "scalar"] if depth < 3 else ["scalar"])
+    if kind == "list":
+        return [random_json(rng, depth + 1) for _ in range(ragged(rng))]
+    if kind == "dict":
+        return {rng.choice(["a", "é", "\u2028", "k\"", f"{depth}"]) + str(i): random_json(rng, depth + 1)
+                for i in range(rng.randrange(4))}
+    return rng.choice([None, True, False, 0, -7, 2**40, 0.1, -9999.0, 1e300, "", "x", "ü\n\t\"\\", "😀", "\x00"])
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_a_response_rendered_in_pieces_is_the_response_rendered_whole(monkeypatch, seed):
+    monkeypatch.setattr(serving, "RENDER_PIECE", PIECE)
+    content = {"choices": [random_json(random.Random(seed)) for _ in range(2)], "n": {1: 2}}
+    assert serving.render_json(content) == JSONResponse(content).body
+
+
+def test_a_long_logprobs_response_is_rendered_off_the_loop(http, monkeypatch):
+    """Past OFF_LOOP_ENTRIES, the echo's logprobs are built and rendered in a thread: the same response."""
+    body = {"prompt": list(range(5, 105)), "max_tokens": 2, "echo": True, "logprobs": 3, "temperature": 0}
+    small = http.post("/v1/completions", json=body).json()
+    monkeypatch.setattr(serving, "OFF_LOOP_ENTRIES", 10)
+    rendered, render = [], serving.render_json
+    monkeypatch.setattr(serving, "render_json", lambda content: rendered.append(1) or render(content))
+    large = http.post("/v1/completions", json=body).json()
+    assert rendered and {**large, "id": None, "created": None} == {**small, "id": None, "created": None}
