@@ -22,7 +22,6 @@ from deltaserve.entrypoints.openai.errors import OpenAIError, install_handlers
 from deltaserve.entrypoints.openai.guard import RequestGuard
 from deltaserve.entrypoints.openai.metrics import ServerMetrics
 from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from deltaserve.entrypoints.openai.request_body import read_body
 from deltaserve.entrypoints.openai.serving import ServerConfig, ServingContext, body_limit
 from deltaserve.entrypoints.openai.serving_chat import ChatServing
 from deltaserve.entrypoints.openai.serving_completions import CompletionServing
@@ -67,14 +66,14 @@ def _add_routes(app: FastAPI, ctx: ServingContext, completions: CompletionServin
     model_card = {"id": ctx.config.served_model_name, "object": "model", "created": created, "owned_by": "deltaserve",
                   "max_model_len": ctx.max_model_len}
 
-    # the bodies are read by read_body (a large one is validated off the loop); _openapi documents them
+    # the bodies are read by ctx.read_body (a large one is validated off the loop); _openapi documents them
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def create_completion(request: Request):
-        return await completions.create(await read_body(request, CompletionRequest, ctx.body_pool), request)
+        return await completions.create(await ctx.read_body(request, CompletionRequest), request)
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def create_chat_completion(request: Request):
-        return await chat.create(await read_body(request, ChatCompletionRequest, ctx.body_pool), request)
+        return await chat.create(await ctx.read_body(request, ChatCompletionRequest), request)
 
     @app.get("/v1/models", responses=ERROR_RESPONSES)
     async def list_models():

@@ -86,8 +86,8 @@ def _validate(model: type[BaseModel], data, where: tuple) -> BaseModel:
     return out
 
 
-def _validate_list(adapter: TypeAdapter, items: list, where: tuple, item_model: type[BaseModel] | None = None,
-                   longs: list[int] = ()) -> list:
+def _validate_list(adapter: TypeAdapter, items: list, where: tuple, item_model: type[BaseModel] | None,
+                   longs: list[int]) -> list:
     """items validated by adapter (a list type, or a union of them) PIECE at a time, in order; the items at longs
     (whose own lists are long) are validated as item_model first, each a piece of its own. A union must take the same
     member for every piece (a prompt of token ids throughout, not ids then strings): where one does not, the list's

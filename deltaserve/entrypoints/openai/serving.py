@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
 from deltaserve.core.async_engine import EngineClient, EngineInput, EngineStoppedError, QueueFullError, RequestStream
 from deltaserve.core.outputs import RequestOutput
 from deltaserve.entrypoints.chat_tools import ChatPrompt, ToolRequestError, render_chat_prompt
 from deltaserve.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from deltaserve.entrypoints.openai.protocol import SamplingFields
+from deltaserve.entrypoints.openai.request_body import read_body
 from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
 from deltaserve.tokenizer import ChatTemplateError
 
@@ -78,7 +80,6 @@ class ServingContext:
         self.cache_tokens = async_engine.info.cache_tokens
         self.max_token_bytes = _longest_token_bytes(self.tokenizer)
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="deltaserve-tokenize")
-        self.body_pool = self._tokenize_pool  # large request bodies are parsed there too
 
     def close(self) -> None:
         """Let the tokenizing threads go: a prompt being tokenized finishes, queued ones are dropped (the server is
@@ -153,6 +154,11 @@ class ServingContext:
             raise bad_request(str(e), e.param) from e
         except ChatTemplateError as e:
             raise bad_request(f"the chat template cannot render these messages: {e}", "messages") from e
+
+    async def read_body(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        """The request's JSON body as model; one of request_body.OFF_LOOP_BYTES or more is parsed and validated in a
+        worker thread (request_body.read_body)."""
+        return await read_body(request, model, self._tokenize_pool)
 
     async def respond(self, build: Callable[[], dict], entries: int) -> Response:
         """The JSON response that build() makes. One of OFF_LOOP_ENTRIES logprob entries or more is built and rendered
