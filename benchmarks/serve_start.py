@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--model", default=None, help="model folder (default: the bundled demo model)")
     p.add_argument("--config", default=None, help="a config.json, served with dummy weights")
     p.add_argument("--device", default=None)
+    p.add_argument("--quantization", default=None, help="passed to serve (fp8: the 48B shape on an 80 GB card)")
     p.add_argument("--starts", type=int, default=2)
     p.add_argument("--timeout", type=float, default=600, help="seconds a start may take")
     p.add_argument("--json-out", default=None)
@@ -39,6 +40,7 @@ def main() -> None:
     cmd = ["serve", *(["--model", str(model_dir)] if args.model or args.config else [])]
     cmd += ["--load-format", "dummy"] if args.config else []
     cmd += ["--device", args.device] if args.device else []
+    cmd += ["--quantization", args.quantization] if args.quantization else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     rows = []
     for i in range(args.starts):

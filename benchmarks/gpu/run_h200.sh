@@ -27,7 +27,7 @@
 #             has one), the others read the caches it left (KEEP_PYC=1: Python's bytecode kept too; PROFILE=1: a
 #             fourth under cProfile and a fifth with -X importtime)
 #   servestart (not in the default list) `deltaserve serve` of the 48B shape (dummy weights) to /health 200, twice,
-#             with its start-up phases (benchmarks/serve_start.py; issue 26)
+#             with its start-up phases (benchmarks/serve_start.py; issue 26); QUANT=fp8 serves FP8 weights
 #   serve     (not in the default list) the HTTP server against the offline engine on the same requests, 48B shape,
 #             prompt 512, output 128, at SERVE_CONC (default 64,256) streams, streaming chat at 64 (SERVE_CHAT)
 #             and SERVE_NUM requests (default 256) at each Poisson rate of SERVE_RATE (default none, e.g. 16,inf)
@@ -231,7 +231,7 @@ if has kvfp8; then
   done
 fi
 if has servestart; then
-  timeout ${T_SERVESTART:-400} python3 benchmarks/serve_start.py --config $CFG --device cuda --starts 2 \
+  timeout ${T_SERVESTART:-400} python3 benchmarks/serve_start.py --config $CFG --device cuda --starts 2 ${QUANT:+--quantization $QUANT} \
       --timeout 300 --json-out "$OUT/serve_start.json" > "$OUT/serve_start.txt" 2>&1; tail -12 "$OUT/serve_start.txt"
 fi
 if has serve; then
