@@ -2,9 +2,9 @@
 
 A body under OFF_LOOP_BYTES is parsed and validated on the loop (well under a millisecond a kilobyte). A larger one
 goes to a worker thread, and there its long lists (LONG_LISTS: the prompt, the messages and their content parts, the
-tools) are validated PIECE items at a time: pydantic holds the GIL for the whole of one call (400,000 messages took
-1.1 s), and between pieces the loop gets it back. The JSON text itself is still parsed in one call (Python's json,
-~0.2-0.6 s at the 17 MiB body limit of a 1M-token context; BENCHMARKS.md, "Bodies validated in pieces").
+tools) are validated PIECE items at a time: pydantic holds the GIL for the whole of one call, and between pieces the
+loop gets it back. The JSON text itself is still parsed in one call (Python's json; what that costs at the body
+limit is in BENCHMARKS.md, "Bodies validated in pieces").
 
 The result equals the model's own validation of the whole body, and so do the errors of a body with one bad item;
 of a body with several, the one reported may differ (a long list is checked before the other fields)."""
@@ -25,7 +25,7 @@ from deltaserve.entrypoints.openai.errors import bad_request
 from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 OFF_LOOP_BYTES = 1 << 20
-PIECE = 4096  # items of a long list validated in one call (~10 ms of messages)
+PIECE = 4096  # items of a long list validated in one call
 # the fields of each model that may hold long lists, and the model of their items (whose own lists may be long)
 LONG_LISTS: dict[type[BaseModel], dict[str, type[BaseModel] | None]] = {
     CompletionRequest: {"prompt": None},

@@ -33,7 +33,7 @@ log = logging.getLogger("deltaserve")
 # shorter one holds the loop for about a millisecond, a few times the hand-off to a thread
 OFF_LOOP_CHARS = 1 << 13
 TOKENIZE_THREADS = 2  # long prompts tokenized (or chats rendered) at once, at most (each holds its text meanwhile)
-OFF_LOOP_ITEMS = 256  # a chat with this many messages and tools or more is rendered in a thread (~2 ms of template)
+OFF_LOOP_ITEMS = 256  # a chat with this many messages and tools or more is rendered in a thread
 OFF_LOOP_ENTRIES = 1 << 14  # a response of this many logprob entries or more is built and rendered in a thread
 RENDER_PIECE = 4096  # items of a long list rendered as JSON in one call
 # the request body's default limit: BODY_BYTES_A_TOKEN for each token of the model's length (a prompt that fills the
@@ -138,8 +138,7 @@ class ServingContext:
                           parallel_tool_calls: bool = True) -> ChatPrompt:
         """The prompt text of messages (each made a template's dict by as_dict), and whether to read tool calls out
         of the output (tools with tool_choice "auto"). With OFF_LOOP_ITEMS or more messages and tools, both steps run
-        in a worker thread: they are Python, and the event loop gets the GIL between their slices (140k messages
-        took 1.3 s to render)."""
+        in a worker thread: they are Python, and the event loop gets the GIL between their slices."""
         tokenizer = self.need_tokenizer("chat")
 
         def render() -> ChatPrompt:
@@ -163,7 +162,7 @@ class ServingContext:
     async def respond(self, build: Callable[[], dict], entries: int) -> Response:
         """The JSON response that build() makes. One of OFF_LOOP_ENTRIES logprob entries or more is built and rendered
         in a worker thread, its long lists RENDER_PIECE items a call (render_json), so that the event loop gets the
-        GIL between them (an echo of 672,000 entries held it 1.6 s)."""
+        GIL between them (BENCHMARKS.md, "Bodies validated in pieces")."""
         if entries < OFF_LOOP_ENTRIES:
             return JSONResponse(build())
         body = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, lambda: render_json(build()))
