@@ -33,9 +33,12 @@ SHAPES = {
     "messages of a role alone": lambda size: ("/v1/chat/completions", {"messages": [USER] * (size // 18)}),
     "one message of many parts": lambda size: ("/v1/chat/completions", {"messages": [
         {"role": "user", "content": [{"type": "text", "text": ""}] * (size // 31)}]}),
+    "4096 messages of many parts": lambda size: ("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": ""}] * (size // 4096 // 31)}] * 4096}),
     "tools of {}": lambda size: ("/v1/chat/completions", {"messages": [USER], "tools": [{}] * (size // 4)}),
     "prompt of token ids": lambda size: ("/v1/completions", {"prompt": [7] * (size // 3)}),
     "prompt of one-token lists": lambda size: ("/v1/completions", {"prompt": [[7]] * (size // 5)}),
+    "prompt of two token-id lists": lambda size: ("/v1/completions", {"prompt": [[7] * (size // 6)] * 2}),
 }
 
 

@@ -2,9 +2,9 @@
 
 A body under OFF_LOOP_BYTES is parsed and validated on the loop (well under a millisecond a kilobyte). A larger one
 goes to a worker thread, and there its long lists (LONG_LISTS: the prompt, the messages and their content parts, the
-tools) are validated PIECE items at a time: pydantic holds the GIL for the whole of one call, and between pieces the
-loop gets it back. The JSON text itself is still parsed in one call (Python's json; what that costs at the body
-limit is in BENCHMARKS.md, "Bodies validated in pieces").
+tools) are validated in pieces of PIECE items, counting the items of the items' own lists: pydantic holds the GIL
+for the whole of one call, and between pieces the loop gets it back. The JSON text itself is still parsed in one
+call (Python's json; what that costs at the body limit is in BENCHMARKS.md, "Bodies validated in pieces").
 
 The result equals the model's own validation of the whole body, and so do the errors of a body with one bad item;
 of a body with several, the one reported may differ (a long list is checked before the other fields)."""
@@ -25,7 +25,7 @@ from deltaserve.entrypoints.openai.errors import bad_request
 from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 OFF_LOOP_BYTES = 1 << 20
-PIECE = 4096  # items of a long list validated in one call
+PIECE = 4096  # the weight (items, and the items of their lists) validated in one call
 # the fields of each model that may hold long lists, and the model of their items (whose own lists may be long)
 LONG_LISTS: dict[type[BaseModel], dict[str, type[BaseModel] | None]] = {
     CompletionRequest: {"prompt": None},
@@ -52,10 +52,12 @@ def parse_body(raw: bytes, model: type[BaseModel], in_pieces: bool = False) -> B
     if not raw:
         raise bad_request("request body is empty; send the request's fields as a JSON object")
     try:
-        data = json.loads(raw)
+        data = json.loads(raw.decode("utf-8-sig"))  # UTF-8, as the guard checked (bytes would let json guess UTF-16)
     except json.JSONDecodeError as e:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
                                        "input": {}, "ctx": {"error": e.msg}}]) from None
+    except ValueError as e:  # an integer of more digits than Python converts
+        raise bad_request(f"request body is not valid JSON: {e}") from None
     return _validate(model, data, ()) if in_pieces else _validate_whole(model, data, ())
 
 
@@ -67,8 +69,8 @@ def _validate_whole(model: type[BaseModel], data, where: tuple) -> BaseModel:
 
 
 def _validate(model: type[BaseModel], data, where: tuple) -> BaseModel:
-    """model.model_validate(data), with the lists of LONG_LISTS[model] validated in pieces when they are long or
-    hold items whose own lists are; where locates data in the body, for errors."""
+    """model.model_validate(data), with the lists of LONG_LISTS[model] validated in pieces when they weigh more than
+    PIECE; where locates data in the body, for errors."""
     if not isinstance(data, dict):
         return _validate_whole(model, data, where)
     done = {}
@@ -76,9 +78,9 @@ def _validate(model: type[BaseModel], data, where: tuple) -> BaseModel:
         value = data.get(name)
         if not isinstance(value, list):
             continue
-        longs = [i for i, item in enumerate(value) if _has_long_list(item_model, item)] if item_model else []
-        if len(value) > PIECE or longs:
-            done[name] = _validate_list(_field_adapter(model, name), value, (*where, name), item_model, longs)
+        weights = _weights(item_model, value)
+        if (len(value) if weights is None else sum(weights)) > PIECE:
+            done[name] = _validate_list(_field_adapter(model, name), value, weights, (*where, name), item_model)
     # the other fields, with each long list stood for by its first (validated) item; then the lists put in
     out = _validate_whole(model, {**data, **{name: items[:1] for name, items in done.items()}}, where)
     for name, items in done.items():
@@ -86,44 +88,65 @@ def _validate(model: type[BaseModel], data, where: tuple) -> BaseModel:
     return out
 
 
-def _validate_list(adapter: TypeAdapter, items: list, where: tuple, item_model: type[BaseModel] | None,
-                   longs: list[int]) -> list:
-    """items validated by adapter (a list type, or a union of them) PIECE at a time, in order; the items at longs
-    (whose own lists are long) are validated as item_model first, each a piece of its own. A union must take the same
-    member for every piece (a prompt of token ids throughout, not ids then strings): where one does not, the list's
-    first item and the piece's are validated together, for the error the whole list gets."""
-    out, alone = [], set(longs)
-    for start, end in _spans(len(items), longs):
-        piece = items[start:end] if start not in alone else [_validate(item_model, items[start], (*where, start))]
+def _weights(item_model: type[BaseModel] | None, items: list) -> list[int] | None:
+    """What validating each item costs, in items: one, plus the items of its own lists (a message's content parts, a
+    prompt's token ids in a list of them); None when every item is one."""
+    if item_model is not None:
+        names = LONG_LISTS[item_model]
+        return [1 + sum(len(v) for name in names if isinstance(v := item.get(name), list)) if isinstance(item, dict)
+                else 1 for item in items]
+    if items and isinstance(items[0], list):
+        return [1 + len(item) if isinstance(item, list) else 1 for item in items]
+    return None
+
+
+def _validate_list(adapter: TypeAdapter, items: list, weights: list[int] | None, where: tuple,
+                   item_model: type[BaseModel] | None) -> list:
+    """items validated by adapter (a list type, or a union of them) in pieces of at most PIECE weight, in order. An
+    item heavier than that is validated alone: a message as item_model (its own lists in pieces), a list of token ids
+    a piece of it at a time (each as a one-item list, so that the union takes the member the whole would). A union
+    must take the same member for every piece (a prompt of token ids throughout, not ids then strings): where one
+    does not, the list's first item and the piece's are validated together, for the error the whole list gets."""
+    out = []
+    for start, end, alone in _spans(len(items), weights):
         try:
-            valid = adapter.validate_python(piece)
+            if not alone:
+                valid = adapter.validate_python(items[start:end])
+            elif item_model is not None:
+                valid = adapter.validate_python([_validate(item_model, items[start], (*where, start))])
+            else:
+                item = items[start]
+                valid = [[x for i in range(0, len(item), PIECE)
+                          for x in adapter.validate_python([item[i:i + PIECE]])[0]]]
         except ValidationError as e:
             raise RequestValidationError(_located(e.errors(), where, start)) from None
         if out and type(valid[0]) is not type(out[0]):
             try:
-                adapter.validate_python([items[0], piece[0]])
+                adapter.validate_python([items[0], items[start]])
             except ValidationError as e:
                 raise RequestValidationError(_located(e.errors(), where, start - 1)) from None
         out.extend(valid)
     return out
 
 
-def _spans(length: int, longs: list[int]):
-    """(start, end) of the pieces of a list: at most PIECE items each, and each index in longs a piece alone."""
-    start = 0
-    for long in [*longs, length]:
-        while start < long:
-            end = min(start + PIECE, long)
-            yield start, end
-            start = end
-        if long < length:
-            yield long, long + 1
-            start = long + 1
-
-
-def _has_long_list(model: type[BaseModel], data) -> bool:
-    return isinstance(data, dict) and any(isinstance(data.get(name), list) and len(data[name]) > PIECE
-                                          for name in LONG_LISTS.get(model, {}))
+def _spans(length: int, weights: list[int] | None):
+    """(start, end, alone) of the pieces of a list: items of at most PIECE weight together, an item heavier alone."""
+    if weights is None:
+        for start in range(0, length, PIECE):
+            yield start, min(start + PIECE, length), False
+        return
+    start = total = 0
+    for i, weight in enumerate(weights):
+        if total + weight > PIECE and start < i:
+            yield start, i, False
+            start, total = i, 0
+        if weight > PIECE:
+            yield i, i + 1, True
+            start = i + 1
+        else:
+            total += weight
+    if start < length:
+        yield start, length, False
 
 
 @cache
@@ -131,7 +154,7 @@ def _field_adapter(model: type[BaseModel], name: str) -> TypeAdapter:
     """A validator of one field's value alone, with the field's constraints and the models' strictness."""
     field = model.model_fields[name]
     annotation = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
-    return TypeAdapter(annotation, config=ConfigDict(strict=True))
+    return TypeAdapter(annotation, config=ConfigDict(strict=model.model_config.get("strict", False)))
 
 
 def _located(errors: list[dict], where: tuple, offset: int = 0) -> list[dict]:

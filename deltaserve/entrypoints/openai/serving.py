@@ -35,7 +35,7 @@ OFF_LOOP_CHARS = 1 << 13
 TOKENIZE_THREADS = 2  # long prompts tokenized (or chats rendered) at once, at most (each holds its text meanwhile)
 OFF_LOOP_ITEMS = 256  # a chat with this many messages and tools or more is rendered in a thread
 OFF_LOOP_ENTRIES = 1 << 14  # a response of this many logprob entries or more is built and rendered in a thread
-RENDER_PIECE = 4096  # items of a long list rendered as JSON in one call
+RENDER_PIECE = 1 << 14  # values of a long list rendered as JSON in one call
 # the request body's default limit: BODY_BYTES_A_TOKEN for each token of the model's length (a prompt that fills the
 # context fits as JSON token ids, at most 8 bytes each with a space, or as typical text, escaped or not) plus 1 MiB
 # for the rest of the body, at least MIN_BODY_BYTES
@@ -269,8 +269,9 @@ async def respond_or_gone(make_response) -> Response:
 
 
 def render_json(content) -> bytes:
-    """content as JSONResponse renders it, byte for byte, with lists longer than RENDER_PIECE rendered a piece at a
-    time; the lists and dicts above them are walked in Python, those inside a piece are not."""
+    """content as JSONResponse renders it, byte for byte, with each long list rendered in pieces of about
+    RENDER_PIECE values (its items, and their items a level down: a chat token's top logprobs); the lists and dicts
+    above them are walked in Python, those inside a piece are not."""
     return _render(content).encode("utf-8")
 
 
@@ -280,11 +281,22 @@ _dumps = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, inde
 def _render(value) -> str:
     if isinstance(value, dict) and all(isinstance(key, str) for key in value):
         return "{" + ",".join(f"{_dumps(key)}:{_render(item)}" for key, item in value.items()) + "}"
-    if isinstance(value, list) and len(value) > RENDER_PIECE:
-        return "[" + ",".join(_dumps(value[i:i + RENDER_PIECE])[1:-1] for i in range(0, len(value), RENDER_PIECE)) + "]"
-    if isinstance(value, list) and value and isinstance(value[0], (dict, list)):
-        return "[" + ",".join(_render(item) for item in value) + "]"
+    if isinstance(value, list) and value:
+        width = max(_width(item) for item in value[:8])  # values an item holds, by the first few
+        step = RENDER_PIECE // width
+        if len(value) > step > 0:
+            return "[" + ",".join(_dumps(value[i:i + step])[1:-1] for i in range(0, len(value), step)) + "]"
+        if isinstance(value[0], (dict, list)) or step == 0:  # a later item may hold a long list
+            return "[" + ",".join(_render(item) for item in value) + "]"
     return _dumps(value)
+
+
+def _width(item) -> int:
+    """Values in item, counted to two levels (a logprob entry and its top logprobs)."""
+    if not isinstance(item, (dict, list)):
+        return 1
+    inner = item.values() if isinstance(item, dict) else item
+    return 1 + sum(len(v) if isinstance(v, (dict, list)) else 1 for v in inner)
 
 
 async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:

@@ -40,7 +40,7 @@ def ragged(rng: random.Random) -> int:
 def completion_body(rng: random.Random) -> dict:
     n = ragged(rng)
     prompt = rng.choice([lambda: "hello", lambda: [f"t{i}" for i in range(n)], lambda: [rng.randrange(100)] * n,
-                         lambda: [[rng.randrange(100)] * rng.randrange(1, 4) for _ in range(n)]])()
+                         lambda: [[rng.randrange(100)] * max(1, ragged(rng)) for _ in range(min(n, 9))]])()
     return {"prompt": prompt, "max_tokens": 4}
 
 
@@ -67,6 +67,7 @@ def spoil_one(rng: random.Random, body: dict) -> dict:
     lists = [(name, value) for name, value in body.items() if isinstance(value, list) and value]
     lists += [("content", m["content"]) for m in body.get("messages", ()) if isinstance(m["content"], list) and
               m["content"]]
+    lists += [("prompt", ids) for ids in body.get("prompt", ()) if isinstance(ids, list)]  # a list of token-id lists
     choice = rng.randrange(3)
     if choice == 0 or not lists:
         return {**body, "temperature": "hot"} if choice == 0 else body
@@ -75,7 +76,7 @@ def spoil_one(rng: random.Random, body: dict) -> dict:
     if choice == 1 or name != "prompt":
         items[index] = rng.choice(BAD_ITEMS[name])
     else:
-        items[index:] = [f"t{i}" if not isinstance(items[0], str) else i for i in range(len(items) - index)]
+        items[index:] = [f"t{i}" if isinstance(items[0], int) else i for i in range(len(items) - index)]
     return body
 
 
@@ -88,15 +89,20 @@ def test_a_body_in_pieces_is_the_body_whole(small_pieces, seed):
 
 
 def test_long_lists_are_validated_in_pieces(small_pieces, monkeypatch):
-    """The pieces are the point: no call of the field's validator sees more than PIECE items."""
+    """The pieces are the point: no call of a field's validator weighs more than PIECE (items and the items of their
+    lists; one more for a piece of a long list inside a list), wherever the long lists are."""
     seen = []
     adapter = request_body._field_adapter
     monkeypatch.setattr(request_body, "_field_adapter", lambda model, name: _Counting(adapter(model, name), seen))
+    parts = [{"type": "text", "text": "p"}]
     messages = [{"role": "user", "content": "x"} for _ in range(3 * PIECE + 1)]
-    messages[1]["content"] = [{"type": "text", "text": "p"} for _ in range(2 * PIECE)]
+    messages[1]["content"] = parts * (2 * PIECE)
+    messages[4:4 + PIECE] = [{"role": "user", "content": parts * (PIECE - 1)}] * PIECE  # heavy, not long
     request = request_body.parse_body(json.dumps({"messages": messages}).encode(), ChatCompletionRequest, True)
-    assert len(request.messages) == 3 * PIECE + 1 and len(request.messages[1].content) == 2 * PIECE
-    assert seen and max(seen) <= PIECE
+    assert [len(m.content) for m in request.messages] == [len(m["content"]) for m in messages]
+    prompt = [[7] * (3 * PIECE + 1), [8] * (PIECE - 1), [9]]
+    assert request_body.parse_body(json.dumps({"prompt": prompt}).encode(), CompletionRequest, True).prompt == prompt
+    assert seen and max(seen) <= PIECE + 1
 
 
 class _Counting:
@@ -104,12 +110,21 @@ class _Counting:
         self.adapter, self.seen = adapter, seen
 
     def validate_python(self, items):
-        self.seen.append(len(items))
+        self.seen.append(sum(1 + _inner(item) for item in items))
         return self.adapter.validate_python(items)
 
 
-@pytest.mark.parametrize("raw, words", [(b"", "body is empty"), (b"{\"messages\": [", "not valid JSON"),
-                                        (b"[1, 2]", "must be a JSON object")])
+def _inner(item) -> int:
+    if isinstance(item, list):
+        return len(item)
+    return len(item.get("content", ())) if isinstance(item, dict) and isinstance(item.get("content"), list) else 0
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b"", "body is empty"), (b"{\"messages\": [", "not valid JSON"), (b"[1, 2]", "must be a JSON object"),
+    (b"{\x00\x00\x00}\x00\x00", "not valid JSON"),  # UTF-8 that json would take for UTF-32
+    (b'{"messages": [], "max_tokens": 1' + b"1" * 5000 + b"}", "not valid JSON"),  # past Python's int digits
+    (b"\xef\xbb\xbf[1]", "must be a JSON object")])  # a byte-order mark is read past
 def test_not_a_body(raw, words):
     for in_pieces in (False, True):
         status, (message, _) = outcome(raw, ChatCompletionRequest, in_pieces)
