@@ -3,8 +3,8 @@
 A body under OFF_LOOP_BYTES is parsed and validated on the loop (well under a millisecond a kilobyte). A larger one
 goes to a worker thread, and there its long lists (LONG_LISTS: the prompt, the messages and their content parts, the
 tools) are validated in pieces of PIECE items, counting the items of the items' own lists: pydantic holds the GIL
-for the whole of one call, and between pieces the loop gets it back. The JSON text itself is still parsed in one
-call (Python's json; what that costs at the body limit is in BENCHMARKS.md, "Bodies validated in pieces").
+for the whole of one call, and between pieces the loop gets it back. The JSON text of such a body is decoded by
+json's C scanner in one call, or by its Python one when it holds many lists and objects (_loads).
 
 The result equals the model's own validation of the whole body, and so do the errors of a body with one bad item;
 of a body with several, the one reported may differ (a long list is checked before the other fields)."""
@@ -15,6 +15,7 @@ import asyncio
 import json
 from email.message import Message
 from functools import cache
+from json.scanner import py_make_scanner
 from typing import Annotated
 
 from fastapi import Request
@@ -25,6 +26,7 @@ from deltaserve.entrypoints.openai.errors import bad_request
 from deltaserve.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 OFF_LOOP_BYTES = 1 << 20
+MANY_CONTAINERS = 1 << 16  # a body text with this many lists and objects is decoded in Python (_loads)
 PIECE = 4096  # the weight (items, and the items of their lists) validated in one call
 # the fields of each model that may hold long lists, and the model of their items (whose own lists may be long)
 LONG_LISTS: dict[type[BaseModel], dict[str, type[BaseModel] | None]] = {
@@ -52,13 +54,25 @@ def parse_body(raw: bytes, model: type[BaseModel], in_pieces: bool = False) -> B
     if not raw:
         raise bad_request("request body is empty; send the request's fields as a JSON object")
     try:
-        data = json.loads(raw.decode("utf-8-sig"))  # UTF-8, as the guard checked (bytes would let json guess UTF-16)
+        data = _loads(raw.decode("utf-8-sig"), in_pieces)  # UTF-8, as the guard checked (bytes let json guess UTF-16)
     except json.JSONDecodeError as e:
         raise RequestValidationError([{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error",
                                        "input": {}, "ctx": {"error": e.msg}}]) from None
     except ValueError as e:  # an integer of more digits than Python converts
         raise bad_request(f"request body is not valid JSON: {e}") from None
     return _validate(model, data, ()) if in_pieces else _validate_whole(model, data, ())
+
+
+def _loads(text: str, in_pieces: bool):
+    """json.loads(text); in pieces, a text of MANY_CONTAINERS lists and objects or more (brackets in strings counted
+    too) is decoded by json's own Python scanner instead of its C one: the same values and errors, but Python code
+    runs between values, where the event loop can take the GIL (the C scanner holds it for the whole text: seconds
+    for millions of tiny lists)."""
+    if not in_pieces or text.count("[") + text.count("{") < MANY_CONTAINERS:
+        return json.loads(text)
+    decoder = json.JSONDecoder()
+    decoder.scan_once = py_make_scanner(decoder)
+    return decoder.decode(text)
 
 
 def _validate_whole(model: type[BaseModel], data, where: tuple) -> BaseModel:

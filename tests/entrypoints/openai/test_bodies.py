@@ -21,7 +21,9 @@ CHAT = "/v1/chat/completions"
 
 @pytest.fixture
 def small_pieces(monkeypatch):
+    """Pieces of PIECE, and every body decoded by json's Python scanner."""
     monkeypatch.setattr(request_body, "PIECE", PIECE)
+    monkeypatch.setattr(request_body, "MANY_CONTAINERS", 0)
 
 
 def outcome(raw: bytes, model, in_pieces: bool):
@@ -125,10 +127,17 @@ def _inner(item) -> int:
     (b"{\x00\x00\x00}\x00\x00", "not valid JSON"),  # UTF-8 that json would take for UTF-32
     (b'{"messages": [], "max_tokens": 1' + b"1" * 5000 + b"}", "not valid JSON"),  # past Python's int digits
     (b"\xef\xbb\xbf[1]", "must be a JSON object")])  # a byte-order mark is read past
-def test_not_a_body(raw, words):
+def test_not_a_body(small_pieces, raw, words):
     for in_pieces in (False, True):
         status, (message, _) = outcome(raw, ChatCompletionRequest, in_pieces)
         assert status == "error" and words in message
+
+
+def test_a_body_nested_too_deep_goes_to_the_recursion_handler_either_way(small_pieces):
+    raw = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for in_pieces in (False, True):
+        with pytest.raises(RecursionError):
+            request_body.parse_body(raw, CompletionRequest, in_pieces)
 
 
 def test_a_body_not_sent_as_json_is_refused_with_how_to_send_it(http):
