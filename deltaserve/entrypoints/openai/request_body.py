@@ -37,8 +37,8 @@ LONG_LISTS: dict[type[BaseModel], dict[str, type[BaseModel] | None]] = {
 
 
 async def read_body(request: Request, model: type[BaseModel], pool) -> BaseModel:
-    """The request's JSON body as a model; a large body is parsed in pool's threads. Raises RequestValidationError
-    (a 400 in OpenAI's shape) for a body that is not one, as FastAPI would for a body parameter."""
+    """The request's JSON body as a model; a large body is parsed in pool's threads. A body that is not one raises
+    RequestValidationError, as FastAPI's body parameter did, or OpenAIError (both 400s in OpenAI's shape)."""
     content_type = request.headers.get("content-type")
     if not _is_json(content_type):
         raise bad_request(f"request body must be JSON sent with the header 'Content-Type: application/json' (got "
