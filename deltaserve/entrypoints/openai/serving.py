@@ -161,8 +161,8 @@ class ServingContext:
 
     async def respond(self, build: Callable[[], dict], entries: int) -> Response:
         """The JSON response that build() makes. One of OFF_LOOP_ENTRIES logprob entries or more is built and rendered
-        in a worker thread, its long lists RENDER_PIECE items a call (render_json), so that the event loop gets the
-        GIL between them (BENCHMARKS.md, "Bodies validated in pieces")."""
+        in a worker thread, its long lists about RENDER_PIECE values a call (render_json), so that the event loop gets
+        the GIL between them (BENCHMARKS.md, "Bodies validated in pieces")."""
         if entries < OFF_LOOP_ENTRIES:
             return JSONResponse(build())
         body = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, lambda: render_json(build()))
