@@ -8,6 +8,8 @@ while it runs, and the longest wait for an answer is how long every stream stall
   are rendered by the chat template and the prompt tokenized (in a thread past OFF_LOOP_ITEMS and OFF_LOOP_CHARS);
   --messages gives their counts.
 - bodies of many small items, each as large as the body limit allows (--bodies: names from SHAPES).
+- a long text prompt sent while two such bodies are parsed (--beside: names from SHAPES): how long it waited for
+  them, when its tokenizing shared their worker threads.
 
 The server runs the demo model (engine in its own process, as `deltaserve serve` runs it) with a 4,096-token context
 and the body limit it gets at a 1M-token context (17 MiB).
@@ -28,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 LOGPROBS = 20
 PROMPT_LEN = 4000
 USER = {"role": "user"}
+LONG_TEXT = 12_000  # characters of --beside's text prompt: over serving.OFF_LOOP_CHARS, within the 4,096-token context
 # bodies of many small items, by the item and how many fit in a body of `size` bytes
 SHAPES = {
     "messages of a role alone": lambda size: ("/v1/chat/completions", {"messages": [USER] * (size // 18)}),
@@ -57,6 +60,8 @@ def main() -> None:
     parser.add_argument("--messages", default="140000,600000",
                         help="messages in a chat request, comma-separated ('' for none)")
     parser.add_argument("--bodies", default="", help=f"'all' or names from {list(SHAPES)}, comma-separated")
+    parser.add_argument("--beside", default="", help="names from SHAPES: a long text prompt sent while two bodies "
+                                                     "of that shape are parsed, comma-separated")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers.http_server import start_server
@@ -88,6 +93,9 @@ def main() -> None:
             for name in SHAPES if args.bodies == "all" else [b for b in args.bodies.split(",") if b]:
                 path, body = SHAPES[name](server.app.state.max_body_bytes - 256)
                 timed(client, pinger, path, {"model": "tiny", "max_tokens": 1, **body}, name)
+            for name in [b for b in args.beside.split(",") if b]:
+                path, body = SHAPES[name](server.app.state.max_body_bytes - 256)
+                beside(server, client, path, {"model": "tiny", "max_tokens": 1, **body}, name)
     finally:
         server.stop()
 
@@ -104,6 +112,36 @@ def timed(client, pinger, path: str, body: dict, name: str) -> None:
     thread.join()
     print(f"| {name} | {len(raw) / 1e6:.1f} | {response.status_code} | {len(response.content) / 1e6:.1f} | "
           f"{elapsed:.2f} | {max(gaps):.2f} |", flush=True)
+
+
+def beside(server, client, path: str, body: dict, name: str) -> None:
+    """A text prompt of LONG_TEXT characters (tokenized in a worker thread) sent 0.3 s after two bodies of a shape
+    (parsed in worker threads), and alone before them: its request seconds each way, its prompt cached both times."""
+    raw = json.dumps(body).encode()
+    text = {"model": "tiny", "prompt": "the " * (LONG_TEXT // 4), "max_tokens": 1, "temperature": 0}
+    client.post("/v1/completions", json=text)  # its prefill: later sends are served from the prefix cache
+    alone = time.perf_counter()
+    client.post("/v1/completions", json=text)
+    alone = time.perf_counter() - alone
+    big = []
+
+    def send() -> None:
+        with server.http(timeout=600) as own:
+            start = time.perf_counter()
+            own.post(path, content=raw, headers={"content-type": "application/json"})
+            big.append(time.perf_counter() - start)
+
+    threads = [threading.Thread(target=send) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)
+    start = time.perf_counter()
+    status = client.post("/v1/completions", json=text).status_code
+    elapsed = time.perf_counter() - start
+    for thread in threads:
+        thread.join()
+    print(f"| {LONG_TEXT:,}-character prompt beside two bodies of {name} ({len(raw) / 1e6:.1f} MB) | {status} | "
+          f"alone {alone:.2f} s, beside {elapsed:.2f} s | the bodies {min(big):.2f}-{max(big):.2f} s |", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,9 @@ log = logging.getLogger("deltaserve")
 # shorter one holds the loop for about a millisecond, a few times the hand-off to a thread
 OFF_LOOP_CHARS = 1 << 13
 TOKENIZE_THREADS = 2  # long prompts tokenized (or chats rendered) at once, at most (each holds its text meanwhile)
+# large bodies parsed and large responses rendered at once, at most: threads of their own, so that a long prompt's
+# tokenizing (which gives up the GIL) does not queue behind seconds of JSON work (which holds it)
+BULK_THREADS = 2
 OFF_LOOP_ITEMS = 256  # a chat with this many messages and tools or more is rendered in a thread
 OFF_LOOP_ENTRIES = 1 << 14  # a response of this many logprob entries or more is built and rendered in a thread
 RENDER_PIECE = 1 << 14  # values of a long list rendered as JSON in one call
@@ -80,11 +83,13 @@ class ServingContext:
         self.cache_tokens = async_engine.info.cache_tokens
         self.max_token_bytes = _longest_token_bytes(self.tokenizer)
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="deltaserve-tokenize")
+        self._bulk_pool = ThreadPoolExecutor(BULK_THREADS, thread_name_prefix="deltaserve-bulk")
 
     def close(self) -> None:
-        """Let the tokenizing threads go: a prompt being tokenized finishes, queued ones are dropped (the server is
-        stopping; their requests end with it)."""
+        """Let the worker threads go: a prompt being tokenized or a body being parsed finishes, queued ones are
+        dropped (the server is stopping; their requests end with it)."""
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self._bulk_pool.shutdown(wait=False, cancel_futures=True)
 
     def token_text(self, token_id: int, entry: dict | None) -> str:
         """A token as logprobs show it: its text, or token_id:N for a model without a tokenizer."""
@@ -156,16 +161,16 @@ class ServingContext:
 
     async def read_body(self, request: Request, model: type[BaseModel]) -> BaseModel:
         """The request's JSON body as model; one of request_body.OFF_LOOP_BYTES or more is parsed and validated in a
-        worker thread (request_body.read_body)."""
-        return await read_body(request, model, self._tokenize_pool)
+        bulk worker thread (request_body.read_body)."""
+        return await read_body(request, model, self._bulk_pool)
 
     async def respond(self, build: Callable[[], dict], entries: int) -> Response:
         """The JSON response that build() makes. One of OFF_LOOP_ENTRIES logprob entries or more is built and rendered
-        in a worker thread, its long lists about RENDER_PIECE values a call (render_json), so that the event loop gets
-        the GIL between them (BENCHMARKS.md, "Bodies validated in pieces")."""
+        in a bulk worker thread, its long lists about RENDER_PIECE values a call (render_json), so that the event loop
+        gets the GIL between them (BENCHMARKS.md, "Bodies validated in pieces")."""
         if entries < OFF_LOOP_ENTRIES:
             return JSONResponse(build())
-        body = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, lambda: render_json(build()))
+        body = await asyncio.get_running_loop().run_in_executor(self._bulk_pool, lambda: render_json(build()))
         return Response(body, media_type="application/json")
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int, param: str) -> None:

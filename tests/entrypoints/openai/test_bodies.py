@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 
 import pytest
 from fastapi.exceptions import RequestValidationError
@@ -190,3 +191,39 @@ def test_a_long_logprobs_response_is_rendered_off_the_loop(http, monkeypatch):
     monkeypatch.setattr(serving, "render_json", lambda content: rendered.append(1) or render(content))
     large = http.post("/v1/completions", json=body).json()
     assert rendered and {**large, "id": None, "created": None} == {**small, "id": None, "created": None}
+
+
+def test_a_long_prompt_is_tokenized_while_large_bodies_are_parsed(server, http, monkeypatch):
+    """Bodies and responses have worker threads of their own: with every one of them busy, a long text prompt (one
+    tokenized in a worker thread) is still answered."""
+    monkeypatch.setattr(request_body, "OFF_LOOP_BYTES", 1 << 10)
+    monkeypatch.setattr(serving, "OFF_LOOP_CHARS", 64)
+    release, parse, started = threading.Event(), request_body.parse_body, threading.Semaphore(0)
+
+    def held(raw, model, in_pieces=False):  # a large body (in pieces, in a bulk thread) waits for release
+        if in_pieces:
+            started.release()
+            assert release.wait(30)
+        return parse(raw, model, in_pieces)
+
+    monkeypatch.setattr(request_body, "parse_body", held)
+    large = {"prompt": list(range(5, 400)), "max_tokens": 1}
+
+    def send(codes: list) -> None:
+        with server.http() as own:
+            codes.append(own.post("/v1/completions", json=large).status_code)
+
+    codes = []
+    threads = [threading.Thread(target=send, args=(codes,)) for _ in range(serving.BULK_THREADS)]
+    for thread in threads:
+        thread.start()
+    try:
+        for _ in threads:
+            assert started.acquire(timeout=30)  # every bulk thread holds a body
+        text = {"prompt": "the " * 100, "max_tokens": 1}
+        assert http.post("/v1/completions", json=text, timeout=10).status_code == 200
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join()
+    assert codes == [200] * serving.BULK_THREADS
