@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
-@dataclass
-class Logprob:
-    """One token's log-probability as users see it (vLLM's shape): logprob, rank, decoded text."""
+class Logprob(NamedTuple):
+    """One token's log-probability as users see it (vLLM's fields): logprob, rank, decoded text. A named tuple, not a
+    dataclass: one object an entry where a dataclass unpickled from the engine process is two (it and its __dict__),
+    and a response may hold millions, which the garbage collector's full collections walk holding the GIL (and the
+    server's event loop with it)."""
 
     logprob: float
     rank: int

@@ -6,6 +6,7 @@ lets every in-flight response (streams included) finish, then the lifespan stops
 
 from __future__ import annotations
 
+import gc
 import signal
 import time
 from contextlib import asynccontextmanager
@@ -44,9 +45,15 @@ def build_app(engine: Engine | EngineProcess, config: ServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         async_engine.start()
         metrics.on_step(async_engine.info.stats)
+        # what start-up made stays for the server's life: moved out of the collector's reach (as vLLM's server
+        # does), so its full collections, which hold the GIL and the event loop with it, walk only what requests
+        # make; given back at the end, for a process that starts another server
+        gc.collect()
+        gc.freeze()
         yield
         await async_engine.shutdown()
         ctx.close()
+        gc.unfreeze()
 
     app = FastAPI(title="deltaserve", summary="OpenAI-compatible server for Kimi-Linear", lifespan=lifespan)
     app.state.async_engine = async_engine
