@@ -123,12 +123,12 @@ def beside(server, client, path: str, body: dict, name: str) -> None:
     alone = time.perf_counter()
     client.post("/v1/completions", json=text)
     alone = time.perf_counter() - alone
-    big = []
+    big, codes = [], []
 
     def send() -> None:
         with server.http(timeout=600) as own:
             start = time.perf_counter()
-            own.post(path, content=raw, headers={"content-type": "application/json"})
+            codes.append(own.post(path, content=raw, headers={"content-type": "application/json"}).status_code)
             big.append(time.perf_counter() - start)
 
     threads = [threading.Thread(target=send) for _ in range(2)]
@@ -141,7 +141,8 @@ def beside(server, client, path: str, body: dict, name: str) -> None:
     for thread in threads:
         thread.join()
     print(f"| {LONG_TEXT:,}-character prompt beside two bodies of {name} ({len(raw) / 1e6:.1f} MB) | {status} | "
-          f"alone {alone:.2f} s, beside {elapsed:.2f} s | the bodies {min(big):.2f}-{max(big):.2f} s |", flush=True)
+          f"alone {alone:.2f} s, beside {elapsed:.2f} s | the bodies {min(big):.2f}-{max(big):.2f} s, {codes} |",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,8 @@ from typing import NamedTuple
 
 class Logprob(NamedTuple):
     """One token's log-probability as users see it (vLLM's fields): logprob, rank, decoded text. A named tuple, not a
-    dataclass: one object an entry where a dataclass unpickled from the engine process is two (it and its __dict__),
-    and a response may hold millions, which the garbage collector's full collections walk holding the GIL (and the
-    server's event loop with it)."""
+    dataclass: no instance dict, so smaller and quicker to unpickle and for the garbage collector to walk; a response
+    may hold millions, and the collector's full collections hold the GIL (and the server's event loop with it)."""
 
     logprob: float
     rank: int

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import threading
 import time
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
@@ -35,6 +36,31 @@ ERROR_RESPONSES = {status: _ERROR for status in (400, 401, 404, 413, 429, 503)}
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 
 
+_frozen_by = 0  # servers of this process running with start-up's objects frozen (each its own thread in tests)
+_frozen_lock = threading.Lock()
+
+
+def _freeze_start_up() -> None:
+    """What start-up made stays for the server's life: moved out of the garbage collector's reach (as vLLM's server
+    does), so that its full collections, which hold the GIL and the event loop with it, walk only what requests make.
+    gc.freeze acts on the whole process, so with several servers in one (tests), the first freezes and the last to
+    stop (_thaw) gives the objects back."""
+    global _frozen_by
+    with _frozen_lock:
+        _frozen_by += 1
+        if _frozen_by == 1:
+            gc.collect()
+            gc.freeze()
+
+
+def _thaw() -> None:
+    global _frozen_by
+    with _frozen_lock:
+        _frozen_by -= 1
+        if _frozen_by == 0:
+            gc.unfreeze()
+
+
 def build_app(engine: Engine | EngineProcess, config: ServerConfig) -> FastAPI:
     """The app over an engine process, or an engine of this process (its loop then runs in a thread)."""
     metrics = ServerMetrics(config.served_model_name)
@@ -45,15 +71,13 @@ def build_app(engine: Engine | EngineProcess, config: ServerConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         async_engine.start()
         metrics.on_step(async_engine.info.stats)
-        # what start-up made stays for the server's life: moved out of the collector's reach (as vLLM's server
-        # does), so its full collections, which hold the GIL and the event loop with it, walk only what requests
-        # make; given back at the end, for a process that starts another server
-        gc.collect()
-        gc.freeze()
-        yield
-        await async_engine.shutdown()
-        ctx.close()
-        gc.unfreeze()
+        _freeze_start_up()
+        try:
+            yield
+            await async_engine.shutdown()
+        finally:
+            ctx.close()
+            _thaw()
 
     app = FastAPI(title="deltaserve", summary="OpenAI-compatible server for Kimi-Linear", lifespan=lifespan)
     app.state.async_engine = async_engine

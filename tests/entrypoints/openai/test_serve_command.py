@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from deltaserve.entrypoints.cli import main
+from deltaserve.entrypoints.openai import api_server
 
 
 def free_port() -> int:
@@ -85,3 +87,15 @@ def _wait_healthy(proc: subprocess.Popen, base: str, timeout: float = 120) -> No
             pass
         time.sleep(0.1)
     raise AssertionError("the server did not become healthy")
+
+
+def test_start_up_stays_frozen_until_the_last_server_of_the_process_stops():
+    """gc.freeze acts on the whole process: a second server's stop must not thaw the first's start-up objects."""
+    running = api_server._frozen_by  # the test session's own servers, if any are up
+    api_server._freeze_start_up()
+    api_server._freeze_start_up()
+    assert gc.get_freeze_count() > 0
+    api_server._thaw()
+    assert gc.get_freeze_count() > 0
+    api_server._thaw()
+    assert api_server._frozen_by == running and (gc.get_freeze_count() == 0) == (running == 0)
