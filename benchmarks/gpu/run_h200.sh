@@ -46,6 +46,7 @@ set -uo pipefail
 export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STAGES=${STAGES:-tests kernels parity bench fp8 pdl async normgemv profile prefill baseline}
 export PYTHONPATH=$PWD/.gpu/site:$PWD
+# wheels/ (ignored) fetched here with: pip download --no-deps -d wheels fla-core==0.6.0 transformers==5.24.0
 python3 -m pip install --no-deps --no-index --target "$PWD/.gpu/site" wheels/fla_core-0.6.0-py3-none-any.whl \
     wheels/transformers-5.24.0-py3-none-any.whl >/dev/null 2>&1 || echo "wheel install failed"
 if ls wheels/xgrammar-*.whl >/dev/null 2>&1; then  # the structured extra, when its wheels were carried
