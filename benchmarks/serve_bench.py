@@ -45,7 +45,7 @@ from serve_workload import build_plan, prepare_model
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 ENGINE_FLAGS = ("device", "dtype", "load_format", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                "num_decode_steps", "threads", "gpu_memory_utilization", "seed")
+                "num_decode_steps", "threads", "gpu_memory_utilization", "quantization", "seed")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,6 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--num-decode-steps", type=int, default=None)
     g.add_argument("--threads", type=int, default=None)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--quantization", default=None, help="e.g. fp8: FP8 weights (the 48B shape on an 80 GB card)")
     g.add_argument("--enable-prefix-caching", action="store_true")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="serve's --engine-process: the server's engine in a process of its own (default, as serve's)")

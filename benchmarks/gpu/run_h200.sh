@@ -32,7 +32,7 @@
 #             prompt 512, output 128, at SERVE_CONC (default 64,256) streams, streaming chat at 64 (SERVE_CHAT)
 #             and SERVE_NUM requests (default 256) at each Poisson rate of SERVE_RATE (default none, e.g. 16,inf)
 #             (benchmarks/serve_bench.py; issue 25), the engine in a process of its own and in the server's
-#             (SERVE_PLACES); needs the server's wheels and aiohttp's in wheels/server
+#             (SERVE_PLACES); needs the server's wheels and aiohttp's in wheels/server; QUANT=fp8 as above
 #   kvfp8     (not in the default list) batch-1 decode at KVFP8_LENS (default 262144) with the bf16 latent cache,
 #             then with --kv-cache-dtype fp8, one process each (issue 24: TPOT at long context)
 #   structured (not in the default list) the 48B shape, 64 concurrent requests, half constrained by a JSON schema
@@ -239,7 +239,7 @@ if has serve; then
   chat=${SERVE_CHAT-64}  # SERVE_CHAT= (empty): no chat run
   for place in ${SERVE_PLACES:-engine-process no-engine-process}; do
     echo "serve --$place $(date +%T)"
-    timeout ${T_SERVE:-560} python3 benchmarks/serve_bench.py --config $CFG --load-format dummy --device cuda \
+    timeout ${T_SERVE:-560} python3 benchmarks/serve_bench.py --config $CFG --load-format dummy --device cuda ${QUANT:+--quantization $QUANT} \
         --concurrency ${SERVE_CONC:-64,256} ${chat:+--chat-concurrency $chat} --prompt-len 512 --output-len 128 \
         ${SERVE_RATE:+--request-rate $SERVE_RATE --num-requests ${SERVE_NUM:-256}} \
         --$place --server-log "$OUT/serve_log_$place.txt" --json-out "$OUT/serve_$place.json" \
