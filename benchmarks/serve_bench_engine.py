@@ -22,6 +22,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+# isort: off
+import deltaserve  # noqa: F401  before torch, so that its CUDA allocator default (deltaserve/__init__.py) applies here
+# isort: on
 import torch
 from serve_client import PERCENTILES, percentile, step_figures
 

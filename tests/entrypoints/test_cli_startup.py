@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 
@@ -75,6 +76,19 @@ def test_a_gpu_start_imports_no_compiler_stack_with_our_kernels():
     assert "deltaserve.kernels.triton_norm" in loaded and "deltaserve.kernels.mla.triton_decode" in loaded
     assert not {"torch._dynamo", "torch._inductor", "sympy"} & loaded
     assert not {m for m in loaded if m.split(".")[0] == "fla"}
+
+
+@pytest.mark.parametrize("preset", [None, "max_split_size_mb:64"])
+def test_import_deltaserve_defaults_the_cuda_allocator_to_expandable_segments_unless_set(preset):
+    """The variable must be in the environment before torch's allocator starts (and for the processes the engine
+    starts); a user's own setting is kept."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    if preset:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = preset
+    code = "import os, deltaserve; print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (preset or "expandable_segments:True")
 
 
 def test_unknown_attribute_of_deltaserve_is_an_attribute_error():
