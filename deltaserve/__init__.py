@@ -15,19 +15,20 @@ _LAZY = {"LLM": "deltaserve.entrypoints.llm", "SamplingParams": "deltaserve.samp
 
 ALLOCATOR_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 ALLOCATOR_DEFAULT = "expandable_segments:True"
+# every name torch reads its allocator settings from (the first one set wins): a user's setting under any of them stays
+ALLOCATOR_ENVS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 
 
 def _default_cuda_allocator() -> None:
     """Have PyTorch's CUDA caching allocator grow its segments in place (expandable segments) unless the user set
-    PYTORCH_CUDA_ALLOC_CONF. The engine sizes its cache to leave little free memory on the card; with fixed-size
-    segments, a server's prefill steps, whose activations change size with each mix of requests, likely fragmented
-    the cached blocks until the allocator freed and allocated again, step after step (BENCHMARKS.md, stop 49). The
-    allocator reads the variable once, so it is set at import, before torch's where deltaserve is imported first,
-    and never once CUDA has started; processes the engine starts inherit it."""
-    cuda = getattr(sys.modules.get("torch"), "cuda", None)
-    if cuda is not None and cuda.is_initialized():  # too late to take effect: leave it as it is
+    its configuration. The engine sizes its cache to leave little free memory on the card, and a server's prefill
+    steps allocate blocks of new sizes with each mix of requests; with non-expandable segments, some server runs had
+    prefill steps 2-4x slower, possibly from fragmented cached blocks (BENCHMARKS.md, stop 49). Torch may read the
+    variable when it loads, so it is set only if torch is not imported yet (import deltaserve first); processes the
+    engine starts inherit it."""
+    if "torch" in sys.modules or any(name in os.environ for name in ALLOCATOR_ENVS):
         return
-    os.environ.setdefault(ALLOCATOR_ENV, ALLOCATOR_DEFAULT)
+    os.environ[ALLOCATOR_ENV] = ALLOCATOR_DEFAULT
 
 
 _default_cuda_allocator()

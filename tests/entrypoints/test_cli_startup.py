@@ -78,17 +78,26 @@ def test_a_gpu_start_imports_no_compiler_stack_with_our_kernels():
     assert not {m for m in loaded if m.split(".")[0] == "fla"}
 
 
-@pytest.mark.parametrize("preset", [None, "max_split_size_mb:64"])
+@pytest.mark.parametrize("preset", [None, ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64"),
+                                    ("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")])
 def test_import_deltaserve_defaults_the_cuda_allocator_to_expandable_segments_unless_set(preset):
-    """The variable must be in the environment before torch's allocator starts (and for the processes the engine
-    starts); a user's own setting is kept."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    """The variable must be in the environment before torch loads (and for the processes the engine starts); a
+    user's own setting, under either name torch reads, is kept, and after torch's import nothing is set."""
+    env = {k: v for k, v in os.environ.items() if "ALLOC_CONF" not in k}
     if preset:
-        env["PYTORCH_CUDA_ALLOC_CONF"] = preset
-    code = "import os, deltaserve; print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        env[preset[0]] = preset[1]
+    show = "print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'), os.environ.get('PYTORCH_ALLOC_CONF'))"
+    done = subprocess.run([sys.executable, "-c", f"import os, deltaserve; {show}"], capture_output=True, text=True,
+                          timeout=120, env=env)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == (preset or "expandable_segments:True")
+    expected = {None: "expandable_segments:True None", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64 None",
+                "PYTORCH_ALLOC_CONF": "None max_split_size_mb:64"}
+    assert done.stdout.strip() == expected[preset[0] if preset else None]
+    if preset is None:
+        done = subprocess.run([sys.executable, "-c", f"import os, torch, deltaserve; {show}"], capture_output=True,
+                              text=True, timeout=120, env=env)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "None None"
 
 
 def test_unknown_attribute_of_deltaserve_is_an_attribute_error():
