@@ -36,6 +36,7 @@ from deltaserve.core.scheduler import Scheduler
 from deltaserve.distributed import SINGLE, ParallelConfig, broadcast_object
 from deltaserve.loader.model_loader import DTYPES
 from deltaserve.request import Request, RequestStatus
+from deltaserve.runner.allocator_watch import AllocatorWatch
 from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.runner.startup import ProgressBar, phase
 from deltaserve.runner.step_sampler import PendingOutput
@@ -110,6 +111,10 @@ class Engine:
         self._inflight: _Submitted | None = None  # the next step, queued
         self.step_totals = {"decode": StepTotals(), "prefill": StepTotals()}  # read by metrics and benchmarks
         self._last_step_end = 0.0
+        device = torch.device(engine_config.device)
+        self._allocator_watch = AllocatorWatch(device, hint=(
+            f"Lower --gpu-memory-utilization (now {engine_config.gpu_memory_utilization}) or allow expandable segments "
+            "in PYTORCH_CUDA_ALLOC_CONF (deltaserve's default where it is unset)")) if device.type == "cuda" else None
         self.structured: StructuredOutputManager | None = None  # made at the first constrained request
         # constrained requests whose grammar compiles, with the time after which they are refused
         self._compiling: dict[str, tuple[Request, Future, float]] = {}
@@ -329,6 +334,8 @@ class Engine:
         totals.seconds += now - max(step.submitted_at, self._last_step_end)
         totals.tokens += sched.total_num_scheduled_tokens + sum(sched.num_lookahead_tokens.values())
         self._last_step_end = now
+        if self._allocator_watch is not None:
+            self._allocator_watch.step()
 
     def shutdown(self) -> None:
         """Tell the other ranks of a tensor-parallel group to stop (a no-op on one process); stop the grammar pool."""

@@ -27,6 +27,7 @@ def test_bench_command_writes_rows_and_capacity(tiny_model, tmp_path, capsys):
     assert result["programmatic_dependent_launch"] is False  # the CPU: off, and said in the JSON
     assert result["async_scheduling"] is False  # off by default on the CPU
     assert all(row["peak_memory_GiB"] is None for row in result["rows"]) and result["peak_memory_GiB"] is None
+    assert all(row["alloc_retries"] is None for row in result["rows"])  # the GPU allocator's, per row
     assert "peak_memory_GiB" in printed  # a GPU's peak a row, "-" on the CPU
 
 

@@ -35,6 +35,15 @@ def test_float32_gpu_matches_cpu(tiny):
     assert gpu == cpu
 
 
+def test_a_gpu_engine_watches_the_allocator_and_a_cpu_engine_does_not(tiny):
+    """The watch reads torch's real memory_stats; a small model on a card with room never retries."""
+    llm = LLM(tiny, device="cuda", dtype="bfloat16", max_model_len=512)
+    greedy_tokens(llm, PROMPTS)
+    watch = llm.engine._allocator_watch
+    assert watch is not None and watch.check() == 0
+    assert LLM(tiny, device="cpu", max_model_len=512).engine._allocator_watch is None
+
+
 def test_cuda_graphs_match_eager_bf16_up_to_near_ties():
     """Graph replay and eager decode run the same kernels at different padded shapes (block-table width, batch),
     so bf16 reductions may round differently: on the trained demo model they must give the same tokens, except

@@ -1,0 +1,50 @@
+"""The CUDA caching allocator watched for retries.
+
+When a cudaMalloc fails for lack of free memory, PyTorch's caching allocator synchronizes the device, frees every
+cached block no tensor uses and tries again (a "retry", counted in torch.cuda.memory_stats). A step that needs one
+waits for the device and for the frees and allocations, and with the engine's cache sized to fill the card, a
+server whose steps allocate blocks of ever new sizes may retry step after step. Nothing else shows it: the step is
+just slow. AllocatorWatch reads the count every few steps and warns at the first retry and whenever the count has
+doubled since its last warning."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+log = logging.getLogger("deltaserve")
+
+RETRIES = "num_alloc_retries"
+
+
+class AllocatorWatch:
+    """Counts steps and, every `every` of them, reads the allocator's retries on device (stats(device): a dict like
+    torch.cuda.memory_stats's, which builds a dict of a few hundred entries each call, hence not every step)."""
+
+    def __init__(self, device, hint: str, every: int = 64, stats: Callable[[object], dict] | None = None):
+        if stats is None:
+            import torch
+
+            stats = torch.cuda.memory_stats
+        self.device, self.hint, self.every, self._stats = device, hint, every, stats
+        self._steps = 0
+        self._start = self._read()  # start-up's retries (weights, cache, warm-up) are not the steps'
+        self._warned_at = 0
+
+    def step(self) -> None:
+        self._steps += 1
+        if self._steps % self.every == 0:
+            self.check()
+
+    def check(self) -> int:
+        """The retries since the watch started; warns when they reach one, then twice those of the last warning."""
+        retries = self._read() - self._start
+        if retries >= max(1, 2 * self._warned_at):
+            log.warning("the CUDA caching allocator ran out of free memory and freed its cached blocks to retry %d "
+                        "time(s) in %d steps; each retry stalls a step. %s", retries, self._steps,
+                        self.hint)
+            self._warned_at = retries
+        return retries
+
+    def _read(self) -> int:
+        return int(self._stats(self.device).get(RETRIES, 0))
