@@ -18,6 +18,7 @@ from deltaserve.cache.sizing import DTYPE_BYTES
 from deltaserve.config import MLA, MOE, EngineConfig, ModelConfig
 from deltaserve.core.engine import Engine
 from deltaserve.entrypoints.routing_stats import RoutingRecorder, RoutingStats, uniform_distinct_experts
+from deltaserve.runner.allocator_watch import allocator_retries
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -198,12 +199,11 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
         run_batch(engine, batch, warmup, 2, seed=2**31 + batch + prompt)  # not a measured row's prompts (cached)
         if device != "cpu":
             torch.cuda.reset_peak_memory_stats(device)  # the row's own peak: a long prompt's prefill shows here
-            retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+            retries = allocator_retries(device)
         row = {"prompt_len": prompt, **run_batch(engine, batch, prompt, output, seed=batch + prompt)}
         row["peak_memory_GiB"] = torch.cuda.max_memory_allocated(device) / 2**30 if device != "cpu" else None
         # times the caching allocator freed its cache to fit an allocation in this row (each stalls a step)
-        row["alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0) - retries \
-            if device != "cpu" else None
+        row["alloc_retries"] = allocator_retries(device) - retries if device != "cpu" else None
         # a single token's k experts are k distinct ones: batch 1 needs no second run (nor a long prompt's prefill)
         routing = measure_routing(engine, batch, prompt, output, seed=batch + prompt) if batch > 1 else None
         row.update(floor_fields(cfg, row, routing, prompt + output // 2, dtype_bytes, bandwidth * world,

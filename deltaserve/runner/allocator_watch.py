@@ -12,21 +12,23 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+import torch
+
 log = logging.getLogger("deltaserve")
 
-RETRIES = "num_alloc_retries"
+
+def allocator_retries(device) -> int:
+    """The caching allocator's retries on device since the process started (torch.cuda.memory_stats builds a dict of a
+    few hundred entries each call: not for every step)."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 class AllocatorWatch:
-    """Counts steps and, every `every` of them, reads the allocator's retries on device (stats(device): a dict like
-    torch.cuda.memory_stats's, which builds a dict of a few hundred entries each call, hence not every step)."""
+    """Counts steps and, every `every` of them, reads the allocator's retries on device (read: allocator_retries or
+    a stand-in)."""
 
-    def __init__(self, device, hint: str, every: int = 64, stats: Callable[[object], dict] | None = None):
-        if stats is None:
-            import torch
-
-            stats = torch.cuda.memory_stats
-        self.device, self.hint, self.every, self._stats = device, hint, every, stats
+    def __init__(self, device, hint: str, every: int = 64, read: Callable[[object], int] = allocator_retries):
+        self.device, self.hint, self.every, self._read_device = device, hint, every, read
         self._steps = 0
         self._start = self._read()  # start-up's retries (weights, cache, warm-up) are not the steps'
         self._warned_at = 0
@@ -41,10 +43,9 @@ class AllocatorWatch:
         retries = self._read() - self._start
         if retries >= max(1, 2 * self._warned_at):
             log.warning("the CUDA caching allocator ran out of free memory and freed its cached blocks to retry %d "
-                        "time(s) in %d steps; each retry stalls a step. %s", retries, self._steps,
-                        self.hint)
+                        "time(s) in %d steps; each retry stalls a step. %s", retries, self._steps, self.hint)
             self._warned_at = retries
         return retries
 
     def _read(self) -> int:
-        return int(self._stats(self.device).get(RETRIES, 0))
+        return self._read_device(self.device)

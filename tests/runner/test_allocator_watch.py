@@ -1,5 +1,5 @@
 """AllocatorWatch: the CUDA caching allocator's retries read every few steps, a warning at the first and at each
-doubling, start-up's retries left out (a fake memory_stats on the CPU)."""
+doubling, start-up's retries left out (a stand-in for the count on the CPU)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,19 @@ from deltaserve.runner.allocator_watch import AllocatorWatch
 
 
 class FakeStats:
+    """allocator_retries's stand-in: the count set by the test, and how often it was read."""
+
     def __init__(self, retries: int = 0):
         self.retries, self.reads = retries, 0
 
-    def __call__(self, device) -> dict:
+    def __call__(self, device) -> int:
         self.reads += 1
-        return {"num_alloc_retries": self.retries}
+        return self.retries
 
 
 def test_warns_at_the_first_retry_after_start_up_and_again_when_they_double(caplog):
     stats = FakeStats(retries=5)  # start-up's own retries
-    watch = AllocatorWatch("cuda", hint="lower it", every=4, stats=stats)
+    watch = AllocatorWatch("cuda", hint="lower it", every=4, read=stats)
     caplog.set_level(logging.WARNING, logger="deltaserve")
     for _ in range(8):
         watch.step()
@@ -38,7 +40,7 @@ def test_warns_at_the_first_retry_after_start_up_and_again_when_they_double(capl
 
 def test_no_stats_are_read_between_checks():
     stats = FakeStats()
-    watch = AllocatorWatch("cuda", hint="", every=64, stats=stats)
+    watch = AllocatorWatch("cuda", hint="", every=64, read=stats)
     for _ in range(63):
         watch.step()
     assert stats.reads == 1
