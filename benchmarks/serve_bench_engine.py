@@ -7,8 +7,10 @@ it (the same flags for both measurements, by construction). The offline part run
 `LLM.generate` end to end on that run's requests: in waves of `concurrency` requests, as that many streams that
 each send their next request when the previous one ends would. Its figures go to OFFLINE.json before the server
 starts. With --no-engine-process the server runs on the same engine (one model load for both), so the HTTP runs
-find every kernel compiled and tuned; with --engine-process (serve's default) this engine is dropped and the server
-starts its own process, whose engine runs the warm-up anew (tuning decisions are cached on disk).
+find every kernel compiled and tuned; with --engine-process (serve's default) this engine is dropped, saving the
+kernels' tuning decisions to disk as it goes (LLM.shutdown), and the server starts its own process, whose engine
+reads them and runs its warm-up anew (both engines warm their prefill kernels up at start, as serve's does:
+EngineConfig.warmup_prefill).
 """
 
 from __future__ import annotations

@@ -350,6 +350,10 @@ class EngineConfig:
     # GPU, Hopper and later: programmatic dependent launch of our decode-step kernels (kernels/pdl.py: a kernel's
     # launch overlaps the one before it); changes timing only, not values. False: plain launches, for profiles
     pdl: bool = True
+    # GPU: at start, prefill a few random prompts whose lengths meet every length bucket the prefill kernels key their
+    # tuning on (Engine.warm_up_prefill), so their compiling and tuning happen before the engine takes requests, not
+    # inside a client's first long prompt (fla-core's chunked KDA: ~100 s on a new machine). serve turns it on
+    warmup_prefill: bool = False
 
     @property
     def latent_dtype(self) -> str:
@@ -394,6 +398,8 @@ class EngineConfig:
             bad("compile_decode", True, "is for the CPU (on a GPU, decode steps replay CUDA graphs)")
         if self.compile_decode and self.tensor_parallel_size > 1:
             bad("compile_decode", True, "runs one process's whole forward: needs tensor_parallel_size 1")
+        if not isinstance(self.warmup_prefill, bool):
+            bad("warmup_prefill", self.warmup_prefill, "must be True or False")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             bad("async_scheduling", self.async_scheduling, "must be True, False or None (on for a GPU)")
         if self.num_snapshot_slots is not None and (not isinstance(self.num_snapshot_slots, int)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.core.outputs import CompletionOutput, Logprob, RequestOutput, StepTotals
 from deltaserve.core.scheduler import Scheduler
 from deltaserve.distributed import SINGLE, ParallelConfig, broadcast_object
+from deltaserve.kernels.tuning_cache import TuningWatch
 from deltaserve.loader.model_loader import DTYPES
 from deltaserve.request import Request, RequestStatus
 from deltaserve.runner.allocator_watch import AllocatorWatch
@@ -76,6 +78,19 @@ class _Submitted:
     submitted_at: float  # time.monotonic() as it was submitted
 
 
+# fla-core 0.6's l2norm kernel (run inside its chunked KDA) keys its tuning on ceil(rows / 65536), rows = a step's
+# tokens x KDA heads: each bucket tunes when a step first falls in it
+_L2NORM_BUCKET_ROWS = 65536
+
+
+def prefill_warmup_lengths(max_tokens: int, kda_heads: int) -> list[int]:
+    """Prompt lengths that meet every prefill path and length bucket of a step of up to max_tokens tokens: a short
+    prompt (our recurrent kernel), then one ending each l2norm bucket (fla-core's chunked KDA), the last max_tokens."""
+    bucket = max(1, _L2NORM_BUCKET_ROWS // max(1, kda_heads))
+    ends = range(bucket, max_tokens + bucket, bucket)
+    return sorted({min(16, max_tokens), *(min(end, max_tokens) for end in ends)})
+
+
 class Engine:
     def __init__(self, model: str, engine_config: EngineConfig, progress=None, parallel: ParallelConfig = SINGLE):
         """parallel: rank 0 of a tensor-parallel group (whose other ranks run core/tensor_parallel.py's worker
@@ -115,9 +130,13 @@ class Engine:
         self._allocator_watch = AllocatorWatch(device, hint=(
             f"Lower --gpu-memory-utilization (now {engine_config.gpu_memory_utilization}) or allow expandable segments "
             "in PYTORCH_CUDA_ALLOC_CONF (deltaserve's default where it is unset)")) if device.type == "cuda" else None
+        tuning = getattr(self.runner, "tuning_path", None)
+        self._tuning_watch = TuningWatch(tuning) if tuning is not None else None
         self.structured: StructuredOutputManager | None = None  # made at the first constrained request
         # constrained requests whose grammar compiles, with the time after which they are refused
         self._compiling: dict[str, tuple[Request, Future, float]] = {}
+        if engine_config.warmup_prefill and device.type == "cuda":
+            self.warm_up_prefill()
 
     def _load(self, model: str, progress=None):
         """The weights, timed as a start-up phase; a bar over the tensors unless the caller draws its own."""
@@ -336,13 +355,41 @@ class Engine:
         self._last_step_end = now
         if self._allocator_watch is not None:
             self._allocator_watch.step()
+        if self._tuning_watch is not None:
+            self._tuning_watch.step()
 
     def shutdown(self) -> None:
-        """Tell the other ranks of a tensor-parallel group to stop (a no-op on one process); stop the grammar pool."""
+        """Tell the other ranks of a tensor-parallel group to stop (a no-op on one process); stop the grammar pool;
+        save what kernels tuned since the watch last looked (save_tuning)."""
+        self.save_tuning()
         if self.structured is not None:
             self.structured.shutdown()
         if self.parallel.world_size > 1:
             broadcast_object(None, self.parallel)
+
+    def warm_up_prefill(self) -> None:
+        """Prefill one random prompt at a time, at each of prefill_warmup_lengths (one token generated each), so that
+        the prefill kernels compile and tune at every length bucket a step of up to max_num_batched_tokens meets,
+        before the engine takes requests; then save what tuned and zero the step counters. The prompts' pages stay
+        in the prefix cache until evicted, like any finished request's."""
+        limit = min(self.config.max_num_batched_tokens, self.max_model_len - 1)
+        lengths = prefill_warmup_lengths(limit, self.model_config.kda_num_heads // self.parallel.world_size)
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        rng = random.Random(0)
+        with phase("prefill warm-up") as info:
+            for n in lengths:
+                self.add_request([rng.randrange(self.model_config.vocab_size) for _ in range(n)], params)
+                while self.has_unfinished_requests():
+                    self.step()
+            info["detail"] = "prompts of " + ", ".join(map(str, lengths)) + " tokens"
+        self.save_tuning()
+        self.step_totals = {"decode": StepTotals(), "prefill": StepTotals()}
+
+    def save_tuning(self) -> None:
+        """Save the kernels' autotuning decisions made since the watch last looked to the machine's file (on a GPU),
+        so that a process started next (serve's engine process after an offline run in this one) finds them."""
+        if self._tuning_watch is not None:
+            self._tuning_watch.check()
 
     def _max_model_len(self) -> int:
         """The engine option, else the smaller of the model's and the tokenizer's limits."""

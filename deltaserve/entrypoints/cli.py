@@ -85,8 +85,10 @@ _ENGINE_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "bl
 
 
 def _engine_fields(args, **overrides) -> dict:
-    """EngineConfig's keywords from the engine options, with overrides over them."""
-    return {**{name: getattr(args, name) for name in _ENGINE_FIELDS}, **overrides}
+    """EngineConfig's keywords from the engine options, with overrides over them. A server warms its prefill
+    kernels up before it takes requests (EngineConfig.warmup_prefill)."""
+    serving = {"warmup_prefill": True} if getattr(args, "command", None) == "serve" else {}
+    return {**{name: getattr(args, name) for name in _ENGINE_FIELDS}, **serving, **overrides}
 
 
 def _token_ids(text: str) -> list[int]:

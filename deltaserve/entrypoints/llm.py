@@ -63,12 +63,15 @@ class LLM:
         return SamplingParams(**self.generation_defaults)
 
     def shutdown(self) -> None:
-        """Stop the worker processes of tensor parallel (a no-op on one process); the LLM is unusable after."""
+        """Stop the worker processes of tensor parallel; on one process, save the kernels' new autotuning decisions
+        (Engine.save_tuning: a GPU's). The LLM is unusable after."""
         if self._workers is not None:
             from deltaserve.core.tensor_parallel import stop_engine
 
             stop_engine(self.engine, self._workers)
             self._workers = None
+        else:
+            self.engine.save_tuning()
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:

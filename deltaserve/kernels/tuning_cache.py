@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 log = logging.getLogger("deltaserve")
@@ -55,8 +56,14 @@ def find_autotuners(prefixes: tuple[str, ...] = TUNED_MODULES) -> dict[str, obje
     return found
 
 
+# tuner -> how many decisions load_decisions put into it that it did not hold: what TuningWatch does not count as
+# tuned in this process (one tuner may be found under two module names; it is one key here)
+_RESTORED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def load_decisions(path: Path, tuners: dict[str, object]) -> int:
-    """Put the decisions stored at path into tuners whose candidates are unchanged; returns how many."""
+    """Put the decisions stored at path into tuners whose candidates are unchanged (a key a tuner holds keeps its
+    decision); returns how many were put in."""
     stored = _read(path)
     restored = 0
     for name, tuner in tuners.items():
@@ -67,8 +74,10 @@ def load_decisions(path: Path, tuners: dict[str, object]) -> int:
         if entry is None or entry["candidates"] != _candidates_hash(tuner):
             continue
         for key, index in entry["chosen"]:
-            if 0 <= index < len(tuner.configs):
-                tuner.cache.setdefault(_as_tuple(key), tuner.configs[index])
+            key = _as_tuple(key)
+            if 0 <= index < len(tuner.configs) and key not in tuner.cache:
+                tuner.cache[key] = tuner.configs[index]
+                _RESTORED[tuner] = _RESTORED.get(tuner, 0) + 1
                 restored += 1
     return restored
 
@@ -176,6 +185,55 @@ def persist_tuning(path: Path) -> None:
         save_decisions(path, find_autotuners())
     except OSError as e:
         log.warning("could not save the autotuning decisions to %s (%s)", path, e)
+
+
+class TuningWatch:
+    """Kernels that tune while the engine serves. A kernel meeting a key its autotuner holds no decision for (a new
+    shape: a prefill chunk of a new length bucket, a kernel first imported by a long prefill) compiles and times every
+    candidate inside the step that met it, so that step takes seconds; nothing else shows it. Every `every` steps
+    the watch counts the decisions its tuners hold beyond those restored from disk; when there are new ones it logs
+    which kernels tuned and saves them to the machine's file at once (not only at exit), so that a process started
+    meanwhile (serve's engine process, a benchmark's next run) or after a kill does not tune them again."""
+
+    def __init__(self, path: Path, every: int = 64, find=None, save=None):
+        self.path, self.every = path, every
+        self._find = find or find_autotuners
+        self._save = save or save_decisions
+        self._steps = self._checked_at = 0
+        self._seen = self._tuned()  # what start-up tuned (warm-up, graph capture) is saved by the runner
+
+    def step(self) -> None:
+        self._steps += 1
+        if self._steps % self.every == 0:
+            self.check()
+
+    def check(self) -> int:
+        """Log and save the decisions made since the last look; returns how many."""
+        tuners = self._find()
+        now = self._tuned(tuners)
+        grew = {name: count - self._seen.get(name, 0) for name, count in now.items() if count > self._seen.get(name, 0)}
+        first, self._checked_at, self._seen = self._checked_at + 1, self._steps, now
+        if not grew:
+            return 0
+        new = sum(grew.values())
+        kernels = ", ".join(f"{name} ({count})" for name, count in sorted(grew.items()))
+        log.info("autotuning: %d new decision(s) in steps %d-%d, each timing every candidate inside the step that "
+                 "met its key: %s; saved to %s", new, first, self._steps, kernels, self.path)
+        try:
+            self._save(self.path, tuners)
+        except OSError as e:
+            log.warning("could not save the autotuning decisions to %s (%s)", self.path, e)
+        return new
+
+    def _tuned(self, tuners: dict[str, object] | None = None) -> dict[str, int]:
+        """{name: decisions beyond those restored}, one name per tuner (a tuner found under two module names counts
+        once, under the first name in order)."""
+        counts, seen = {}, set()
+        for name, tuner in sorted((tuners if tuners is not None else self._find()).items()):
+            if id(tuner) not in seen:
+                seen.add(id(tuner))
+                counts[name] = len(tuner.cache) - _RESTORED.get(tuner, 0)
+        return counts
 
 
 def _import_tuned_kernels() -> None:

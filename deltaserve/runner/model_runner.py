@@ -66,6 +66,7 @@ class ModelRunner:
                                           plan.num_snapshot_slots)
         # kernels tuned by an earlier run on this GPU (and Triton) skip their tuning
         tuning = restore_tuning(self.device) if self.device.type == "cuda" else None
+        self.tuning_path = tuning  # the machine's file of autotuning decisions (GPUs only)
         self.requests: dict[str, RequestState] = {}
         # logits_processor(req_ids, logits [B, V]) -> logits: called where a step samples (structured outputs'
         # token bitmask); lookahead steps never carry a request it would change (SamplingParams.host_between_tokens)

@@ -44,6 +44,19 @@ def test_a_gpu_engine_watches_the_allocator_and_a_cpu_engine_does_not(tiny):
     assert LLM(tiny, device="cpu", max_model_len=512).engine._allocator_watch is None
 
 
+def test_a_warmed_up_gpu_engine_tunes_nothing_while_it_serves(tiny, caplog):
+    """serve's start (EngineConfig.warmup_prefill): the prefill kernels compile and tune at every length bucket of
+    a step before requests come, so prompts of any length within the budget meet no new tuning key."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="deltaserve")
+    llm = LLM(tiny, device="cuda", dtype="bfloat16", max_model_len=512, max_num_batched_tokens=256,
+              warmup_prefill=True)
+    assert "start-up: prefill warm-up" in caplog.text
+    greedy_tokens(llm, PROMPTS)
+    assert llm.engine._tuning_watch.check() == 0
+
+
 def test_cuda_graphs_match_eager_bf16_up_to_near_ties():
     """Graph replay and eager decode run the same kernels at different padded shapes (block-table width, batch),
     so bf16 reductions may round differently: on the trained demo model they must give the same tokens, except

@@ -202,3 +202,51 @@ def test_importing_fla_chunk_without_a_gpu_restores_nothing(monkeypatch):
     finally:
         sys.modules.pop(tuning_cache.FLA_MODULE, None)
         monkeypatch.delattr("deltaserve.kernels.kda.fla_chunk", raising=False)
+
+
+def test_the_tuning_watch_logs_and_saves_what_kernels_tuned_while_serving_not_what_was_restored(tmp_path, caplog):
+    """A new key tuned inside a step (fla-core's l2norm at a new length bucket) is logged with its kernel and saved
+    at once; decisions restored from disk, those start-up made, and a tuner found under two names are not new."""
+    import logging
+
+    from deltaserve.kernels.tuning_cache import TuningWatch
+
+    shipped, path = tmp_path / "shipped.json", tmp_path / "machine.json"
+    table = FakeTuner()
+    table.cache = {(128, 1): table.configs[0], (128, 2): table.configs[1]}
+    save_decisions(shipped, {"fla.l2norm": table})
+    l2norm, gemv = FakeTuner(), FakeTuner()
+    gemv.cache = {(1, 2304): gemv.configs[2]}  # tuned by start-up's warm-up
+    tuners = {"fla.l2norm": l2norm, "gemv": gemv}
+    assert load_decisions(shipped, tuners) == 2
+    found = {**tuners, "fla.norm.l2norm": l2norm}  # one tuner, two module names
+    saves = []
+    watch = TuningWatch(path, every=4, find=lambda: found, save=lambda p, t: saves.append(p) or save_decisions(p, t))
+    caplog.set_level(logging.INFO, logger="deltaserve")
+    for _ in range(4):
+        watch.step()
+    assert watch.check() == 0 and not saves and not caplog.records
+    l2norm.cache[(128, 3)] = l2norm.configs[2]  # a prefill chunk in a new bucket tunes
+    for _ in range(3):
+        watch.step()
+    assert not saves
+    watch.step()
+    assert saves == [path] and len(caplog.records) == 1
+    assert "1 new decision(s) in steps 5-8" in caplog.text and "fla.l2norm (1)" in caplog.text
+    fresh = FakeTuner()
+    assert load_decisions(path, {"fla.l2norm": fresh}) == 3 and fresh.cache[(128, 3)] is fresh.configs[2]
+    assert watch.check() == 0 and len(saves) == 1
+
+
+def test_the_tuning_watch_warns_and_goes_on_when_the_file_cannot_be_written(tmp_path, caplog):
+    from deltaserve.kernels.tuning_cache import TuningWatch
+
+    tuner = FakeTuner()
+
+    def save(path, tuners):
+        raise OSError("read-only file system")
+
+    watch = TuningWatch(tmp_path / "gpu.json", find=lambda: {"k": tuner}, save=save)
+    tuner.cache[(64,)] = tuner.configs[0]
+    assert watch.check() == 1
+    assert "could not save the autotuning decisions" in caplog.text and "read-only" in caplog.text

@@ -1,0 +1,51 @@
+"""Engine.warm_up_prefill (serve's start on a GPU): random prompts at lengths that meet each prefill path and each
+length bucket of fla-core's l2norm tuning key, run before the engine takes requests; the engine after it is as
+before, but for the pages its prompts left in the prefix cache."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from helpers.engine import as_inputs, random_prompts
+
+from deltaserve import SamplingParams
+from deltaserve.config import EngineConfig
+from deltaserve.core.engine import prefill_warmup_lengths
+from deltaserve.entrypoints.cli import _engine_fields, build_parser
+
+
+@pytest.mark.parametrize("max_tokens,heads,expected", [
+    (8192, 32, [16, 2048, 4096, 6144, 8192]),  # the 48B model at bench's budget: NB 1..4, and our recurrent kernel
+    (2048, 32, [16, 2048]),  # serve's default budget
+    (3000, 32, [16, 2048, 3000]),  # the last bucket ends at the budget
+    (8192, 16, [16, 4096, 8192]),  # tensor parallel over 2: half the heads a rank, twice the tokens a bucket
+    (10, 32, [10]),  # a model shorter than the short prompt
+])
+def test_warmup_lengths_meet_every_bucket_up_to_the_step_budget(max_tokens, heads, expected):
+    lengths = prefill_warmup_lengths(max_tokens, heads)
+    assert lengths == expected
+    buckets = {-(-n * heads // 65536) for n in lengths}
+    assert buckets == set(range(1, -(-max_tokens * heads // 65536) + 1))
+
+
+def test_the_warmup_leaves_the_engine_as_it_was(make_llm, caplog):
+    prompts, params = random_prompts((5, 40), seed=3), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    cold = make_llm(max_num_batched_tokens=64)
+    expected = [o.outputs[0].token_ids for o in cold.generate(as_inputs(prompts), params, use_tqdm=False)]
+    warm = make_llm(max_num_batched_tokens=64)
+    caplog.set_level(logging.INFO, logger="deltaserve")
+    warm.engine.warm_up_prefill()
+    assert "start-up: prefill warm-up" in caplog.text and "prompts of 16, 64 tokens" in caplog.text
+    assert not warm.engine.has_unfinished_requests()
+    assert all(t.steps == 0 and t.tokens == 0 for t in warm.engine.step_totals.values())
+    assert [o.outputs[0].token_ids for o in warm.generate(as_inputs(prompts), params, use_tqdm=False)] == expected
+
+
+def test_serve_warms_its_prefill_up_and_generate_does_not():
+    parser = build_parser()
+    assert _engine_fields(parser.parse_args(["serve"]))["warmup_prefill"] is True
+    assert "warmup_prefill" not in _engine_fields(parser.parse_args(["generate"]))
+    assert EngineConfig().warmup_prefill is False
+    with pytest.raises(ValueError, match="warmup_prefill"):
+        EngineConfig(warmup_prefill="yes")
