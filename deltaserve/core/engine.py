@@ -368,20 +368,25 @@ class Engine:
             broadcast_object(None, self.parallel)
 
     def warm_up_prefill(self) -> None:
-        """Prefill one random prompt at a time, at each of prefill_warmup_lengths (one token generated each), so that
-        the prefill kernels compile and tune at every length bucket a step of up to max_num_batched_tokens meets,
-        before the engine takes requests; then save what tuned and zero the step counters. The prompts' pages stay
-        in the prefix cache until evicted, like any finished request's."""
-        limit = min(self.config.max_num_batched_tokens, self.max_model_len - 1)
-        lengths = prefill_warmup_lengths(limit, self.model_config.kda_num_heads // self.parallel.world_size)
+        """Run one prefill step of each of prefill_warmup_lengths' token counts (random prompts, one token generated
+        each; a count past the model's length split over several prompts of one step), so that the prefill kernels
+        compile and tune at every length bucket a step of up to max_num_batched_tokens meets, before the engine takes
+        requests; then save what tuned and zero the step counters. The prompts' pages stay in the prefix cache until
+        evicted, like any finished request's."""
+        cfg, longest = self.config, self.max_model_len - 1  # a prompt's most tokens, with one generated
+        totals = prefill_warmup_lengths(cfg.max_num_batched_tokens, self.model_config.kda_num_heads
+                                        // self.parallel.world_size)
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         rng = random.Random(0)
         with phase("prefill warm-up") as info:
-            for n in lengths:
-                self.add_request([rng.randrange(self.model_config.vocab_size) for _ in range(n)], params)
+            for total in totals:
+                count = min(cfg.max_num_seqs, -(-total // longest))
+                for i in range(count):  # count prompts of one step, their lengths summing to total where they can
+                    length = min(longest, total // count + (i < total % count))
+                    self.add_request([rng.randrange(self.model_config.vocab_size) for _ in range(length)], params)
                 while self.has_unfinished_requests():
                     self.step()
-            info["detail"] = "prompts of " + ", ".join(map(str, lengths)) + " tokens"
+            info["detail"] = "steps of " + ", ".join(map(str, totals)) + " prompt tokens"
         self.save_tuning()
         self.step_totals = {"decode": StepTotals(), "prefill": StepTotals()}
 

@@ -4,6 +4,7 @@ before, but for the pages its prompts left in the prefix cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -36,7 +37,7 @@ def test_the_warmup_leaves_the_engine_as_it_was(make_llm, caplog):
     warm = make_llm(max_num_batched_tokens=64)
     caplog.set_level(logging.INFO, logger="deltaserve")
     warm.engine.warm_up_prefill()
-    assert "start-up: prefill warm-up" in caplog.text and "prompts of 16, 64 tokens" in caplog.text
+    assert "start-up: prefill warm-up" in caplog.text and "steps of 16, 64 prompt tokens" in caplog.text
     assert not warm.engine.has_unfinished_requests()
     assert all(t.steps == 0 and t.tokens == 0 for t in warm.engine.step_totals.values())
     assert [o.outputs[0].token_ids for o in warm.generate(as_inputs(prompts), params, use_tqdm=False)] == expected
@@ -49,3 +50,20 @@ def test_serve_warms_its_prefill_up_and_generate_does_not():
     assert EngineConfig().warmup_prefill is False
     with pytest.raises(ValueError, match="warmup_prefill"):
         EngineConfig(warmup_prefill="yes")
+
+
+def test_a_step_total_past_the_model_length_is_split_over_prompts_of_one_step(make_llm):
+    """serve_bench's engines: 8,192 tokens a step, a 768-token model: the bucket ends still reached in one step each."""
+    llm = make_llm(max_num_batched_tokens=200, max_model_len=64, max_num_seqs=8)
+    # buckets of 100 tokens: steps of 16, 100 and 200 prompt tokens
+    llm.engine.model_config = dataclasses.replace(llm.engine.model_config, kda_num_heads=65536 // 100)
+    scheduled, schedule = [], llm.engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        scheduled.append(out.total_num_scheduled_tokens)
+        return out
+
+    llm.engine.scheduler.schedule = recording_schedule
+    llm.engine.warm_up_prefill()
+    assert [n for n in scheduled if n > 1] == [16, 100, 200]
