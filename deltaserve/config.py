@@ -350,9 +350,10 @@ class EngineConfig:
     # GPU, Hopper and later: programmatic dependent launch of our decode-step kernels (kernels/pdl.py: a kernel's
     # launch overlaps the one before it); changes timing only, not values. False: plain launches, for profiles
     pdl: bool = True
-    # GPU: at start, prefill a few random prompts whose lengths meet every length bucket the prefill kernels key their
-    # tuning on (Engine.warm_up_prefill), so their compiling and tuning happen before the engine takes requests, not
-    # inside a client's first long prompt (fla-core's chunked KDA: ~100 s on a new machine). serve turns it on
+    # GPU: at start, prefill a few random prompts in steps that meet every length bucket the prefill kernels key their
+    # tuning on and Triton's ways of compiling their integer arguments (Engine.warm_up_prefill), so their compiling and
+    # tuning happen before the engine takes requests, not inside a client's first long prompt (fla-core's chunked KDA:
+    # ~100 s on a new machine). serve turns it on
     warmup_prefill: bool = False
 
     @property

@@ -84,11 +84,15 @@ _L2NORM_BUCKET_ROWS = 65536
 
 
 def prefill_warmup_lengths(max_tokens: int, kda_heads: int) -> list[int]:
-    """Prompt lengths that meet every prefill path and length bucket of a step of up to max_tokens tokens: a short
-    prompt (our recurrent kernel), then one ending each l2norm bucket (fla-core's chunked KDA), the last max_tokens."""
+    """Step token counts that meet every prefill path and length bucket of a step of up to max_tokens tokens: a
+    short step (our recurrent kernel), one ending each l2norm bucket (fla-core's chunked KDA), the last max_tokens;
+    and the short step and the longest once more, one token shorter. Triton compiles a kernel once for each way its
+    integer arguments fall (1, a multiple of 16, neither: a row count of our norms, say) and keeps it on the
+    machine's disk: a server's ragged steps would otherwise compile the variants that round counts never meet."""
     bucket = max(1, _L2NORM_BUCKET_ROWS // max(1, kda_heads))
-    ends = range(bucket, max_tokens + bucket, bucket)
-    return sorted({min(16, max_tokens), *(min(end, max_tokens) for end in ends)})
+    ends = {min(end, max_tokens) for end in range(bucket, max_tokens + bucket, bucket)}
+    short = min(16, max_tokens)
+    return sorted(n for n in {short, short + 1, *ends, max(ends) - 1} if 1 <= n <= max_tokens)
 
 
 class Engine:

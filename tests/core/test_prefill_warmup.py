@@ -17,17 +17,21 @@ from deltaserve.entrypoints.cli import _engine_fields, build_parser
 
 
 @pytest.mark.parametrize("max_tokens,heads,expected", [
-    (8192, 32, [16, 2048, 4096, 6144, 8192]),  # the 48B model at bench's budget: NB 1..4, and our recurrent kernel
-    (2048, 32, [16, 2048]),  # serve's default budget
-    (3000, 32, [16, 2048, 3000]),  # the last bucket ends at the budget
-    (8192, 16, [16, 4096, 8192]),  # tensor parallel over 2: half the heads a rank, twice the tokens a bucket
-    (10, 32, [10]),  # a model shorter than the short prompt
+    # the 48B model at bench's budget: NB 1..4, our recurrent kernel; a ragged short and long step
+    (8192, 32, [16, 17, 2048, 4096, 6144, 8191, 8192]),
+    (2048, 32, [16, 17, 2047, 2048]),  # serve's default budget
+    (3000, 32, [16, 17, 2048, 2999, 3000]),  # the last bucket ends at the budget
+    (8192, 16, [16, 17, 4096, 8191, 8192]),  # tensor parallel over 2: half the heads a rank, twice the tokens a bucket
+    (10, 32, [9, 10]),  # a model shorter than the short step
 ])
 def test_warmup_lengths_meet_every_bucket_up_to_the_step_budget(max_tokens, heads, expected):
     lengths = prefill_warmup_lengths(max_tokens, heads)
     assert lengths == expected
     buckets = {-(-n * heads // 65536) for n in lengths}
     assert buckets == set(range(1, -(-max_tokens * heads // 65536) + 1))
+    # Triton's integer specializations: a multiple of 16 and not, on each side of our recurrent kernel's limit (32)
+    for side in ([n for n in lengths if n <= 32], [n for n in lengths if n > 32]):
+        assert not side or {n % 16 == 0 for n in side} == {True, False} or max(side) < 16
 
 
 def test_the_warmup_leaves_the_engine_as_it_was(make_llm, caplog):
@@ -37,7 +41,7 @@ def test_the_warmup_leaves_the_engine_as_it_was(make_llm, caplog):
     warm = make_llm(max_num_batched_tokens=64)
     caplog.set_level(logging.INFO, logger="deltaserve")
     warm.engine.warm_up_prefill()
-    assert "start-up: prefill warm-up" in caplog.text and "steps of 16, 64 prompt tokens" in caplog.text
+    assert "start-up: prefill warm-up" in caplog.text and "steps of 16, 17, 63, 64 prompt tokens" in caplog.text
     assert not warm.engine.has_unfinished_requests()
     assert all(t.steps == 0 and t.tokens == 0 for t in warm.engine.step_totals.values())
     assert [o.outputs[0].token_ids for o in warm.generate(as_inputs(prompts), params, use_tqdm=False)] == expected
@@ -66,4 +70,4 @@ def test_a_step_total_past_the_model_length_is_split_over_prompts_of_one_step(ma
 
     llm.engine.scheduler.schedule = recording_schedule
     llm.engine.warm_up_prefill()
-    assert [n for n in scheduled if n > 1] == [16, 100, 200]
+    assert [n for n in scheduled if n > 1] == [16, 17, 100, 199, 200]
