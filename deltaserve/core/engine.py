@@ -35,6 +35,8 @@ from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.core.outputs import CompletionOutput, Logprob, RequestOutput, StepTotals
 from deltaserve.core.scheduler import Scheduler
 from deltaserve.distributed import SINGLE, ParallelConfig, broadcast_object
+from deltaserve.kernels import compile_watch
+from deltaserve.kernels.compile_watch import CompileWatch
 from deltaserve.kernels.tuning_cache import TuningWatch
 from deltaserve.loader.model_loader import DTYPES
 from deltaserve.request import Request, RequestStatus
@@ -136,6 +138,7 @@ class Engine:
             "in PYTORCH_CUDA_ALLOC_CONF (deltaserve's default where it is unset)")) if device.type == "cuda" else None
         tuning = getattr(self.runner, "tuning_path", None)
         self._tuning_watch = TuningWatch(tuning) if tuning is not None else None
+        self._compile_watch = CompileWatch() if tuning is not None and compile_watch.record() else None
         self.structured: StructuredOutputManager | None = None  # made at the first constrained request
         # constrained requests whose grammar compiles, with the time after which they are refused
         self._compiling: dict[str, tuple[Request, Future, float]] = {}
@@ -361,6 +364,8 @@ class Engine:
             self._allocator_watch.step()
         if self._tuning_watch is not None:
             self._tuning_watch.step()
+        if self._compile_watch is not None:
+            self._compile_watch.step()
 
     def shutdown(self) -> None:
         """Tell the other ranks of a tensor-parallel group to stop (a no-op on one process); stop the grammar pool;
@@ -382,6 +387,7 @@ class Engine:
                                         // self.parallel.world_size)
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         rng = random.Random(0)
+        compiles = compile_watch.COUNTS.copy()
         with phase("prefill warm-up") as info:
             for total in totals:
                 count = min(cfg.max_num_seqs, -(-total // longest))
@@ -391,7 +397,11 @@ class Engine:
                 while self.has_unfinished_requests():
                     self.step()
             info["detail"] = "steps of " + ", ".join(map(str, totals)) + " prompt tokens"
+            if self._compile_watch is not None:
+                info["detail"] += "; " + compile_watch.COUNTS.since(compiles).describe()
         self.save_tuning()
+        if self._compile_watch is not None:
+            self._compile_watch.rebase()  # the warm-up's compiles are the phase's (logged above), not the serving's
         self.step_totals = {"decode": StepTotals(), "prefill": StepTotals()}
 
     def save_tuning(self) -> None:

@@ -151,6 +151,9 @@ def restore_tuning(device) -> Path:
     import torch
     import triton
 
+    from deltaserve.kernels import compile_watch
+
+    compile_watch.record()  # from here on the process counts Triton's compiles (the engine's CompileWatch reads them)
     _import_tuned_kernels()
     path = restore_decisions(torch.cuda.get_device_name(device), triton.__version__, find_autotuners())
     atexit.register(persist_tuning, path)

@@ -46,15 +46,18 @@ def test_a_gpu_engine_watches_the_allocator_and_a_cpu_engine_does_not(tiny):
 
 def test_a_warmed_up_gpu_engine_tunes_nothing_while_it_serves(tiny, caplog):
     """serve's start (EngineConfig.warmup_prefill): the prefill kernels compile and tune at every length bucket of
-    a step before requests come, so prompts of any length within the budget meet no new tuning key."""
+    a step, and for ragged token counts, before requests come, so ragged prompts within the budget meet no new tuning
+    key and no kernel variant Triton has not built in this process."""
     import logging
 
     caplog.set_level(logging.INFO, logger="deltaserve")
     llm = LLM(tiny, device="cuda", dtype="bfloat16", max_model_len=512, max_num_batched_tokens=256,
               warmup_prefill=True)
-    assert "start-up: prefill warm-up" in caplog.text
+    assert "start-up: prefill warm-up" in caplog.text and "Triton compiled" in caplog.text
     greedy_tokens(llm, PROMPTS)
     assert llm.engine._tuning_watch.check() == 0
+    built = llm.engine._compile_watch.check()
+    assert built.compiled == 0 and built.loaded == 0, built.describe()
 
 
 def test_cuda_graphs_match_eager_bf16_up_to_near_ties():

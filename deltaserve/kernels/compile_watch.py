@@ -1,0 +1,106 @@
+"""Triton's compiles counted, so that a step slowed by one shows in the log.
+
+Triton builds a kernel once per process for each variant it meets (its constexprs, and each way an integer argument
+falls: 1, a multiple of 16, neither) and keeps the binary in ~/.triton/cache: a variant this machine never built
+compiles for seconds inside the step that meets it, one built before loads from disk in milliseconds. Nothing else
+shows either. record() installs a listener on Triton's compiler (triton.knobs.compilation.listener, Triton 3.4 and
+later; a listener already there still runs) that counts every compile and disk load with its time; CompileWatch reads
+the counts every few steps and logs what happened since it last looked."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+log = logging.getLogger("deltaserve")
+
+
+@dataclass
+class CompileCounts:
+    """Compiles and disk loads since the process installed the listener: how many, their microseconds, and the
+    kernels compiled (by name, with their count)."""
+
+    compiled: int = 0
+    compiled_us: int = 0
+    loaded: int = 0
+    loaded_us: int = 0
+    kernels: dict[str, int] = field(default_factory=dict)
+
+    def add(self, name: str, cache_hit: bool, us: int) -> None:
+        if cache_hit:
+            self.loaded, self.loaded_us = self.loaded + 1, self.loaded_us + us
+        else:
+            self.compiled, self.compiled_us = self.compiled + 1, self.compiled_us + us
+            self.kernels[name] = self.kernels.get(name, 0) + 1
+
+    def since(self, before: CompileCounts) -> CompileCounts:
+        kernels = {k: n - before.kernels.get(k, 0) for k, n in self.kernels.items() if n > before.kernels.get(k, 0)}
+        return CompileCounts(self.compiled - before.compiled, self.compiled_us - before.compiled_us,
+                             self.loaded - before.loaded, self.loaded_us - before.loaded_us, kernels)
+
+    def copy(self) -> CompileCounts:
+        return self.since(CompileCounts())
+
+    def describe(self) -> str:
+        text = (f"Triton compiled {self.compiled} kernel variant(s) ({self.compiled_us / 1e6:.2f} s) and loaded "
+                f"{self.loaded} from its disk cache ({self.loaded_us / 1e6:.2f} s)")
+        if self.kernels:
+            text += ": " + ", ".join(f"{name} ({n})" for name, n in sorted(self.kernels.items()))
+        return text
+
+
+COUNTS = CompileCounts()  # the process's, filled by the listener record() installs
+_installed = False
+
+
+def record() -> bool:
+    """Install the counting listener on Triton's compiler (once a process); False where this Triton has none."""
+    global _installed
+    if _installed:
+        return True
+    try:
+        from triton import knobs
+    except ImportError:
+        return False
+    compilation = getattr(knobs, "compilation", None)
+    if compilation is None or not hasattr(compilation, "listener"):
+        return False
+    before = compilation.listener
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit):
+        name = getattr(src, "name", None) or str(metadata.get("name", "?"))
+        COUNTS.add(name, cache_hit, int(getattr(times, "total", 0)))
+        if before is not None:
+            before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+    compilation.listener = listener
+    _installed = True
+    return True
+
+
+class CompileWatch:
+    """Every `every` steps, logs the compiles and disk loads since the last look, if any (counts: COUNTS or a
+    stand-in)."""
+
+    def __init__(self, every: int = 64, counts: CompileCounts | None = None):
+        self.every, self.counts = every, counts if counts is not None else COUNTS
+        self._steps = self._checked_at = 0
+        self._seen = self.counts.copy()  # start-up's are its phases' (Engine's prefill warm-up logs them)
+
+    def step(self) -> None:
+        self._steps += 1
+        if self._steps % self.every == 0:
+            self.check()
+
+    def rebase(self) -> None:
+        """Start counting afresh (steps and compiles): what came before is a start-up phase's, logged with it."""
+        self._steps = self._checked_at = 0
+        self._seen = self.counts.copy()
+
+    def check(self) -> CompileCounts:
+        """The compiles and loads since the last look, logged when there are any."""
+        new = self.counts.since(self._seen)
+        first, self._checked_at, self._seen = self._checked_at + 1, self._steps, self.counts.copy()
+        if new.compiled or new.loaded:
+            log.info("steps %d-%d waited while %s", first, self._steps, new.describe())
+        return new
