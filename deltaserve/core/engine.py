@@ -87,14 +87,17 @@ _L2NORM_BUCKET_ROWS = 65536
 
 def prefill_warmup_lengths(max_tokens: int, kda_heads: int) -> list[int]:
     """Step token counts that meet every prefill path and length bucket of a step of up to max_tokens tokens: a
-    short step (our recurrent kernel), one ending each l2norm bucket (fla-core's chunked KDA), the last max_tokens;
-    and the short step and the longest once more, one token shorter. Triton compiles a kernel once for each way its
-    integer arguments fall (1, a multiple of 16, neither: a row count of our norms, say) and keeps it on the
-    machine's disk: a server's ragged steps would otherwise compile the variants that round counts never meet."""
+    short step (our recurrent kernel, up to 32 tokens) and one ending each l2norm bucket (fla-core's chunked KDA), the
+    last max_tokens; and on each side of 32, a count that is a multiple of 16 and one that is not. Triton compiles a
+    kernel once for each way its integer arguments fall (1, a multiple of 16, neither: a row count of our norms, say)
+    and keeps it on the machine's disk: a server's ragged steps would otherwise compile the variants round counts
+    never meet, and the reverse."""
     bucket = max(1, _L2NORM_BUCKET_ROWS // max(1, kda_heads))
-    ends = {min(end, max_tokens) for end in range(bucket, max_tokens + bucket, bucket)}
     short = min(16, max_tokens)
-    return sorted(n for n in {short, short + 1, *ends, max(ends) - 1} if 1 <= n <= max_tokens)
+    lengths = {short, short + 1, *(min(end, max_tokens) for end in range(bucket, max_tokens + bucket, bucket))}
+    if max_tokens > 33:  # the chunked path's steps: the longest round and ragged counts under the budget
+        lengths |= {max_tokens // 16 * 16, max_tokens - 1 if (max_tokens - 1) % 16 else max_tokens - 2}
+    return sorted(n for n in lengths if 1 <= n <= max_tokens)
 
 
 class Engine:
@@ -370,11 +373,13 @@ class Engine:
     def shutdown(self) -> None:
         """Tell the other ranks of a tensor-parallel group to stop (a no-op on one process); stop the grammar pool;
         save what kernels tuned since the watch last looked (save_tuning)."""
-        self.save_tuning()
-        if self.structured is not None:
-            self.structured.shutdown()
-        if self.parallel.world_size > 1:
-            broadcast_object(None, self.parallel)
+        try:
+            self.save_tuning()
+        finally:
+            if self.structured is not None:
+                self.structured.shutdown()
+            if self.parallel.world_size > 1:
+                broadcast_object(None, self.parallel)
 
     def warm_up_prefill(self) -> None:
         """Run one prefill step of each of prefill_warmup_lengths' token counts (random prompts, one token generated
@@ -383,8 +388,9 @@ class Engine:
         requests; then save what tuned and zero the step counters. The prompts' pages stay in the prefix cache until
         evicted, like any finished request's."""
         cfg, longest = self.config, self.max_model_len - 1  # a prompt's most tokens, with one generated
-        totals = prefill_warmup_lengths(cfg.max_num_batched_tokens, self.model_config.kda_num_heads
-                                        // self.parallel.world_size)
+        # the largest step there can be: the budget, or max_num_seqs prompts of the model's length
+        totals = prefill_warmup_lengths(min(cfg.max_num_batched_tokens, cfg.max_num_seqs * longest),
+                                        self.model_config.kda_num_heads // self.parallel.world_size)
         params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         rng = random.Random(0)
         compiles = compile_watch.COUNTS.copy()
@@ -400,8 +406,9 @@ class Engine:
             if self._compile_watch is not None:
                 info["detail"] += "; " + compile_watch.COUNTS.since(compiles).describe()
         self.save_tuning()
-        if self._compile_watch is not None:
-            self._compile_watch.rebase()  # the warm-up's compiles are the phase's (logged above), not the serving's
+        for watch in (self._tuning_watch, self._compile_watch):  # the serving steps count from 1
+            if watch is not None:
+                watch.rebase()  # what the warm-up tuned or compiled is the phase's (saved, logged above)
         self.step_totals = {"decode": StepTotals(), "prefill": StepTotals()}
 
     def save_tuning(self) -> None:

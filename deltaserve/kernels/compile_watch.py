@@ -67,11 +67,15 @@ def record() -> bool:
         return False
     before = compilation.listener
 
-    def listener(*, src, metadata, metadata_group, times, cache_hit):
-        name = getattr(src, "name", None) or str(metadata.get("name", "?"))
-        COUNTS.add(name, cache_hit, int(getattr(times, "total", 0)))
+    def listener(**event):  # inside every compile: it never raises, whatever a Triton release passes
+        try:
+            metadata = event.get("metadata") or {}
+            name = getattr(event.get("src"), "name", None) or str(metadata.get("name", "?"))
+            COUNTS.add(name, bool(event.get("cache_hit")), int(getattr(event.get("times"), "total", 0)))
+        except Exception as e:  # a count lost, never a compile
+            log.debug("not counting a Triton compile: %s", e)
         if before is not None:
-            before(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+            before(**event)
 
     compilation.listener = listener
     _installed = True

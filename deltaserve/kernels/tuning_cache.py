@@ -195,8 +195,9 @@ class TuningWatch:
     shape: a prefill chunk of a new length bucket, a kernel first imported by a long prefill) compiles and times every
     candidate inside the step that met it, so that step takes seconds; nothing else shows it. Every `every` steps
     the watch counts the decisions its tuners hold beyond those restored from disk; when there are new ones it logs
-    which kernels tuned and saves them to the machine's file at once (not only at exit), so that a process started
-    meanwhile (serve's engine process, a benchmark's next run) or after a kill does not tune them again."""
+    which kernels tuned (or took a decision from Triton's own cache) and saves them to the machine's file at once
+    (not only at exit), so that a process started meanwhile (serve's engine process, a benchmark's next run) or
+    after a kill does not tune them again."""
 
     def __init__(self, path: Path, every: int = 64, find=None, save=None):
         self.path, self.every = path, every
@@ -210,6 +211,11 @@ class TuningWatch:
         if self._steps % self.every == 0:
             self.check()
 
+    def rebase(self) -> None:
+        """Count steps and decisions afresh (what came before was saved: a start-up phase's)."""
+        self._steps = self._checked_at = 0
+        self._seen = self._tuned()
+
     def check(self) -> int:
         """Log and save the decisions made since the last look; returns how many."""
         tuners = self._find()
@@ -220,8 +226,9 @@ class TuningWatch:
             return 0
         new = sum(grew.values())
         kernels = ", ".join(f"{name} ({count})" for name, count in sorted(grew.items()))
-        log.info("autotuning: %d new decision(s) in steps %d-%d, each timing every candidate inside the step that "
-                 "met its key: %s; saved to %s", new, first, self._steps, kernels, self.path)
+        log.info("autotuning: %d new decision(s) in steps %d-%d (a new key times its candidates inside the step "
+                 "that meets it, unless Triton's own cache holds it): %s; saved to %s", new, first, self._steps,
+                 kernels, self.path)
         try:
             self._save(self.path, tuners)
         except OSError as e:

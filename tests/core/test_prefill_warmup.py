@@ -20,9 +20,12 @@ from deltaserve.entrypoints.cli import _engine_fields, build_parser
     # the 48B model at bench's budget: NB 1..4, our recurrent kernel; a ragged short and long step
     (8192, 32, [16, 17, 2048, 4096, 6144, 8191, 8192]),
     (2048, 32, [16, 17, 2047, 2048]),  # serve's default budget
-    (3000, 32, [16, 17, 2048, 2999, 3000]),  # the last bucket ends at the budget
+    (3000, 32, [16, 17, 2048, 2992, 2999, 3000]),  # the last bucket ends at the budget
     (8192, 16, [16, 17, 4096, 8191, 8192]),  # tensor parallel over 2: half the heads a rank, twice the tokens a bucket
-    (10, 32, [9, 10]),  # a model shorter than the short step
+    (1000, 32, [16, 17, 992, 999, 1000]),  # a budget under one bucket: a round count past 32 all the same
+    (3000, 48, [16, 17, 1365, 2730, 2992, 2999, 3000]),  # buckets that end on ragged counts
+    (1025, 32, [16, 17, 1023, 1024, 1025]),  # the budget less one is round: one less again
+    (10, 32, [10]),  # a model shorter than the short step
 ])
 def test_warmup_lengths_meet_every_bucket_up_to_the_step_budget(max_tokens, heads, expected):
     lengths = prefill_warmup_lengths(max_tokens, heads)
@@ -59,7 +62,7 @@ def test_serve_warms_its_prefill_up_and_generate_does_not():
 def test_a_step_total_past_the_model_length_is_split_over_prompts_of_one_step(make_llm):
     """serve_bench's engines: 8,192 tokens a step, a 768-token model: the bucket ends still reached in one step each."""
     llm = make_llm(max_num_batched_tokens=200, max_model_len=64, max_num_seqs=8)
-    # buckets of 100 tokens: steps of 16, 100 and 200 prompt tokens
+    # buckets of 100 tokens: steps of 16, 17, 100, 192, 199 and 200 prompt tokens
     llm.engine.model_config = dataclasses.replace(llm.engine.model_config, kda_num_heads=65536 // 100)
     scheduled, schedule = [], llm.engine.scheduler.schedule
 
@@ -70,4 +73,20 @@ def test_a_step_total_past_the_model_length_is_split_over_prompts_of_one_step(ma
 
     llm.engine.scheduler.schedule = recording_schedule
     llm.engine.warm_up_prefill()
-    assert [n for n in scheduled if n > 1] == [16, 17, 100, 199, 200]
+    assert [n for n in scheduled if n > 1] == [16, 17, 100, 192, 199, 200]
+
+
+def test_the_warmup_steps_are_no_larger_than_a_step_can_be(make_llm):
+    """One sequence at a time of a 64-token model: the steps' sizes are what serving can meet (up to 63 tokens),
+    each once, and the log names those that ran."""
+    llm = make_llm(max_num_batched_tokens=200, max_model_len=64, max_num_seqs=1)
+    scheduled, schedule = [], llm.engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        scheduled.append(out.total_num_scheduled_tokens)
+        return out
+
+    llm.engine.scheduler.schedule = recording_schedule
+    llm.engine.warm_up_prefill()
+    assert [n for n in scheduled if n > 1] == [16, 17, 48, 62, 63]
