@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+from deltaserve.kernels.step_watch import StepWatch
+
 log = logging.getLogger("deltaserve")
 
 
@@ -82,29 +84,21 @@ def record() -> bool:
     return True
 
 
-class CompileWatch:
+class CompileWatch(StepWatch):
     """Every `every` steps, logs the compiles and disk loads since the last look, if any (counts: COUNTS or a
     stand-in)."""
 
     def __init__(self, every: int = 64, counts: CompileCounts | None = None):
-        self.every, self.counts = every, counts if counts is not None else COUNTS
-        self._steps = self._checked_at = 0
-        self._seen = self.counts.copy()  # start-up's are its phases' (Engine's prefill warm-up logs them)
+        self.counts = counts if counts is not None else COUNTS
+        super().__init__(every)
 
-    def step(self) -> None:
-        self._steps += 1
-        if self._steps % self.every == 0:
-            self.check()
-
-    def rebase(self) -> None:
-        """Start counting afresh (steps and compiles): what came before is a start-up phase's, logged with it."""
-        self._steps = self._checked_at = 0
-        self._seen = self.counts.copy()
+    def _snapshot(self) -> CompileCounts:
+        return self.counts.copy()
 
     def check(self) -> CompileCounts:
         """The compiles and loads since the last look, logged when there are any."""
         new = self.counts.since(self._seen)
-        first, self._checked_at, self._seen = self._checked_at + 1, self._steps, self.counts.copy()
+        (first, last), self._seen = self._window(), self.counts.copy()
         if new.compiled or new.loaded:
-            log.info("steps %d-%d waited while %s", first, self._steps, new.describe())
+            log.info("steps %d-%d waited while %s", first, last, new.describe())
         return new

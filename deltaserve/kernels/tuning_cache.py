@@ -20,6 +20,8 @@ import tempfile
 import weakref
 from pathlib import Path
 
+from deltaserve.kernels.step_watch import StepWatch
+
 log = logging.getLogger("deltaserve")
 
 TUNED_MODULES = ("deltaserve.kernels", "fla.")  # whose module-level autotuners are kept
@@ -190,7 +192,7 @@ def persist_tuning(path: Path) -> None:
         log.warning("could not save the autotuning decisions to %s (%s)", path, e)
 
 
-class TuningWatch:
+class TuningWatch(StepWatch):
     """Kernels that tune while the engine serves. A kernel meeting a key its autotuner holds no decision for (a new
     shape: a prefill chunk of a new length bucket, a kernel first imported by a long prefill) compiles and times every
     candidate inside the step that met it, so that step takes seconds; nothing else shows it. Every `every` steps
@@ -200,35 +202,27 @@ class TuningWatch:
     after a kill does not tune them again."""
 
     def __init__(self, path: Path, every: int = 64, find=None, save=None):
-        self.path, self.every = path, every
+        self.path = path
         self._find = find or find_autotuners
         self._save = save or save_decisions
-        self._steps = self._checked_at = 0
-        self._seen = self._tuned()  # what start-up tuned (warm-up, graph capture) is saved by the runner
+        super().__init__(every)  # what start-up tuned (warm-up, graph capture) is saved by the runner
 
-    def step(self) -> None:
-        self._steps += 1
-        if self._steps % self.every == 0:
-            self.check()
-
-    def rebase(self) -> None:
-        """Count steps and decisions afresh (what came before was saved: a start-up phase's)."""
-        self._steps = self._checked_at = 0
-        self._seen = self._tuned()
+    def _snapshot(self) -> dict[str, int]:
+        return self._tuned()
 
     def check(self) -> int:
         """Log and save the decisions made since the last look; returns how many."""
         tuners = self._find()
         now = self._tuned(tuners)
         grew = {name: count - self._seen.get(name, 0) for name, count in now.items() if count > self._seen.get(name, 0)}
-        first, self._checked_at, self._seen = self._checked_at + 1, self._steps, now
+        (first, last), self._seen = self._window(), now
         if not grew:
             return 0
         new = sum(grew.values())
         kernels = ", ".join(f"{name} ({count})" for name, count in sorted(grew.items()))
         log.info("autotuning: %d new decision(s) in steps %d-%d (a new key times its candidates inside the step "
-                 "that meets it, unless Triton's own cache holds it): %s; saved to %s", new, first, self._steps,
-                 kernels, self.path)
+                 "that meets it, unless Triton's own cache holds it): %s; saved to %s", new, first, last, kernels,
+                 self.path)
         try:
             self._save(self.path, tuners)
         except OSError as e:

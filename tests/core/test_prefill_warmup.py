@@ -64,22 +64,18 @@ def test_a_step_total_past_the_model_length_is_split_over_prompts_of_one_step(ma
     llm = make_llm(max_num_batched_tokens=200, max_model_len=64, max_num_seqs=8)
     # buckets of 100 tokens: steps of 16, 17, 100, 192, 199 and 200 prompt tokens
     llm.engine.model_config = dataclasses.replace(llm.engine.model_config, kda_num_heads=65536 // 100)
-    scheduled, schedule = [], llm.engine.scheduler.schedule
-
-    def recording_schedule():
-        out = schedule()
-        scheduled.append(out.total_num_scheduled_tokens)
-        return out
-
-    llm.engine.scheduler.schedule = recording_schedule
-    llm.engine.warm_up_prefill()
-    assert [n for n in scheduled if n > 1] == [16, 17, 100, 192, 199, 200]
+    assert warmup_steps(llm) == [16, 17, 100, 192, 199, 200]
 
 
 def test_the_warmup_steps_are_no_larger_than_a_step_can_be(make_llm):
     """One sequence at a time of a 64-token model: the steps' sizes are what serving can meet (up to 63 tokens),
     each once, and the log names those that ran."""
     llm = make_llm(max_num_batched_tokens=200, max_model_len=64, max_num_seqs=1)
+    assert warmup_steps(llm) == [16, 17, 48, 62, 63]
+
+
+def warmup_steps(llm) -> list[int]:
+    """The prompt tokens of each step llm's warm-up ran (its scheduler's outputs, read as they are made)."""
     scheduled, schedule = [], llm.engine.scheduler.schedule
 
     def recording_schedule():
@@ -89,4 +85,4 @@ def test_the_warmup_steps_are_no_larger_than_a_step_can_be(make_llm):
 
     llm.engine.scheduler.schedule = recording_schedule
     llm.engine.warm_up_prefill()
-    assert [n for n in scheduled if n > 1] == [16, 17, 48, 62, 63]
+    return [n for n in scheduled if n > 1]
