@@ -245,6 +245,9 @@ if has serve; then
         --$place --server-log "$OUT/serve_log_$place.txt" --json-out "$OUT/serve_$place.json" \
         > "$OUT/serve_$place.txt" 2>&1
     grep -vE '^\{|^http ' "$OUT/serve_$place.txt" | tail -12 | cut -c1-220
+    # what the engines built while they served (kernels tuned or compiled inside a step), and their warm-up
+    grep -E "prefill warm-up|autotuning: [0-9]+ new|waited while Triton|allocator ran out" \
+        "$OUT/serve_log_$place.txt" | cut -c1-300
     pkill -f serve_bench_engine.py; pkill -f multiprocessing.spawn; sleep 2  # a run cut by its limit leaves these
   done
 fi
