@@ -67,11 +67,13 @@ def test_a_step_total_past_the_model_length_is_split_over_prompts_of_one_step(ma
     assert warmup_steps(llm) == [16, 17, 100, 192, 199, 200]
 
 
-def test_the_warmup_steps_are_no_larger_than_a_step_can_be(make_llm):
+def test_the_warmup_steps_are_no_larger_than_a_step_can_be(make_llm, caplog):
     """One sequence at a time of a 64-token model: the steps' sizes are what serving can meet (up to 63 tokens),
     each once, and the log names those that ran."""
     llm = make_llm(max_num_batched_tokens=200, max_model_len=64, max_num_seqs=1)
+    caplog.set_level(logging.INFO, logger="deltaserve")
     assert warmup_steps(llm) == [16, 17, 48, 62, 63]
+    assert "steps of 16, 17, 48, 62, 63 prompt tokens" in caplog.text
 
 
 def warmup_steps(llm) -> list[int]:
