@@ -142,6 +142,9 @@ class Engine:
         tuning = getattr(self.runner, "tuning_path", None)
         self._tuning_watch = TuningWatch(tuning) if tuning is not None else None
         self._compile_watch = CompileWatch() if tuning is not None and compile_watch.record() else None
+        # each counts the steps and looks every few (kernels/step_watch.py)
+        self._watches = tuple(w for w in (self._allocator_watch, self._tuning_watch, self._compile_watch)
+                              if w is not None)
         self.structured: StructuredOutputManager | None = None  # made at the first constrained request
         # constrained requests whose grammar compiles, with the time after which they are refused
         self._compiling: dict[str, tuple[Request, Future, float]] = {}
@@ -363,12 +366,8 @@ class Engine:
         totals.seconds += now - max(step.submitted_at, self._last_step_end)
         totals.tokens += sched.total_num_scheduled_tokens + sum(sched.num_lookahead_tokens.values())
         self._last_step_end = now
-        if self._allocator_watch is not None:
-            self._allocator_watch.step()
-        if self._tuning_watch is not None:
-            self._tuning_watch.step()
-        if self._compile_watch is not None:
-            self._compile_watch.step()
+        for watch in self._watches:
+            watch.step()
 
     def shutdown(self) -> None:
         """Tell the other ranks of a tensor-parallel group to stop (a no-op on one process); stop the grammar pool;
@@ -406,9 +405,8 @@ class Engine:
             if self._compile_watch is not None:
                 info["detail"] += "; " + compile_watch.COUNTS.since(compiles).describe()
         self.save_tuning()
-        for watch in (self._tuning_watch, self._compile_watch):  # the serving steps count from 1
-            if watch is not None:
-                watch.rebase()  # what the warm-up tuned or compiled is the phase's (saved, logged above)
+        for watch in self._watches:  # the serving steps count from 1
+            watch.rebase()  # what the warm-up tuned, compiled or retried is the phase's (saved, logged above)
         self.step_totals = {"decode": StepTotals(), "prefill": StepTotals()}
 
     def save_tuning(self) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 class StepWatch:
-    """Subclasses give _snapshot() (what check() compares against) and check() (which calls _window() for the steps
-    since the last look)."""
+    """Subclasses give _snapshot() (what check() compares against: self._seen) and check() (_window() gives the
+    steps since the last look)."""
 
     def __init__(self, every: int):
         self.every = every

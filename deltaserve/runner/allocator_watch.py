@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from deltaserve.kernels.step_watch import StepWatch
+
 log = logging.getLogger("deltaserve")
 
 
@@ -23,29 +25,23 @@ def allocator_retries(device) -> int:
     return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
-class AllocatorWatch:
+class AllocatorWatch(StepWatch):
     """Counts steps and, every `every` of them, reads the allocator's retries on device (read: allocator_retries or
     a stand-in)."""
 
     def __init__(self, device, hint: str, every: int = 64, read: Callable[[object], int] = allocator_retries):
-        self.device, self.hint, self.every, self._read_device = device, hint, every, read
-        self._steps = 0
-        self._start = self._read()  # start-up's retries (weights, cache, warm-up) are not the steps'
+        self.device, self.hint, self._read_device = device, hint, read
         self._warned_at = 0
+        super().__init__(every)  # start-up's retries (weights, cache, warm-up) are not the steps'
 
-    def step(self) -> None:
-        self._steps += 1
-        if self._steps % self.every == 0:
-            self.check()
+    def _snapshot(self) -> int:
+        return self._read_device(self.device)
 
     def check(self) -> int:
         """The retries since the watch started; warns when they reach one, then twice those of the last warning."""
-        retries = self._read() - self._start
+        retries = self._snapshot() - self._seen
         if retries >= max(1, 2 * self._warned_at):
             log.warning("the CUDA caching allocator ran out of free memory and freed its cached blocks to retry %d "
                         "time(s) in %d steps; each retry stalls a step. %s", retries, self._steps, self.hint)
             self._warned_at = retries
         return retries
-
-    def _read(self) -> int:
-        return self._read_device(self.device)
