@@ -46,9 +46,11 @@ class PrefillPass:
 class SnapshotSplit:
     """Prefix caching's snapshot saves at a position inside a prefill chunk, made without cutting the step there.
 
-    The KDA layers run the prefill tokens in two passes, `heads` (every prefill sequence, those with a save only up
-    to its position) and then `tails` (the rest of those), and between them copy each such sequence's state into
-    its snapshot slot: the state after exactly `position` tokens. The MLA and MoE layers run the step whole."""
+    The KDA layers run their recurrence over the prefill tokens in two passes, `heads` (every prefill sequence, those
+    with a save only up to its position) and then `tails` (the rest of those), and between them copy each such
+    sequence's state into its snapshot slot: the state after exactly `position` tokens. Their short conv runs the
+    step whole: its state at a position is the inputs before it (rows starts..cuts), saved before the conv. The MLA
+    and MoE layers run the step whole."""
 
     heads: PrefillPass
     tails: PrefillPass
@@ -56,6 +58,9 @@ class SnapshotSplit:
     inverse: torch.Tensor | None
     state_slots: torch.Tensor  # [S] the split sequences' state slots...
     snapshot_slots: torch.Tensor  # [S] ...and the snapshot slots their states at the split go to
+    # [S] each split sequence's first row and its save position's row among the prefill tokens (x[num_decodes:])
+    starts: torch.Tensor
+    cuts: torch.Tensor
 
 
 @dataclass

@@ -20,6 +20,8 @@ outputs cross-checked (relative error against the first variant) so a fast wrong
                 GPU path before 2ecc16d) and the eager ops, from one token to a prefill chunk
   kda_prefill   a short prefill's KDA recurrence: our recurrent kernel against fla-core's chunked one (both include
                 the state copy each variant starts from), 1 to 512 tokens
+  activation    SwiGLU's silu(gate) * up: our one-pass Triton kernel against PyTorch's two ops, up to an 8k prefill
+                chunk's routed-expert rows
 
 Times are CUDA-graph replays (triton.testing.do_bench_cudagraph), in microseconds per call; with the bytes each
 variant must read, the achieved bandwidth. `--smoke` runs tiny shapes on the CPU (Triton through its interpreter)
@@ -494,7 +496,6 @@ def kda_prefill_rows(device: str, smoke: bool) -> list[dict]:
     kernel (kernels.kda.kda_recurrent_varlen: each program walks its sequence's tokens) against fla-core's chunked
     kernel, from the same states; where the first stops winning is kernels.kda.RECURRENT_PREFILL_MAX_LEN's
     measure. Smoke: the recurrent kernel through the interpreter at tiny shapes."""
-    from deltaserve.kernels.kda import kda_gate
     from deltaserve.kernels.kda.triton_decode import kda_recurrent_varlen
     from deltaserve.kernels.varlen import pack_seqs
 
@@ -515,15 +516,34 @@ def kda_prefill_rows(device: str, smoke: bool) -> list[dict]:
         if not smoke:
             from deltaserve.kernels.kda.fla_chunk import fla_chunk_kda
 
-            def chunked():
-                g, beta = kda_gate(g_raw, dt_bias, a_log), torch.sigmoid(b_raw.float())
-                return fla_chunk_kda(qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, scale, state.clone(), packed)
-
-            variants["fla chunk"] = chunked
+            variants["fla chunk"] = lambda: fla_chunk_kda(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b_raw, dt_bias,
+                                                          a_log, scale, state.clone(), packed)
         expected = variants["recurrent"]()
         for variant, fn in variants.items():
             emit("kda_prefill", rows, {"sequences": B, "tokens": T, "variant": variant, "us": timed(fn, device),
                                        "rel_err": rel_err(fn(), expected)})
+    return rows
+
+
+def activation_rows(device: str, smoke: bool) -> list[dict]:
+    """SwiGLU's activation silu(gate) * up over a projection's [T, 2I] output: kernels.activation's Triton kernel
+    against PyTorch's two ops (the GPU path before it), at the routed experts' rows of an 8k prefill chunk (8,192
+    tokens x 8 experts, I = 1,024), the shared expert's and the dense MLP's (I = 9,216). GB/s of the bytes the fused
+    pass must move (2I read, I written a row). Smoke: the kernel through the interpreter."""
+    from deltaserve.kernels.triton_activation import triton_silu_and_mul
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    rows = []
+    for T, I in ((3, 40), (2, 1100)) if smoke else ((64, 1024), (8192, 1024), (65536, 1024), (8192, 9216)):
+        x = torch.randn(T, 2 * I, device=device).to(dtype)
+        gate, up = x.chunk(2, dim=-1)
+        variants = {"triton": lambda: triton_silu_and_mul(x), "torch": lambda: F.silu(gate) * up}
+        expected = F.silu(gate.float()) * up.float()
+        for variant, fn in variants.items():
+            us = timed(fn, device)
+            emit("activation", rows, {"rows": T, "I": I, "variant": variant, "us": us,
+                                      "GBps": 3 * T * I * x.element_size() / us / 1e3,
+                                      "rel_err": rel_err(fn(), expected)})
     return rows
 
 
@@ -534,7 +554,8 @@ def _as_tuple(value) -> tuple:
 PARTS = {"mla_decode": mla_decode_rows, "mla_prefill": mla_prefill_rows, "fp8_experts": fp8_expert_rows,
          "decode_experts": decode_expert_rows, "batch_experts": batch_expert_rows, "gemv": gemv_rows,
          "router": router_rows, "norm_gemv": norm_gemv_rows,
-         "norms": norm_rows, "kda_prefill": kda_prefill_rows, "bookkeeping": bookkeeping_rows}
+         "norms": norm_rows, "kda_prefill": kda_prefill_rows, "bookkeeping": bookkeeping_rows,
+         "activation": activation_rows}
 
 
 def main() -> None:

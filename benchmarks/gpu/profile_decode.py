@@ -110,7 +110,8 @@ def report(prof, units: int, unit: str, top: int, num_gaps: int) -> dict:
           f"{idle['idle_us'] / units:.1f} us a {unit} ({idle['gaps_over_10us'] / units:.2f} gaps of over 10 us a "
           f"{unit}); the largest gaps:")
     for gap in idle["largest"]:
-        print(f"  {gap['us']:9.1f} us  after {gap['after'][:60]}  before {gap['before'][:60]}")
+        print(f"  {gap['us']:9.1f} us at {gap['at_us'] / 1000:7.2f} ms  after {gap['after'][:50]}  before "
+              f"{gap['before'][:50]}  host: {', '.join(gap['host'])}")
     print(f"{'us/' + unit[:7]:>11} {'calls':>6} {'us/call':>8}  kernel")
     rows = []
     for name, times in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]:
@@ -190,18 +191,27 @@ def _device_events(prof) -> list:
 
 def gpu_idle(prof, top: int) -> dict:
     """The GPU's idle time between its kernels and copies over the profile: total, span, gaps over 10 us, and the
-    `top` largest gaps with the names of the work on either side."""
+    `top` largest gaps with the names of the work on either side, where they fall (us from the first kernel) and
+    the host's operators that overlap each most (what the host was doing while the GPU waited)."""
     events = sorted(((e.time_range.start, e.time_range.end, e.name) for e in _device_events(prof)))
     gaps, idle, reach, last = [], 0.0, None, ""
     for start, end, name in events:
         if reach is not None and start > reach:
             idle += start - reach
-            gaps.append({"us": start - reach, "after": last, "before": name})
+            gaps.append({"us": start - reach, "at_us": reach - events[0][0], "after": last, "before": name,
+                         "window": (reach, start)})
         if reach is None or end > reach:
             reach, last = end, name
     span = (reach - events[0][0]) if events else 0.0
-    return {"idle_us": idle, "span_us": span, "gaps_over_10us": sum(g["us"] > 10 for g in gaps),
-            "largest": sorted(gaps, key=lambda g: -g["us"])[:top]}
+    largest = sorted(gaps, key=lambda g: -g["us"])[:top]
+    host = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CPU and e.name != "engine_step"]
+    for gap in largest:
+        a, b = gap.pop("window")
+        overlaps = sorted(((min(end, b) - max(start, a), name) for start, end, name in host if start < b and end > a),
+                          reverse=True)
+        gap["host"] = [f"{name[:40]} {us:.0f}" for us, name in overlaps[:3]]
+    return {"idle_us": idle, "span_us": span, "gaps_over_10us": sum(g["us"] > 10 for g in gaps), "largest": largest}
 
 
 def host_profile(engine, steps: int, top: int) -> str:

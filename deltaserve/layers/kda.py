@@ -10,7 +10,7 @@ from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
 from deltaserve.forward_batch import ForwardBatch
 from deltaserve.kernel_options import KernelOptions
 from deltaserve.kernels import cpu_gemv
-from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, conv_states_at
 from deltaserve.kernels.kda import kda_decode, kda_prefill
 from deltaserve.kernels.norm import gated_rms_norm
 from deltaserve.layers import linear
@@ -46,18 +46,26 @@ class KimiDeltaAttention(nn.Module):
         """forward() from in_proj's output [N, sum(split)] (the decoder layer may fuse its norm into in_proj)."""
         N, nd, H, K = projected.shape[0], batch.num_decodes, self.num_heads, self.head_dim
         qkv, fg_a, b = projected.split(self.split, dim=-1)  # [N, 3HK], [N, 2K], [N, H]
-        conv_parts = []
+        decodes = prefills = None  # (q, k, v) [n, H, K] each, after the conv
         if nd:
-            conv_parts.append(causal_conv1d_update(qkv[:nd], self.conv_weight, cache["conv"], batch.state_slots[:nd],
-                                                   self.kernels.pdl))
+            decodes = causal_conv1d_update(qkv[:nd], self.conv_weight, cache["conv"], batch.state_slots[:nd],
+                                           self.kernels.pdl).view(nd, 3, H, K).unbind(1)
         if N > nd:
-            conv_parts.append(_prefill_passes(
-                lambda seqs, x: causal_conv1d_varlen(x, self.conv_weight, cache["conv"], *seqs),
-                (qkv[nd:],), batch, cache, "conv"))
-        qkv = (conv_parts[0] if len(conv_parts) == 1 else torch.cat(conv_parts)).view(N, 3, H, K)
+            prefills = self._prefill_conv(qkv[nd:], batch, cache).unflatten(-1, (H, K)).unbind(1)
         g_raw, gate = self._gate_up_projections(fg_a, batched=projected.is_cuda and nd == N)
-        o = self._delta_rule(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b, batch, cache)
+        o = self._delta_rule(decodes, prefills, g_raw, b, batch, cache)
         return all_reduce(self._gated_norm_out(o, gate), self.parallel)
+
+    def _prefill_conv(self, qkv: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The prefill tokens' short conv, [Np, 3, HK]: q, k and v each contiguous on a GPU (conv1d's groups), as
+        fla-core's kernel takes them without a copy. A snapshot split's conv states at its save positions go to
+        their snapshot slots first: the conv itself runs the step whole."""
+        split = batch.snapshot_split
+        if split is not None:
+            conv_states_at(qkv, cache["conv"], cache["conv_snapshots"], split.state_slots, split.snapshot_slots,
+                           split.starts, split.cuts)
+        return causal_conv1d_varlen(qkv, self.conv_weight, cache["conv"], batch.state_slot_list[batch.num_decodes:],
+                                    batch.prefill_cu_seqlens(), batch.prefill, groups=3)
 
     def _gated_norm_out(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """o [N, H, K], gate [N, H*K] -> o_proj(gated_rms_norm(o, gate)); for one token on a GPU in one kernel
@@ -88,26 +96,28 @@ class KimiDeltaAttention(nn.Module):
         threads = linear.cpu_gemv_threads(self.kernels)
         return cpu_gemv.linear(fg_a[:, :K], w[0], threads), cpu_gemv.linear(fg_a[:, K:], w[1], threads)
 
-    def _delta_rule(self, q, k, v, g_raw, b_raw, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
-        """q, k, v [N, H, K] raw; g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V] in the layer's dtype (each part rounded
-        once from what its kernel returns)."""
+    def _delta_rule(self, decodes, prefills, g_raw, b_raw, batch: ForwardBatch,
+                    cache: dict[str, torch.Tensor]) -> torch.Tensor:
+        """decodes, prefills: (q, k, v) [n, H, K] raw, of the decode tokens and of the prefill tokens (None where the
+        step has none); g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V] in the layer's dtype (each part rounded once
+        from what its kernel returns)."""
         nd, scale = batch.num_decodes, self.head_dim ** -0.5
         params, state = (self.dt_bias, self.A_log), cache["recurrent"]
-        if nd == q.shape[0]:
-            o = kda_decode(q, k, v, g_raw, b_raw, *params, state, batch.state_slots, scale, self.kernels.pdl)
-            return o.to(v.dtype)
+        dtype = (decodes or prefills)[2].dtype
+        if prefills is None:
+            o = kda_decode(*decodes, g_raw, b_raw, *params, state, batch.state_slots, scale, self.kernels.pdl)
+            return o.to(dtype)
 
         def prefill_pass(seqs, *qkvgb):  # seqs: (state slots, cu_seqlens, packed)
             return kda_prefill(*qkvgb, *params, state, seqs[0], seqs[1], scale, seqs[2], self.kernels.pdl)
 
-        prefill = _prefill_passes(prefill_pass, (q[nd:], k[nd:], v[nd:], g_raw[nd:], b_raw[nd:]), batch, cache,
-                                  "recurrent")
-        if not nd:
-            return prefill.to(v.dtype)
-        o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        prefill = _prefill_passes(prefill_pass, (*prefills, g_raw[nd:], b_raw[nd:]), batch, cache, "recurrent")
+        if decodes is None:
+            return prefill.to(dtype)
+        o = torch.empty(g_raw.shape[0], *prefill.shape[1:], dtype=dtype, device=prefill.device)
         o[nd:] = prefill  # the decodes' and the prefills' state slots are disjoint: either may run first
-        o[:nd] = kda_decode(q[:nd], k[:nd], v[:nd], g_raw[:nd], b_raw[:nd], *params, state, batch.state_slots[:nd],
-                            scale, self.kernels.pdl)
+        o[:nd] = kda_decode(*decodes, g_raw[:nd], b_raw[:nd], *params, state, batch.state_slots[:nd], scale,
+                            self.kernels.pdl)
         return o
 
 
@@ -115,7 +125,8 @@ def _prefill_passes(run, inputs: tuple[torch.Tensor, ...], batch: ForwardBatch, 
                     name: str) -> torch.Tensor:
     """run((state slots, cu_seqlens, packed), *inputs) over the step's prefill tokens (inputs: per-token tensors of
     those), updating the state `name` of their slots. With a snapshot split, in its two passes, each split
-    sequence's state copied into its snapshot slot (cache[name + "_snapshots"]) between them."""
+    sequence's state copied into its snapshot slot (cache[name + "_snapshots"]) between them (the two passes'
+    packed sequences are the split's own, not batch.prefill)."""
     split = batch.snapshot_split
     if split is None:
         return run((batch.state_slot_list[batch.num_decodes:], batch.prefill_cu_seqlens(), batch.prefill), *inputs)

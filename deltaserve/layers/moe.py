@@ -3,13 +3,13 @@
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.distributed import SINGLE, ParallelConfig, all_reduce
 from deltaserve.kernel_options import KernelOptions
 from deltaserve.kernels import cpu_gemv
+from deltaserve.kernels.activation import silu_and_mul
 from deltaserve.kernels.moe import fused_experts, select_experts
 from deltaserve.kernels.moe.experts import FEW_ASSIGNMENTS_GPU
 from deltaserve.kernels.quant import FP8, fp8_fused_experts
@@ -33,8 +33,7 @@ class SwiGLU(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         return all_reduce(out, self.parallel) if self.reduce else out
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
@@ -63,6 +62,7 @@ class MoE(nn.Module):
                                if cfg.num_shared_experts else None)
         # called with each step's chosen expert ids [N, k] (all experts' ids) when set: bench's routing statistics
         self.routing_observer: Callable[[torch.Tensor], None] | None = None
+        self._router_bf16: torch.Tensor | None = None  # choose_router_gemm's
 
     def forward(self, x: torch.Tensor, in_graph: bool = False) -> torch.Tensor:
         """x [N, D] -> routed experts (scaled) + shared expert (unscaled), [N, D]. in_graph: ForwardBatch.in_graph."""
@@ -110,8 +110,20 @@ class MoE(nn.Module):
             from deltaserve.kernels.moe.triton_routing import router_logits
 
             return router_logits(x, self.gate_weight, pdl=self.kernels.pdl)
+        if x.dtype == torch.bfloat16 and self._router_bf16 is not None:  # choose_router_gemm's copy (a GPU)
+            return torch.mm(x, self._router_bf16.t(), out_dtype=torch.float32)
         # F.linear where cpu_gemv does not serve
         return cpu_gemv.linear(x.float(), self.gate_weight.float(), linear.cpu_gemv_threads(self.kernels))
+
+    def choose_router_gemm(self) -> None:
+        """Once the weights are loaded (KimiLinearForCausalLM.set_kernel_options): keep a bfloat16 copy of the
+        router's float32 weights where it holds them exactly (a checkpoint stored in bfloat16, as the published one
+        is, upcast at load; dummy weights are drawn so), on a GPU. Then a bf16 x's logits come from a tensor-core GEMM
+        with float32 output, each product exact as in float32 and summed in float32 (in another order than the
+        float32 GEMM, which runs on CUDA cores, ~13x slower at an 8k prefill chunk)."""
+        weight = self.gate_weight.detach()
+        as_bf16 = weight.bfloat16()
+        self._router_bf16 = as_bf16 if weight.is_cuda and torch.equal(as_bf16.float(), weight) else None
 
     def _router_gemv(self, x: torch.Tensor) -> bool:
         """Whether the router's logits come from our GEMV kernel: a few half-precision tokens on a GPU, one process

@@ -60,10 +60,13 @@ class KimiLinearForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def set_kernel_options(self, options: KernelOptions) -> None:
-        """The engine's kernel choices, on every layer that makes one (once, after the model is built)."""
+        """The engine's kernel choices, on every layer that makes one, and the routers' GEMM, which depends on their
+        weights (MoE.choose_router_gemm): once, after the weights are loaded."""
         for module in self.modules():
             if isinstance(getattr(type(module), "kernels", None), KernelOptions):
                 module.kernels = options
+            if isinstance(module, MoE):
+                module.choose_router_gemm()
 
     def cache_specs(self) -> list[MLAPageSpec | KDAStateSpec]:
         """Per layer, what its cache holds (this rank's share of it): KDA a state a request slot, MLA a paged latent."""

@@ -19,6 +19,7 @@ def cache_slot(block_ids: list[int], position: int, block_size: int) -> int:
     return block_ids[position // block_size] * block_size + position % block_size
 
 
+
 @dataclass
 class HostBatch:
     """A step's inputs as host lists, before they go to the device: the eager path turns them into a ForwardBatch
@@ -90,10 +91,10 @@ class HostBatch:
             state_slots=tensor(self.state_slots), block_tables=self._device_table(device),
             context_lens=tensor(self.context_lens), num_decodes=sum(n == 1 for n in self.query_lens),
             query_lens=self.query_lens, start_positions=self.start_positions, state_slot_list=self.state_slots)
-        if self.snapshot_splits:  # the KDA layers run its passes instead of the prefill whole
-            batch.snapshot_split = self._snapshot_split(batch.num_decodes, batch.prefill_cu_seqlens(), device)
-        elif device.type == "cuda" and batch.num_decodes < batch.num_seqs:
+        if device.type == "cuda" and batch.num_decodes < batch.num_seqs:
             batch.prefill = pack_seqs(self.state_slots[batch.num_decodes:], batch.prefill_cu_seqlens(), device)
+        if self.snapshot_splits:  # the KDA recurrence runs its passes instead of the prefill whole
+            batch.snapshot_split = self._snapshot_split(batch.num_decodes, batch.prefill_cu_seqlens(), device)
         return tensor(self.input_ids), batch
 
     def _device_table(self, device: torch.device) -> torch.Tensor:
@@ -106,7 +107,7 @@ class HostBatch:
         """The KDA layers' two passes over the prefill tokens for snapshot_splits (forward_batch.SnapshotSplit)."""
         at = {seq: (tokens, snapshot) for seq, tokens, snapshot in self.snapshot_splits}
         passes = {"heads": ([], [], [0]), "tails": ([], [], [0])}  # rows, state slots, offsets
-        split_slots, snapshot_slots = [], []
+        split_slots, snapshot_slots, starts, cuts = [], [], [], []
         for seq in range(num_decodes, self.num_seqs):
             first, last = cu_seqlens[seq - num_decodes], cu_seqlens[seq - num_decodes + 1]
             cut = first + at[seq][0] if seq in at else last
@@ -119,6 +120,8 @@ class HostBatch:
             if seq in at:
                 split_slots.append(self.state_slots[seq])
                 snapshot_slots.append(at[seq][1])
+                starts.append(first)
+                cuts.append(cut)
         tensor = lambda x: to_device(x, torch.int64, device)  # noqa: E731
         packed = lambda slots, cu: pack_seqs(slots, cu, device) if device.type == "cuda" else None  # noqa: E731
         heads, tails = (PrefillPass(_rows(rows, tensor), slots, cu, packed(slots, cu))
@@ -127,7 +130,8 @@ class HostBatch:
         # the outputs' rows put back in token order (a permutation's inverse is its argsort); none when only the
         # last prefill sequence is split
         inverse = None if order == list(range(len(order))) else tensor(order).argsort()
-        return SnapshotSplit(heads, tails, inverse, tensor(split_slots), tensor(snapshot_slots))
+        return SnapshotSplit(heads, tails, inverse, tensor(split_slots), tensor(snapshot_slots), tensor(starts),
+                             tensor(cuts))
 
 
 def _rows(rows: list[int], tensor) -> torch.Tensor | slice:

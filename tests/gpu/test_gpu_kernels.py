@@ -51,6 +51,8 @@ def test_triton_kda_decode_matches_torch_twin(B, dtype, K):
 
 @pytest.mark.parametrize("lengths", [[1], [63, 64, 65], [200, 1, 17]])
 def test_fla_chunk_prefill_matches_torch_chunk(lengths):
+    """fla-core's chunked kernel, its gate and beta formed inside from the raw projections, against our float32
+    chunked path (kda_gate, sigmoid) from the same states."""
     pytest.importorskip("fla.ops.kda")
     from deltaserve.kernels.kda.fla_chunk import fla_chunk_kda
 
@@ -58,11 +60,12 @@ def test_fla_chunk_prefill_matches_torch_chunk(lengths):
     H, K, S = 4, 128, 8
     cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
     qkv, g_raw, b_raw, dt_bias, a_log = kda_inputs(sum(lengths), H, K, torch.bfloat16, gen)
-    g, beta = kda_gate(g_raw, dt_bias, a_log), torch.sigmoid(b_raw).float()
+    g, beta = kda_gate(g_raw, dt_bias, a_log), torch.sigmoid(b_raw.float())
     state = torch.randn(S, H, K, K, generator=gen, device=DEV) * 0.1
     twin_state = state.clone()
     slots = list(range(1, len(lengths) + 1))
-    o = fla_chunk_kda(qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, K ** -0.5, state, pack_seqs(slots, cu, DEV))
+    o = fla_chunk_kda(qkv[:, 0], qkv[:, 1], qkv[:, 2], g_raw, b_raw, dt_bias, a_log, K ** -0.5, state,
+                      pack_seqs(slots, cu, DEV))
     o_twin = chunk_kda(l2norm(qkv[:, 0]), l2norm(qkv[:, 1]), qkv[:, 2].float(), g, beta, K ** -0.5, twin_state,
                        slots, cu)
     assert rel_err(o, o_twin) < 2e-2
@@ -269,6 +272,30 @@ def test_triton_conv_varlen_matches_naive(lengths, dtype):
     assert torch.equal(state[others], before[others])
 
 
+def test_triton_conv_varlen_in_groups_and_states_at_match_twins():
+    """The 48B shape's conv with q, k and v stored apart (each contiguous, the twin's values) and conv states
+    partway into snapshot slots (a cut at the first token, one inside the kernel's width, a long one), compiled."""
+    from deltaserve.kernels.conv1d import causal_conv1d_varlen, conv_states_at
+
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    C, W, lengths = 3 * 32 * 128, 4, [700, 2, 90]
+    cu = torch.tensor([0] + lengths).cumsum(0).tolist()
+    x = torch.randn(cu[-1], C + 64, generator=gen, device=DEV).to(torch.bfloat16)[:, :C]
+    weight = torch.randn(C, W, generator=gen, device=DEV).to(torch.bfloat16)
+    state = torch.randn(5, C, W - 1, generator=gen, device=DEV).to(torch.bfloat16)
+    snapshots = torch.zeros(4, C, W - 1, device=DEV, dtype=torch.bfloat16)
+    twin_state, twin_snapshots = state.cpu().float(), snapshots.cpu().float()
+    index = lambda values: torch.tensor(values, device=DEV)  # noqa: E731
+    args = index([4, 0, 2]), index([1, 3, 0]), index([0, 701, 702]), index([0, 702, 740])
+    conv_states_at(x, state, snapshots, *args)
+    conv_states_at(x.cpu().float(), twin_state, twin_snapshots, *(a.cpu() for a in args))
+    assert torch.equal(snapshots.cpu().float(), twin_snapshots)
+    y = causal_conv1d_varlen(x, weight, state, [4, 0, 2], cu, groups=3)
+    want = causal_conv1d_varlen(x.cpu().float(), weight.cpu().float(), twin_state, [4, 0, 2], cu, groups=3)
+    assert all(y[:, g].is_contiguous() for g in range(3)) and rel_err(y, want) < 1e-2
+    assert torch.equal(state.cpu().float(), twin_state.bfloat16().float())
+
+
 @pytest.mark.parametrize("T,E,k", [(1, 256, 8), (3, 64, 8), (2, 16, 2)])
 @pytest.mark.parametrize("with_shared", [False, True])
 def test_triton_decode_experts_match_naive(T, E, k, with_shared):
@@ -463,3 +490,44 @@ def test_slot_sum_kernel_is_torch_sum(T, slots):
     y = torch.randn(T, slots, 2304, generator=torch.Generator(device=DEV).manual_seed(T), device=DEV)
     assert rel_err(_sum_slots(y, torch.float32), y.sum(1)) < 1e-6
     assert mostly_equal(_sum_slots(y, torch.bfloat16), y.sum(1).to(torch.bfloat16), ulps=1)
+
+
+@pytest.mark.parametrize("M,I", [(1, 1024), (300, 1024), (4099, 1408), (65, 9216)])
+def test_silu_and_mul_kernel_is_one_rounding_of_float32(M, I):
+    """SwiGLU's activation kernel (the grouped experts' [tokens x k, 2I], the dense MLP's 2 x 9,216) against the
+    float32 product rounded once."""
+    from deltaserve.kernels.activation import silu_and_mul
+
+    gen = torch.Generator(device=DEV).manual_seed(M)
+    x = (torch.randn(M, 2 * I, generator=gen, device=DEV) * 4).to(torch.bfloat16)
+    gate, up = x.float().chunk(2, dim=-1)
+    assert within_ulps(silu_and_mul(x), (torch.nn.functional.silu(gate) * up).bfloat16(), 1)
+
+
+def test_router_logits_from_bf16_weights_match_float32():
+    """The router's tensor-core GEMM (MoE.choose_router_gemm) where bfloat16 holds its weights, as dummy weights
+    are drawn: the float32 GEMM's logits up to the order of summation, for a prefill chunk's rows; weights bf16 does
+    not hold keep the float32 GEMM."""
+    import json
+
+    from helpers.checkpoints import CONFIG_48B
+
+    from deltaserve.config import ModelConfig
+    from deltaserve.kernel_options import KernelOptions
+    from deltaserve.layers.moe import MoE
+    from deltaserve.loader.model_loader import build_model, init_dummy_weights
+
+    raw = json.loads(CONFIG_48B.read_text())
+    raw["num_hidden_layers"] = 2  # a dense layer and one MoE layer of the 48B shape
+    raw["linear_attn_config"] = {**raw["linear_attn_config"], "kda_layers": [1], "full_attn_layers": [2]}
+    model = build_model(ModelConfig.from_dict(raw), torch.bfloat16, DEV)
+    init_dummy_weights(model, 0)
+    model.set_kernel_options(KernelOptions())
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    assert moe._router_bf16 is not None
+    x = torch.randn(3000, raw["hidden_size"], device=DEV).bfloat16()
+    assert rel_err(moe._router_logits(x), torch.nn.functional.linear(x.float(), moe.gate_weight)) < 1e-5
+    moe.gate_weight.data += 1e-5  # no longer values of bfloat16
+    moe.choose_router_gemm()
+    assert moe._router_bf16 is None
+    assert torch.equal(moe._router_logits(x), torch.nn.functional.linear(x.float(), moe.gate_weight))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen
+from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, conv_states_at
 from deltaserve.kernels.kda.naive import naive_causal_conv1d
 
 D = 12
@@ -126,3 +126,23 @@ def test_naive_is_silu_of_a_causal_weighted_sum():
     y, state = naive_causal_conv1d(x, weight)
     torch.testing.assert_close(y, expected, **TOL)
     torch.testing.assert_close(state, x[-2:].t(), **TOL)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_states_at_equal_the_state_a_varlen_pass_leaves(width):
+    """conv_states_at's state for x[start:end] is the state causal_conv1d_varlen leaves after those inputs, from
+    the same slot: at cuts before, inside and past the kernel's width, the cut at the first token included."""
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(40, D, generator=gen)
+    weight = torch.randn(D, width, generator=gen)
+    pool = conv_pool(gen, width, [1, 2, 4])
+    snapshots = torch.full((NUM_SLOTS, D, width - 1), POISON)
+    bounds = [(1, 0, 0), (2, 5, 6), (4, 10, 33)]  # (slot, start, end)
+    slots, starts, ends = (torch.tensor(column) for column in zip(*bounds))
+    conv_states_at(x, pool, snapshots, slots, torch.tensor([3, 0, 5]), starts, ends)
+    for (slot, start, end), snapshot in zip(bounds, [3, 0, 5]):
+        after = pool.clone()
+        if end > start:  # no tokens: the state as it was
+            causal_conv1d_varlen(x[start:end], weight, after, [slot], [0, end - start])
+        assert torch.equal(snapshots[snapshot], after[slot])
+    check_untouched(snapshots, [3, 0, 5])

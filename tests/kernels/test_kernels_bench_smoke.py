@@ -28,7 +28,8 @@ def kernels_bench():
                                          ("fp8_experts", ["rel_err_dequantized"]), ("decode_experts", ["rel_err"]),
                                          ("batch_experts", ["rel_err"]),
                                          ("norm_gemv", ["rel_err"]), ("norms", ["rel_err"]),
-                                         ("kda_prefill", ["rel_err"]), ("bookkeeping", ["rel_err"])])
+                                         ("kda_prefill", ["rel_err"]), ("bookkeeping", ["rel_err"]),
+                                         ("activation", ["rel_err"])])
 def test_each_part_runs_and_its_variants_agree(kernels_bench, part, errors):
     rows = kernels_bench.PARTS[part]("cpu", smoke=True)
     assert rows

@@ -17,7 +17,9 @@ from helpers.kernels import (
 require_triton_interpreter()
 
 from deltaserve.kernels import triton_norm  # noqa: E402
-from deltaserve.kernels.conv1d_triton import conv1d_update, conv1d_varlen  # noqa: E402
+from deltaserve.kernels.activation import silu_and_mul  # noqa: E402
+from deltaserve.kernels.conv1d import causal_conv1d_varlen, conv_states_at  # noqa: E402
+from deltaserve.kernels.conv1d_triton import conv1d_states_at, conv1d_update, conv1d_varlen  # noqa: E402
 from deltaserve.kernels.gemv import GEMV_TILES, gemv  # noqa: E402
 from deltaserve.kernels.kda import fused_recurrent_kda, kda_gate, kda_prefill, l2norm  # noqa: E402
 from deltaserve.kernels.kda.naive import naive_causal_conv1d  # noqa: E402
@@ -40,6 +42,7 @@ from deltaserve.kernels.moe.triton_decode import _sum_slots, decode_experts  # n
 from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, router_logits, triton_topk  # noqa: E402
 from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
 from deltaserve.kernels.norm_gemv import add_norm_gemv, gated_norm_gemv, naive_add_norm_linear, naive_gated_norm_linear  # noqa: E402
+from deltaserve.kernels.triton_activation import triton_silu_and_mul  # noqa: E402
 from deltaserve.kernels.triton_copy import triton_copy_rows  # noqa: E402
 from deltaserve.kernels.varlen import pack_seqs  # noqa: E402
 
@@ -136,6 +139,41 @@ def test_conv_varlen_kernels_match_naive(W, lengths):
         assert torch.equal(state[slot], state_ref)
     others = [s for s in range(S) if s not in slots.tolist()]
     assert torch.equal(state[others], before[others])
+
+
+@pytest.mark.parametrize("groups,C", [(3, 3 * 40), (2, 2 * 130)])
+def test_conv_varlen_kernel_stores_channel_groups_apart(groups, C):
+    """groups > 1 (KDA's q, k and v): the twin's values, each group's [N, C / groups] contiguous, and the states
+    as with one group."""
+    gen = torch.Generator().manual_seed(C)
+    lengths, W = [3, 40, 1], 4
+    cu = torch.tensor([0] + lengths).cumsum(0).tolist()
+    x = torch.randn(cu[-1], C + 5, generator=gen)[:, :C]
+    weight = torch.randn(C, W, generator=gen)
+    state = torch.randn(5, C, W - 1, generator=gen)
+    twin_state = state.clone()
+    y = conv1d_varlen(x, weight, state, pack_seqs([4, 0, 2], cu, torch.device("cpu")), groups=groups)
+    want = causal_conv1d_varlen(x, weight, twin_state, [4, 0, 2], cu, groups=groups)  # a CPU tensor: the twin
+    assert y.shape == (cu[-1], groups, C // groups) and all(y[:, g].is_contiguous() for g in range(groups))
+    assert rel_err(y, want) < 1e-5 and torch.equal(state, twin_state)
+
+
+@pytest.mark.parametrize("W", [4, 2])
+def test_conv_states_at_kernel_matches_twin(W):
+    """Conv states partway through sequences into snapshot slots, as the torch twin writes them: a cut before the
+    first token (the old state whole), cuts shorter than the kernel (part old state, part inputs), longer ones;
+    the states themselves and the other snapshot slots untouched."""
+    gen = torch.Generator().manual_seed(W)
+    C, N = 300, 60
+    x = torch.randn(N, C + 7, generator=gen)[:, :C]
+    state, snapshots = torch.randn(6, C, W - 1, generator=gen), torch.randn(5, C, W - 1, generator=gen)
+    slots, snapshot_slots = torch.tensor([5, 1, 3, 0]), torch.tensor([2, 4, 0, 1])
+    starts, ends = torch.tensor([0, 10, 20, 50]), torch.tensor([0, 11, 40, 52])
+    before, want = state.clone(), snapshots.clone()
+    conv_states_at(x, state, want, slots, snapshot_slots, starts, ends)  # CPU tensors: the twin
+    conv1d_states_at(x, state, snapshots, slots, snapshot_slots, starts, ends)
+    assert torch.equal(snapshots, want) and torch.equal(state, before)
+    assert torch.equal(snapshots[2], state[5]) and torch.equal(snapshots[0][:, -1], x[39])
 
 
 def test_conv_varlen_kernels_with_no_tokens_leave_the_states():
@@ -581,3 +619,25 @@ def test_block_experts_with_no_tokens():
     out = block_experts(x, torch.randn(4, 8, 16), torch.randn(4, 16, 4), torch.rand(0, 2),
                         torch.zeros(0, 2, dtype=torch.long))
     assert out.shape == (0, 16)
+
+
+@pytest.mark.parametrize("M,I", [(1, 8), (7, 1000), (3, 1500), (0, 16)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_and_mul_kernel_matches_twin(M, I, dtype):
+    """SwiGLU's activation from strided rows (a column slice of a wider tensor), at widths around the kernel's
+    block: rounded once from float32, so within an ulp of the float32 product and two of the torch twin's two
+    roundings; the output contiguous."""
+    gen = torch.Generator().manual_seed(M * I)
+    x = (torch.randn(M, 2 * I + 6, generator=gen) * 4).to(dtype)[:, : 2 * I]
+    y = triton_silu_and_mul(x)
+    gate, up = x.float().chunk(2, dim=-1)
+    assert y.dtype == dtype and y.shape == (M, I) and y.is_contiguous()
+    assert within_ulps(y, (torch.nn.functional.silu(gate) * up).to(dtype), 1)
+    assert within_ulps(y, silu_and_mul(x), 2)  # a CPU tensor: the twin
+
+
+def test_silu_and_mul_kernel_refuses_an_odd_or_strided_last_dim():
+    with pytest.raises(ValueError, match="even last dim"):
+        triton_silu_and_mul(torch.zeros(2, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="unit stride"):
+        triton_silu_and_mul(torch.zeros(8, 2, dtype=torch.bfloat16).t())

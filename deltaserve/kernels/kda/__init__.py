@@ -42,12 +42,12 @@ def kda_prefill(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: list[
 
         packed = packed or pack_seqs(state_slots, cu_seqlens, q.device)
         return kda_recurrent_varlen(q, k, v, g_raw, b_raw, dt_bias, a_log, state, packed, scale, pdl)
-    g, beta = kda_gate(g_raw, dt_bias, a_log), torch.sigmoid(b_raw).float()
-    if path == "fla":
+    if path == "fla":  # the gate and beta's sigmoid formed inside fla-core's kernels
         from deltaserve.kernels.kda.fla_chunk import fla_chunk_kda
 
         packed = packed or pack_seqs(state_slots, cu_seqlens, q.device)
-        return fla_chunk_kda(q, k, v, g, beta, scale, state, packed)
+        return fla_chunk_kda(q, k, v, g_raw, b_raw, dt_bias, a_log, scale, state, packed)
+    g, beta = kda_gate(g_raw, dt_bias, a_log), torch.sigmoid(b_raw).float()
     return chunk_kda(l2norm(q), l2norm(k), v.float(), g, beta, scale, state, state_slots, cu_seqlens)
 
 

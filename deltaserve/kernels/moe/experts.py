@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.kernels import cpu_gemv
+from deltaserve.kernels.activation import silu_and_mul
 
 _FEW_ASSIGNMENTS = 64  # up to this many (token, expert) pairs, group on the host: fewer ops for decode steps
 FEW_ASSIGNMENTS_GPU = 32  # up to this many pairs, one GEMV per pair beats sorting for a grouped GEMM
@@ -153,8 +154,8 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
 
 def _grouped_swiglu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """rows sorted by expert, offsets [E] int32 (run ends) -> each row through its expert's SwiGLU MLP."""
-    gate, up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offsets)
+    act = silu_and_mul(torch._grouped_mm(rows, w13.transpose(1, 2), offs=offsets))
+    return torch._grouped_mm(act, w2.transpose(1, 2), offs=offsets)
 
 
 def _weighted_sum(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
