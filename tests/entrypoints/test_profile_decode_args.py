@@ -1,5 +1,5 @@
-"""benchmarks/gpu/profile_decode.py refuses bad counts right after parsing, before it starts any engine (so this runs
-without a GPU)."""
+"""benchmarks/gpu/profile_decode.py and prefill_ab.py refuse bad counts right after parsing, before they start any
+engine (so this runs without a GPU)."""
 
 import subprocess
 import sys
@@ -17,3 +17,11 @@ def test_bad_counts_are_refused_before_any_engine(flag, value):
     assert result.returncode == 2
     assert "--burst and --steps must be at least 1, --prefill-len at least 0" in result.stderr
     assert f"{flag} {value}" in result.stderr  # the value given
+
+
+@pytest.mark.parametrize("flag,value", [("--prompt-len", "0"), ("--reps", "0")])
+def test_prefill_ab_refuses_bad_counts_before_any_engine(flag, value):
+    script = SCRIPT.parent / "prefill_ab.py"
+    result = subprocess.run([sys.executable, str(script), "--config", "unused.json", flag, value],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "must be at least 1" in result.stderr and value in result.stderr
