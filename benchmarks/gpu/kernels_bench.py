@@ -22,6 +22,8 @@ outputs cross-checked (relative error against the first variant) so a fast wrong
                 the state copy each variant starts from), 1 to 512 tokens
   activation    SwiGLU's silu(gate) * up: our one-pass Triton kernel against PyTorch's two ops, up to an 8k prefill
                 chunk's routed-expert rows
+  conv          KDA's short conv over a prefill chunk: the interior tiles' path against the general one, q, k and v
+                stored apart against together
 
 Times are CUDA-graph replays (triton.testing.do_bench_cudagraph), in microseconds per call; with the bytes each
 variant must read, the achieved bandwidth. `--smoke` runs tiny shapes on the CPU (Triton through its interpreter)
@@ -547,6 +549,35 @@ def activation_rows(device: str, smoke: bool) -> list[dict]:
     return rows
 
 
+def conv_rows(device: str, smoke: bool) -> list[dict]:
+    """KDA's short conv over a prefill chunk's packed sequences (12,288 channels: q, k and v of 32 heads of 128, read
+    from in_proj's strided output): the kernel as the layer runs it (q, k and v stored apart; tiles past a sequence's
+    first through the interior path), with every tile through the general path, and with one output group. GB/s of
+    the inputs read and outputs written once. Smoke: the interpreter at tiny shapes."""
+    from deltaserve.kernels.conv1d_triton import conv1d_varlen
+    from deltaserve.kernels.varlen import pack_seqs
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    C, W = (3 * 32, 4) if smoke else (3 * 32 * 128, 4)
+    rows = []
+    for lengths in ([40], [3, 33]) if smoke else ([512], [8192], [512] * 16):
+        N = sum(lengths)
+        cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
+        x = torch.randn(N, C + 288, device=device).to(dtype)[:, :C]
+        weight = torch.randn(C, W, device=device).to(dtype)
+        state = torch.randn(len(lengths) + 1, C, W - 1, device=device).to(dtype)
+        packed = pack_seqs(list(range(1, len(lengths) + 1)), cu, torch.device(device))
+        variants = {"groups 3, interior": lambda: conv1d_varlen(x, weight, state.clone(), packed, 3),
+                    "groups 3, general": lambda: conv1d_varlen(x, weight, state.clone(), packed, 3, interior=False),
+                    "groups 1, interior": lambda: conv1d_varlen(x, weight, state.clone(), packed).view(N, 3, -1)}
+        expected = variants["groups 3, general"]()
+        for variant, fn in variants.items():
+            us = timed(fn, device)
+            emit("conv", rows, {"tokens": N, "sequences": len(lengths), "variant": variant, "us": us,
+                                "GBps": 2 * N * C * x.element_size() / us / 1e3, "rel_err": rel_err(fn(), expected)})
+    return rows
+
+
 def _as_tuple(value) -> tuple:
     return value if isinstance(value, tuple) else (value,)
 
@@ -555,7 +586,7 @@ PARTS = {"mla_decode": mla_decode_rows, "mla_prefill": mla_prefill_rows, "fp8_ex
          "decode_experts": decode_expert_rows, "batch_experts": batch_expert_rows, "gemv": gemv_rows,
          "router": router_rows, "norm_gemv": norm_gemv_rows,
          "norms": norm_rows, "kda_prefill": kda_prefill_rows, "bookkeeping": bookkeeping_rows,
-         "activation": activation_rows}
+         "activation": activation_rows, "conv": conv_rows}
 
 
 def main() -> None:

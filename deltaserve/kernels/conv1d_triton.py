@@ -46,29 +46,41 @@ def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 @triton.jit
 def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, cu_ptr, tiles_ptr, y_ptr, x_stride, y_group_stride,
                         C: tl.constexpr, W: tl.constexpr, GROUP_C: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
+                        BLOCK_C: tl.constexpr, INTERIOR: tl.constexpr):
     """y[t] = silu(sum_j w[:, j] * input[t - (W-1) + j]) for a tile of one sequence's tokens (tiles_ptr: its
     sequence and first token), the inputs before the sequence's first token read from its state slot (which this
     kernel leaves as it was). Channel ch is stored in group ch // GROUP_C, each group a contiguous [N, GROUP_C] at
-    y_group_stride elements from the one before (GROUP_C = C: one group, y [N, C])."""
+    y_group_stride elements from the one before (GROUP_C = C: one group, y [N, C]). INTERIOR: a tile whose taps all
+    lie inside its sequence (all but a sequence's first) reads x alone, with no state addresses or masks."""
     pid_t, pid_c = tl.program_id(0), tl.program_id(1)
     seq, first = tl.load(tiles_ptr + 2 * pid_t), tl.load(tiles_ptr + 2 * pid_t + 1)
     start, end = tl.load(cu_ptr + seq), tl.load(cu_ptr + seq + 1)
-    slot = tl.load(slots_ptr + seq).to(tl.int64)
     t = start + first + tl.arange(0, BLOCK_T)
     ch = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     rows, cols = (t < end)[:, None], (ch < C)[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    for j in tl.static_range(W):
-        src = t - (W - 1) + j  # the input this tap reads: in the sequence, or the state's entry (W-1) + (src-start)
-        inside = (src >= start)[:, None]
-        value = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :], mask=rows & cols & inside,
-                        other=0.0).to(tl.float32)
-        value += tl.load(state_ptr + (slot * C + ch[None, :]) * (W - 1) + (W - 1 + src - start)[:, None],
-                         mask=rows & cols & ~inside, other=0.0).to(tl.float32)
-        acc += value * tl.load(w_ptr + ch * W + j, mask=ch < C, other=0.0).to(tl.float32)[None, :]
-    out = (ch // GROUP_C).to(tl.int64)[None, :] * y_group_stride + t[:, None].to(tl.int64) * GROUP_C \
-        + (ch % GROUP_C)[None, :]
+    if INTERIOR and first >= W - 1:
+        for j in tl.static_range(W):
+            src = t - (W - 1) + j
+            value = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :], mask=rows & cols,
+                            other=0.0).to(tl.float32)
+            acc += value * tl.load(w_ptr + ch * W + j, mask=ch < C, other=0.0).to(tl.float32)[None, :]
+    else:
+        slot = tl.load(slots_ptr + seq).to(tl.int64)
+        for j in tl.static_range(W):
+            src = t - (W - 1) + j  # the input this tap reads: in the sequence, or the state's entry (W-1) + (src-start)
+            inside = (src >= start)[:, None]
+            value = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :], mask=rows & cols & inside,
+                            other=0.0).to(tl.float32)
+            value += tl.load(state_ptr + (slot * C + ch[None, :]) * (W - 1) + (W - 1 + src - start)[:, None],
+                             mask=rows & cols & ~inside, other=0.0).to(tl.float32)
+            acc += value * tl.load(w_ptr + ch * W + j, mask=ch < C, other=0.0).to(tl.float32)[None, :]
+    if GROUP_C % BLOCK_C == 0:  # the program's channels lie in one group: its offset a scalar, the store contiguous
+        group = (pid_c * BLOCK_C) // GROUP_C
+        out = group.to(tl.int64) * y_group_stride + t[:, None].to(tl.int64) * GROUP_C + (ch - group * GROUP_C)[None, :]
+    else:
+        out = (ch // GROUP_C).to(tl.int64)[None, :] * y_group_stride + t[:, None].to(tl.int64) * GROUP_C \
+            + (ch % GROUP_C)[None, :]
     tl.store(y_ptr + out, acc * tl.sigmoid(acc), mask=rows & cols)
 
 
@@ -100,11 +112,12 @@ _VARLEN_BLOCK_C = 128
 
 
 def conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, packed: PackedSeqs,
-                  groups: int = 1) -> torch.Tensor:
+                  groups: int = 1, interior: bool = True) -> torch.Tensor:
     """Packed sequences: x [N, C] (rows may be strided), weight [C, W], conv_state [S, C, W-1] in place, packed: the
     sequences' state slots, offsets and token tiles on x's device -> silu(conv) in x's dtype: [N, C], or with groups
     > 1 [N, groups, C / groups], each group's [N, C / groups] contiguous (stored group by group). Two launches: the
-    conv (reading the old states), then the states. Twin: kernels.conv1d.causal_conv1d_varlen's torch path."""
+    conv (reading the old states), then the states. Twin: kernels.conv1d.causal_conv1d_varlen's torch path.
+    interior False: every tile through the general path (kernels_bench's comparison)."""
     N, C = x.shape
     W, B = weight.shape[1], packed.state_slots.shape[0]
     _check(x, conv_state)
@@ -118,7 +131,7 @@ def conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
         grid = (packed.token_tiles.shape[0], triton.cdiv(C, _VARLEN_BLOCK_C))
         _conv_varlen_kernel[grid](x, weight, conv_state, packed.state_slots, packed.cu_seqlens, packed.token_tiles,
                                   y, x.stride(0), N * G, C=C, W=W, GROUP_C=G, BLOCK_T=TOKEN_TILE,
-                                  BLOCK_C=_VARLEN_BLOCK_C, num_warps=4)
+                                  BLOCK_C=_VARLEN_BLOCK_C, INTERIOR=interior, num_warps=4)
         _states(x, conv_state, packed.state_slots, conv_state, packed.state_slots, packed.cu_seqlens[:-1],
                 packed.cu_seqlens[1:])
     return y[0] if groups == 1 else y.transpose(0, 1)

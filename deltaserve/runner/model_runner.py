@@ -32,7 +32,7 @@ from deltaserve.layers.moe import MoE
 from deltaserve.loader.model_loader import DTYPES, build_model, init_dummy_weights, load_model
 from deltaserve.runner.caches import allocate_caches
 from deltaserve.runner.cuda_graph import DecodeGraphs, graph_width
-from deltaserve.runner.host_batch import ROW_COPY_MIN_PAGES, HostBatch, cache_slot
+from deltaserve.runner.host_batch import ROW_COPY_MIN_PAGES, HostBatch, cache_slots
 from deltaserve.runner.logprobs import prompt_logprobs
 from deltaserve.runner.startup import phase
 from deltaserve.runner.step_sampler import PendingOutput, RequestState, StepSampler
@@ -356,7 +356,7 @@ class ModelRunner:
                 known = known + [0]
             ids.extend(known)
             positions.extend(range(start, start + n))
-            slots.extend(cache_slot(state.block_ids, p, bs) for p in range(start, start + n))
+            slots.extend(cache_slots(state.block_ids, start, n, bs))
             query_lens.append(n)
             starts.append(start)
         states = [self.requests[r] for r in order]

@@ -141,10 +141,11 @@ def test_conv_varlen_kernels_match_naive(W, lengths):
     assert torch.equal(state[others], before[others])
 
 
-@pytest.mark.parametrize("groups,C", [(3, 3 * 40), (2, 2 * 130)])
-def test_conv_varlen_kernel_stores_channel_groups_apart(groups, C):
+@pytest.mark.parametrize("groups,C", [(3, 3 * 40), (2, 2 * 130), (3, 3 * 128)])  # 128: a program's block a group's
+@pytest.mark.parametrize("interior", [True, False])
+def test_conv_varlen_kernel_stores_channel_groups_apart(groups, C, interior):
     """groups > 1 (KDA's q, k and v): the twin's values, each group's [N, C / groups] contiguous, and the states
-    as with one group."""
+    as with one group; tiles past a sequence's first through the interior path or the general one alike."""
     gen = torch.Generator().manual_seed(C)
     lengths, W = [3, 40, 1], 4
     cu = torch.tensor([0] + lengths).cumsum(0).tolist()
@@ -152,7 +153,7 @@ def test_conv_varlen_kernel_stores_channel_groups_apart(groups, C):
     weight = torch.randn(C, W, generator=gen)
     state = torch.randn(5, C, W - 1, generator=gen)
     twin_state = state.clone()
-    y = conv1d_varlen(x, weight, state, pack_seqs([4, 0, 2], cu, torch.device("cpu")), groups=groups)
+    y = conv1d_varlen(x, weight, state, pack_seqs([4, 0, 2], cu, torch.device("cpu")), groups, interior)
     want = causal_conv1d_varlen(x, weight, twin_state, [4, 0, 2], cu, groups=groups)  # a CPU tensor: the twin
     assert y.shape == (cu[-1], groups, C // groups) and all(y[:, g].is_contiguous() for g in range(groups))
     assert rel_err(y, want) < 1e-5 and torch.equal(state, twin_state)

@@ -72,3 +72,28 @@ def test_an_engine_on_row_copied_tables_gives_the_tokens_of_the_list_path(make_l
         outputs[path] = token_ids(llm.generate(as_inputs(prompts), params, use_tqdm=False))
     assert outputs["rows"] == outputs["lists"]
     assert all(len(tokens) == 12 for tokens in outputs["rows"])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cache_slots_of_a_chunk_are_each_tokens_cache_slot(seed):
+    """A chunk's slots a run a page equal cache_slot a token, at ragged starts and counts (within a page, across
+    several, none)."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 16, 64])
+    pages = [rng.randrange(100_000) for _ in range(40)]
+    for _ in range(30):
+        start = rng.randrange(20 * block_size)
+        count = rng.randint(0, 20 * block_size - start // 2)
+        assert host_batch.cache_slots(pages, start, count, block_size) == [
+            host_batch.cache_slot(pages, p, block_size) for p in range(start, start + count)]
+
+
+@pytest.mark.parametrize("values", [list(range(5, 5 + 300)), [True, False] * 200, [-(2 ** 62)] * 256, [3] * 255])
+def test_long_int_lists_reach_the_device_through_a_buffer_as_torch_tensor_makes_them(values):
+    """to_device's buffer path (int64 lists of BUFFER_MIN_LEN or more) gives torch.tensor's tensor, and owns its
+    memory once the list is gone."""
+    from deltaserve.kernels.varlen import to_device
+
+    want = torch.tensor(values, dtype=torch.int64)
+    got = to_device(list(values), torch.int64, "cpu")
+    assert got.dtype == torch.int64 and torch.equal(got, want)
