@@ -2,7 +2,8 @@
 environment or a module global below the CLI).
 
 The engine makes it from EngineConfig (cpu_gemv, norm_gemv, pdl) and the run's CPU threads, and sets it on the
-model's layers once they are built (models.kimi_linear.KimiLinearForCausalLM.set_kernel_options). A choice changes
+model's layers once their weights are loaded (models.kimi_linear.KimiLinearForCausalLM.set_kernel_options, which also
+has each MoE layer choose its router's GEMM from its weights). A choice changes
 which kernel takes a sum, so it may change the last bits of a result, never its meaning."""
 
 from __future__ import annotations

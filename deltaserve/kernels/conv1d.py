@@ -51,7 +51,7 @@ def causal_conv1d_varlen(
         y[cu_seqlens[b]: cu_seqlens[b + 1]] = F.conv1d(padded[None], weight[:, None, :], groups=D)[0].t()
         conv_state[slot] = padded[:, padded.shape[1] - (W - 1):]
     y = F.silu(y)
-    return y if groups == 1 else y.view(y.shape[0], groups, -1)
+    return y if groups == 1 else y.view(y.shape[0], groups, D // groups)
 
 
 def conv_states_at(x: torch.Tensor, conv_state: torch.Tensor, snapshots: torch.Tensor, state_slots: torch.Tensor,

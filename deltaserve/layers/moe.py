@@ -119,11 +119,14 @@ class MoE(nn.Module):
         """Once the weights are loaded (KimiLinearForCausalLM.set_kernel_options): keep a bfloat16 copy of the
         router's float32 weights where it holds them exactly (a checkpoint stored in bfloat16, as the published one
         is, upcast at load; dummy weights are drawn so), on a GPU. Then a bf16 x's logits come from a tensor-core GEMM
-        with float32 output, each product exact as in float32 and summed in float32 (in another order than the
-        float32 GEMM, which runs on CUDA cores, ~13x slower at an 8k prefill chunk)."""
+        with float32 output, each product exact as in float32 and accumulated in float32 (in another order than the
+        float32 GEMM, which runs on CUDA cores, ~9x slower at an 8k prefill chunk: BENCHMARKS.md, stop 51). Weights
+        changed later need this called again. Not for float16 models (their activations are not bf16)."""
         weight = self.gate_weight.detach()
-        as_bf16 = weight.bfloat16()
-        self._router_bf16 = as_bf16 if weight.is_cuda and torch.equal(as_bf16.float(), weight) else None
+        self._router_bf16 = None
+        if weight.is_cuda and self.w13.dtype != torch.float16:
+            as_bf16 = weight.bfloat16()
+            self._router_bf16 = as_bf16 if torch.equal(as_bf16.float(), weight) else None
 
     def _router_gemv(self, x: torch.Tensor) -> bool:
         """Whether the router's logits come from our GEMV kernel: a few half-precision tokens on a GPU, one process

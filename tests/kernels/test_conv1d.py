@@ -146,3 +146,15 @@ def test_states_at_equal_the_state_a_varlen_pass_leaves(width):
             causal_conv1d_varlen(x[start:end], weight, after, [slot], [0, end - start])
         assert torch.equal(snapshots[snapshot], after[slot])
     check_untouched(snapshots, [3, 0, 5])
+
+
+def test_varlen_in_groups_is_a_view_of_the_whole_and_takes_no_tokens():
+    """groups > 1 on the CPU: the same values, viewed [N, groups, D / groups]; a step with no prefill tokens too."""
+    gen = torch.Generator().manual_seed(5)
+    x, weight = torch.randn(9, D, generator=gen), torch.randn(D, 4, generator=gen)
+    pool_a = conv_pool(gen, 4, [1])
+    pool_b = pool_a.clone()
+    y = causal_conv1d_varlen(x, weight, pool_a, [1], [0, 9], groups=3)
+    assert y.shape == (9, 3, D // 3) and torch.equal(y.reshape(9, D), causal_conv1d_varlen(x, weight, pool_b, [1],
+                                                                                            [0, 9]))
+    assert causal_conv1d_varlen(x[:0], weight, pool_a, [], [0], groups=3).shape == (0, 3, D // 3)

@@ -1,6 +1,7 @@
 """A step's block table: copied from each request's page tensor (RequestState.page_row) when it is wide, converted from
 the lists when narrow; both give the same tensor, with or without a (stale) staging block to write into."""
 
+import gc
 import random
 
 import pytest
@@ -96,4 +97,5 @@ def test_long_int_lists_reach_the_device_through_a_buffer_as_torch_tensor_makes_
 
     want = torch.tensor(values, dtype=torch.int64)
     got = to_device(list(values), torch.int64, "cpu")
+    gc.collect()  # the list and the array made from it are gone: the tensor keeps its buffer
     assert got.dtype == torch.int64 and torch.equal(got, want)
