@@ -117,11 +117,11 @@ class MoE(nn.Module):
 
     def choose_router_gemm(self) -> None:
         """Once the weights are loaded (KimiLinearForCausalLM.set_kernel_options): keep a bfloat16 copy of the
-        router's float32 weights where it holds them exactly (a checkpoint stored in bfloat16, as the published one
-        is, upcast at load; dummy weights are drawn so), on a GPU. Then a bf16 x's logits come from a tensor-core GEMM
-        with float32 output, each product exact as in float32 and accumulated in float32 (in another order than the
-        float32 GEMM, which runs on CUDA cores, ~9x slower at an 8k prefill chunk: BENCHMARKS.md, stop 51). Weights
-        changed later need this called again. Not for float16 models (their activations are not bf16)."""
+        router's float32 weights where it holds them exactly (a checkpoint stored in bfloat16, the published config's
+        torch_dtype, upcast at load; dummy weights are drawn so), on a GPU. Then a bf16 x's logits come from a
+        tensor-core GEMM with float32 output, each product exact as in float32 and accumulated in float32 (in another
+        order than the float32 GEMM, which runs on CUDA cores, ~9x slower at an 8k prefill chunk: BENCHMARKS.md, stop
+        51). Weights changed later need this called again. Not for float16 models (their activations are not bf16)."""
         weight = self.gate_weight.detach()
         self._router_bf16 = None
         if weight.is_cuda and self.w13.dtype != torch.float16:

@@ -149,7 +149,8 @@ def init_dummy_weights(model: KimiLinearForCausalLM, seed: int = 0, std: float =
             data.normal_(1.0, 0.1, generator=gen)
         elif leaf == "gate_weight":  # routers: logits of std ~1, far from ties and from saturation
             data.normal_(0.0, data.shape[-1] ** -0.5, generator=gen)
-            # values a bfloat16 checkpoint holds, as the published one's (layers/moe.py's router GEMM keys on it)
+            # values a bfloat16 checkpoint holds (the published config's torch_dtype; layers/moe.py's router GEMM
+            # keys on it)
             data.copy_(data.bfloat16().float())
         else:
             data.normal_(0.0, std, generator=gen)
