@@ -85,6 +85,11 @@ class _Submitted:
 _L2NORM_BUCKET_ROWS = 65536
 
 
+# the KDA prefill's recurrent kernel takes a step whose longest prompt has at most this many tokens, fla-core's chunked
+# kernel a longer one (kernels.kda.RECURRENT_PREFILL_MAX_LEN; tests/core/test_prefill_warmup.py checks they agree)
+MIXED_WARMUP_SHORT_PROMPT = 32
+
+
 def prefill_warmup_lengths(max_tokens: int, kda_heads: int) -> list[int]:
     """Step token counts that meet every prefill path and length bucket of a step of up to max_tokens tokens: a
     short step (our recurrent kernel, up to 32 tokens) and one ending each l2norm bucket (fla-core's chunked KDA), the
@@ -382,10 +387,11 @@ class Engine:
 
     def warm_up_prefill(self) -> None:
         """Run one prefill step of each of prefill_warmup_lengths' token counts (random prompts, one token generated
-        each; a count past the model's length split over several prompts of one step), so that the prefill kernels
-        compile and tune at every length bucket a step of up to max_num_batched_tokens meets, before the engine takes
-        requests; then save what tuned and zero the step counters. The prompts' pages stay in the prefix cache until
-        evicted, like any finished request's."""
+        each; a count past the model's length split over several prompts of one step), then steps mixing decodes
+        with a prompt (_warm_up_mixed_steps), so that the prefill kernels compile and tune at every length bucket a
+        step of up to max_num_batched_tokens meets, and the kernel variants a server's mixed steps take are built,
+        before the engine takes requests; then save what tuned and zero the step counters. The prompts' pages stay
+        in the prefix cache until evicted, like any finished request's."""
         cfg, longest = self.config, self.max_model_len - 1  # a prompt's most tokens, with one generated
         # the largest step there can be: the budget, or max_num_seqs prompts of the model's length
         totals = prefill_warmup_lengths(min(cfg.max_num_batched_tokens, cfg.max_num_seqs * longest),
@@ -398,16 +404,47 @@ class Engine:
                 count = min(cfg.max_num_seqs, -(-total // longest))
                 for i in range(count):  # count prompts of one step, their lengths summing to total where they can
                     length = min(longest, total // count + (i < total % count))
-                    self.add_request([rng.randrange(self.model_config.vocab_size) for _ in range(length)], params)
+                    self.add_request(self._random_prompt(rng, length), params)
                 while self.has_unfinished_requests():
                     self.step()
+            mixed = self._warm_up_mixed_steps(rng, params)
             info["detail"] = "steps of " + ", ".join(map(str, totals)) + " prompt tokens"
+            if mixed:
+                info["detail"] += "; decodes beside a prompt (decodes+tokens): " + ", ".join(mixed)
             if self._compile_watch is not None:
                 info["detail"] += "; " + compile_watch.COUNTS.since(compiles).describe()
         self.save_tuning()
         for watch in self._watches:  # the serving steps count from 1
             watch.rebase()  # what the warm-up tuned, compiled or retried is the phase's (saved, logged above)
         self.step_totals = {"decode": StepTotals(), "prefill": StepTotals()}
+
+    def _warm_up_mixed_steps(self, rng: random.Random, params: SamplingParams) -> list[str]:
+        """Steps that mix decodes with a prefill, as a server's do while prompts arrive: 1, 2 and 3 requests decoding
+        beside a prompt of ragged length on each side of MIXED_WARMUP_SHORT_PROMPT (our recurrent KDA kernel's limit,
+        and fla-core's chunked path). The prefill's tensors are then slices past the decodes' rows, whose pointers
+        Triton specializes by their alignment, and the decodes run eagerly at counts of their own: kernel variants
+        the prefill-only steps do not build (a GPU test found 12 built while serving, BENCHMARKS.md stop 51). None
+        with one sequence at a time; prompts within the step budget and the model's length. Returns "decodes+prompt
+        tokens" of each mixed round run."""
+        cfg, longest = self.config, self.max_model_len - 1
+        decoding = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)  # first token, then three decodes
+        rounds = []
+        for count in range(1, min(3, cfg.max_num_seqs - 1) + 1):
+            for length in (MIXED_WARMUP_SHORT_PROMPT - 8 + count, MIXED_WARMUP_SHORT_PROMPT + 8 + count):
+                length = min(length, longest, cfg.max_num_batched_tokens - count)
+                if length < 2 or longest < 3:
+                    continue
+                for _ in range(count):
+                    self.add_request(self._random_prompt(rng, 2), decoding)
+                self.step()  # their prompts (and first tokens): they decode in the steps that follow
+                self.add_request(self._random_prompt(rng, length), params)
+                while self.has_unfinished_requests():
+                    self.step()
+                rounds.append(f"{count}+{length}")
+        return rounds
+
+    def _random_prompt(self, rng: random.Random, length: int) -> list[int]:
+        return [rng.randrange(self.model_config.vocab_size) for _ in range(length)]
 
     def save_tuning(self) -> None:
         """Save the kernels' autotuning decisions made since the watch last looked to the machine's file (on a GPU),

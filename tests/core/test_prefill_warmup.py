@@ -64,7 +64,7 @@ def test_a_step_total_past_the_model_length_is_split_over_prompts_of_one_step(ma
     llm = make_llm(max_num_batched_tokens=200, max_model_len=64, max_num_seqs=8)
     # buckets of 100 tokens: steps of 16, 17, 100, 192, 199 and 200 prompt tokens
     llm.engine.model_config = dataclasses.replace(llm.engine.model_config, kda_num_heads=65536 // 100)
-    assert warmup_steps(llm) == [16, 17, 100, 192, 199, 200]
+    assert warmup_steps(llm)[:6] == [16, 17, 100, 192, 199, 200]  # then the mixed steps
 
 
 def test_the_warmup_steps_are_no_larger_than_a_step_can_be(make_llm, caplog):
@@ -88,3 +88,38 @@ def warmup_steps(llm) -> list[int]:
     llm.engine.scheduler.schedule = recording_schedule
     llm.engine.warm_up_prefill()
     return [n for n in scheduled if n > 1]
+
+
+def test_the_warmup_mixes_decodes_with_a_prompt_on_each_side_of_the_recurrent_kernels_limit(make_llm, caplog):
+    """After the prefill-only steps, 1, 2 and 3 requests decode beside a prompt of ragged length, one each side of
+    the recurrent KDA kernel's 32 tokens (the prefill's tensors then slices past the decodes' rows, as in a server's
+    steps); the engine is left empty, and the log names the rounds."""
+    from deltaserve.core.engine import MIXED_WARMUP_SHORT_PROMPT
+    from deltaserve.kernels.kda import RECURRENT_PREFILL_MAX_LEN
+
+    assert MIXED_WARMUP_SHORT_PROMPT == RECURRENT_PREFILL_MAX_LEN
+    llm = make_llm(max_num_batched_tokens=200, max_model_len=128, max_num_seqs=4)
+    caplog.set_level(logging.INFO, logger="deltaserve")
+    steps = []
+    schedule = llm.engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        steps.append(sorted(out.num_scheduled_tokens.values()))
+        return out
+
+    llm.engine.scheduler.schedule = recording_schedule
+    llm.engine.warm_up_prefill()
+    # (decodes, prompt tokens) of the steps of one prompt beside one-token decodes
+    mixed = {(len(step) - 1, step[-1]) for step in steps if len(step) > 1 and step[-1] > 1 and step[-2] == 1}
+    assert mixed >= {(1, 25), (1, 41), (2, 26), (2, 42), (3, 27), (3, 43)}
+    assert "decodes beside a prompt (decodes+tokens): 1+25, 1+41, 2+26, 2+42, 3+27, 3+43" in caplog.text
+    assert not llm.engine.has_unfinished_requests()
+    assert all(t.steps == 0 and t.tokens == 0 for t in llm.engine.step_totals.values())
+
+
+def test_one_sequence_at_a_time_runs_no_mixed_step(make_llm, caplog):
+    llm = make_llm(max_num_batched_tokens=200, max_model_len=64, max_num_seqs=1)
+    caplog.set_level(logging.INFO, logger="deltaserve")
+    llm.engine.warm_up_prefill()
+    assert "decodes beside a prompt" not in caplog.text
