@@ -118,15 +118,15 @@ class HostBatch:
     def _snapshot_split(self, num_decodes: int, cu_seqlens: list[int], device: torch.device) -> SnapshotSplit:
         """The KDA layers' two passes over the prefill tokens for snapshot_splits (forward_batch.SnapshotSplit)."""
         at = {seq: (tokens, snapshot) for seq, tokens, snapshot in self.snapshot_splits}
-        passes = {"heads": ([], [], [0]), "tails": ([], [], [0])}  # rows, state slots, offsets
+        passes = {"heads": ([], [], [0]), "tails": ([], [], [0])}  # row runs (a, b), state slots, offsets
         split_slots, snapshot_slots, starts, cuts = [], [], [], []
         for seq in range(num_decodes, self.num_seqs):
             first, last = cu_seqlens[seq - num_decodes], cu_seqlens[seq - num_decodes + 1]
             cut = first + at[seq][0] if seq in at else last
             parts = [("heads", first, cut)] + ([("tails", cut, last)] if seq in at else [])
             for name, a, b in parts:
-                rows, slots, cu = passes[name]
-                rows.extend(range(a, b))
+                runs, slots, cu = passes[name]
+                runs.append((a, b))
                 slots.append(self.state_slots[seq])
                 cu.append(cu[-1] + b - a)
             if seq in at:
@@ -136,16 +136,49 @@ class HostBatch:
                 cuts.append(cut)
         tensor = lambda x: to_device(x, torch.int64, device)  # noqa: E731
         packed = lambda slots, cu: pack_seqs(slots, cu, device) if device.type == "cuda" else None  # noqa: E731
-        heads, tails = (PrefillPass(_rows(rows, tensor), slots, cu, packed(slots, cu))
-                        for rows, slots, cu in passes.values())
+        heads, tails = (PrefillPass(_rows(runs, tensor), slots, cu, packed(slots, cu))
+                        for runs, slots, cu in passes.values())
         order = passes["heads"][0] + passes["tails"][0]
-        # the outputs' rows put back in token order (a permutation's inverse is its argsort); none when only the
-        # last prefill sequence is split
-        inverse = None if order == list(range(len(order))) else tensor(order).argsort()
+        # the outputs' rows put back in token order; none when only the last prefill sequence is split
+        inverse = None if _consecutive(order, 0) else tensor(_inverse(order))
         return SnapshotSplit(heads, tails, inverse, tensor(split_slots), tensor(snapshot_slots), tensor(starts),
                              tensor(cuts))
 
 
-def _rows(rows: list[int], tensor) -> torch.Tensor | slice:
-    """rows as a slice where they are consecutive (a view of the tokens, no gather), else as an index tensor."""
-    return slice(rows[0], rows[-1] + 1) if rows == list(range(rows[0], rows[0] + len(rows))) else tensor(rows)
+def _rows(runs: list[tuple[int, int]], tensor) -> torch.Tensor | slice:
+    """Row runs [a, b) as a slice where they follow one another (a view of the tokens, no gather), else as an index
+    tensor. Kept as runs until then: a step's rows are its prefill tokens, 8,192 at the default budget."""
+    held = [(a, b) for a, b in runs if a < b]
+    start = held[0][0] if held else 0
+    return slice(start, held[-1][1] if held else 0) if _consecutive(held, start) else tensor(_expand(held))
+
+
+def _consecutive(runs: list[tuple[int, int]], start: int) -> bool:
+    """Whether the runs, in order, cover start, start + 1, ... without a gap or a repeat (empty runs hold no row)."""
+    for a, b in runs:
+        if a == b:
+            continue
+        if a != start:
+            return False
+        start = b
+    return True
+
+
+def _expand(runs: list[tuple[int, int]]) -> list[int]:
+    rows = []
+    for a, b in runs:
+        rows.extend(range(a, b))
+    return rows
+
+
+def _inverse(runs: list[tuple[int, int]]) -> list[int]:
+    """For runs that together hold rows 0..N-1 once each: where each row lies in their concatenation (the inverse
+    of the permutation the runs spell, a range a run)."""
+    placed, offset = [], 0
+    for a, b in runs:
+        placed.append((a, b, offset))
+        offset += b - a
+    inverse = []
+    for a, b, at in sorted(placed):
+        inverse.extend(range(at, at + b - a))
+    return inverse

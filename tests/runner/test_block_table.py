@@ -99,3 +99,38 @@ def test_long_int_lists_reach_the_device_through_a_buffer_as_torch_tensor_makes_
     got = to_device(list(values), torch.int64, "cpu")
     gc.collect()  # the list and the array made from it are gone: the tensor keeps its buffer
     assert got.dtype == torch.int64 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_row_runs_give_the_slice_or_index_the_rows_would(seed):
+    """A snapshot split's rows kept as runs: a slice where they follow one another, else the rows themselves."""
+    rng = random.Random(seed)
+    for _ in range(50):
+        runs, start = [], rng.randrange(5)
+        first = start
+        for _ in range(rng.randint(1, 5)):
+            start += rng.choice([0, 0, 1, 3]) if rng.random() < 0.3 else 0  # sometimes a gap
+            length = rng.randint(0, 6)
+            runs.append((start, start + length))
+            start += length
+        rows = [r for a, b in runs for r in range(a, b)]
+        got = host_batch._rows(runs, lambda x: torch.tensor(x))
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))) or not rows:
+            assert isinstance(got, slice) and list(range(100))[got] == rows
+        else:
+            assert torch.equal(got, torch.tensor(rows))
+        assert host_batch._expand(runs) == rows and host_batch._consecutive(runs, first) == (
+            rows == list(range(first, first + len(rows))))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_inverse_of_row_runs_is_the_argsort_of_their_rows(seed):
+    """A split step's rows in heads-then-tails order put back in token order: runs of a shuffled partition."""
+    rng = random.Random(seed)
+    for _ in range(30):
+        cuts = sorted(rng.sample(range(1, 60), rng.randint(1, 8)))
+        runs = list(zip([0] + cuts, cuts + [60]))
+        runs += [(a, a) for a, _ in runs[: rng.randint(0, 2)]]  # empty runs hold no row
+        rng.shuffle(runs)
+        rows = torch.tensor(host_batch._expand(runs))
+        assert host_batch._inverse(runs) == rows.argsort().tolist()
