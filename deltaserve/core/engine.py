@@ -429,10 +429,12 @@ class Engine:
         cfg, longest = self.config, self.max_model_len - 1
         decoding = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)  # first token, then three decodes
         rounds = []
+        if longest < 3:  # a decoding request (a two-token prompt) needs room for its first token and one decode
+            return rounds
         for count in range(1, min(3, cfg.max_num_seqs - 1) + 1):
             for length in (MIXED_WARMUP_SHORT_PROMPT - 8 + count, MIXED_WARMUP_SHORT_PROMPT + 8 + count):
                 length = min(length, longest, cfg.max_num_batched_tokens - count)
-                if length < 2 or longest < 3:
+                if length < 2:
                     continue
                 for _ in range(count):
                     self.add_request(self._random_prompt(rng, 2), decoding)

@@ -77,17 +77,23 @@ def test_the_warmup_steps_are_no_larger_than_a_step_can_be(make_llm, caplog):
 
 
 def warmup_steps(llm) -> list[int]:
-    """The prompt tokens of each step llm's warm-up ran (its scheduler's outputs, read as they are made)."""
+    """The prompt tokens of each step llm's warm-up ran that was not a lone decode."""
+    return [n for n in map(sum, warmup_schedules(llm)) if n > 1]
+
+
+def warmup_schedules(llm) -> list[list[int]]:
+    """The tokens of each request in each step llm's warm-up ran, ascending (its scheduler's outputs, read as they are
+    made)."""
     scheduled, schedule = [], llm.engine.scheduler.schedule
 
     def recording_schedule():
         out = schedule()
-        scheduled.append(out.total_num_scheduled_tokens)
+        scheduled.append(sorted(out.num_scheduled_tokens.values()))
         return out
 
     llm.engine.scheduler.schedule = recording_schedule
     llm.engine.warm_up_prefill()
-    return [n for n in scheduled if n > 1]
+    return scheduled
 
 
 def test_the_warmup_mixes_decodes_with_a_prompt_on_each_side_of_the_recurrent_kernels_limit(make_llm, caplog):
@@ -100,16 +106,7 @@ def test_the_warmup_mixes_decodes_with_a_prompt_on_each_side_of_the_recurrent_ke
     assert MIXED_WARMUP_SHORT_PROMPT == RECURRENT_PREFILL_MAX_LEN
     llm = make_llm(max_num_batched_tokens=200, max_model_len=128, max_num_seqs=4)
     caplog.set_level(logging.INFO, logger="deltaserve")
-    steps = []
-    schedule = llm.engine.scheduler.schedule
-
-    def recording_schedule():
-        out = schedule()
-        steps.append(sorted(out.num_scheduled_tokens.values()))
-        return out
-
-    llm.engine.scheduler.schedule = recording_schedule
-    llm.engine.warm_up_prefill()
+    steps = warmup_schedules(llm)
     # (decodes, prompt tokens) of the steps of one prompt beside one-token decodes
     mixed = {(len(step) - 1, step[-1]) for step in steps if len(step) > 1 and step[-1] > 1 and step[-2] == 1}
     assert mixed >= {(1, 25), (1, 41), (2, 26), (2, 42), (3, 27), (3, 43)}
