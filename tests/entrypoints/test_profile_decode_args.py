@@ -1,5 +1,5 @@
-"""benchmarks/gpu/profile_decode.py and prefill_ab.py refuse bad counts right after parsing, before they start any
-engine (so this runs without a GPU)."""
+"""benchmarks/gpu/profile_decode.py, prefill_ab.py and benchmarks/host_prefill_inputs.py refuse bad counts right after
+parsing, before they start any engine (so this runs without a GPU)."""
 
 import subprocess
 import sys
@@ -25,3 +25,13 @@ def test_prefill_ab_refuses_bad_counts_before_any_engine(flag, value):
     result = subprocess.run([sys.executable, str(script), "--config", "unused.json", flag, value],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "must be at least 1" in result.stderr and value in result.stderr
+
+
+def test_host_prefill_inputs_runs_and_refuses_a_short_step():
+    script = SCRIPT.parents[1] / "host_prefill_inputs.py"
+    ran = subprocess.run([sys.executable, str(script), "--tokens", "256", "--reps", "1"], capture_output=True,
+                         text=True, timeout=120)
+    assert ran.returncode == 0 and "snapshot split, 16 prompt(s) split" in ran.stdout, ran.stderr
+    refused = subprocess.run([sys.executable, str(script), "--tokens", "100"], capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and "--tokens must be at least 256" in refused.stderr and "100" in refused.stderr
