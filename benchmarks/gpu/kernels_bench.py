@@ -208,7 +208,7 @@ def mla_prefill_rows(device: str, smoke: bool) -> list[dict]:
             name: lambda *a, name=name, **kw: attention_lse(*a, **kw, backend=name) for name in BACKENDS}
         for name, attend in backends.items():
             fused = lambda attend=attend: mla_prefill_fused(  # noqa: E731
-                q[..., :Dn], q[..., Dn:], expand, scale, start, 65536, attend=attend)
+                q, expand, scale, start, 65536, attend=attend)
             try:
                 row[f"{name}_rel_err"] = rel_err(fused(), reference)
             except RuntimeError as e:  # this build has no such kernel for these shapes
@@ -549,6 +549,30 @@ def activation_rows(device: str, smoke: bool) -> list[dict]:
     return rows
 
 
+def keys_rows(device: str, smoke: bool) -> list[dict]:
+    """MLA prefill's keys [L, 32, 192] from kv_b_proj's k_nope columns and the latents' shared k_rope:
+    kernels.mla.keys' Triton pass against torch.cat of the broadcast k_rope (the path before it), at an 8k chunk's
+    own keys and a long prefill's block of 65,536 cached keys. GB/s of the k_nope and k_rope read and the keys
+    written once. Smoke: the kernel through the interpreter."""
+    from deltaserve.kernels.mla.triton_keys import triton_expand_keys
+
+    dtype = torch.bfloat16
+    H, DN, DV, R, DR = (2, 8, 8, 16, 4) if smoke else (32, 128, 128, 512, 64)
+    rows = []
+    for L in (3, 40) if smoke else (8192, 65536):
+        kv = torch.randn(L, H, DN + DV, device=device).to(dtype)
+        latents = torch.randn(L, R + DR, device=device).to(dtype)
+        k_nope, k_rope = kv[..., :DN], latents[:, R:]
+        variants = {"triton": lambda: triton_expand_keys(k_nope, k_rope),
+                    "cat": lambda: torch.cat([k_nope, k_rope[:, None].expand(-1, H, -1)], dim=-1)}
+        expected = variants["cat"]()
+        for variant, fn in variants.items():
+            us = timed(fn, device)
+            emit("keys", rows, {"keys": L, "variant": variant, "us": us, "rel_err": rel_err(fn(), expected),
+                                "GBps": L * (H * (2 * DN + DR) + DR) * kv.element_size() / us / 1e3})
+    return rows
+
+
 def conv_rows(device: str, smoke: bool) -> list[dict]:
     """KDA's short conv over a prefill chunk's packed sequences (12,288 channels: q, k and v of 32 heads of 128, read
     from in_proj's strided output): the kernel as the layer runs it (q, k and v stored apart; tiles past a sequence's
@@ -586,7 +610,7 @@ PARTS = {"mla_decode": mla_decode_rows, "mla_prefill": mla_prefill_rows, "fp8_ex
          "decode_experts": decode_expert_rows, "batch_experts": batch_expert_rows, "gemv": gemv_rows,
          "router": router_rows, "norm_gemv": norm_gemv_rows,
          "norms": norm_rows, "kda_prefill": kda_prefill_rows, "bookkeeping": bookkeeping_rows,
-         "activation": activation_rows, "conv": conv_rows}
+         "activation": activation_rows, "conv": conv_rows, "keys": keys_rows}
 
 
 def main() -> None:

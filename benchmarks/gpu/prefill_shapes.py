@@ -62,7 +62,8 @@ def main(argv=None) -> None:
     now_attend = functools.partial(padded, attention_lse_naive) if args.smoke else _cudnn  # smoke: the padding too
     before_attend = attention_lse_naive if args.smoke else _cudnn_as_is
     plans = {
-        "now": lambda qn, qr, s: mla_prefill_fused(qn, qr, expand, Dn ** -0.5, s, 65536, attend=now_attend),
+        "now": lambda qn, qr, s: mla_prefill_fused(torch.cat([qn, qr], -1), expand, Dn ** -0.5, s, 65536,
+                                                   attend=now_attend),
         "before": lambda qn, qr, s, run=plan_before(before_attend): run(qn, qr, expand, Dn ** -0.5, s),
     }
     times = {name: [[], []] for name in plans}

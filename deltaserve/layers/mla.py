@@ -13,6 +13,7 @@ from deltaserve.forward_batch import ForwardBatch
 from deltaserve.kernel_options import KernelOptions
 from deltaserve.kernels.cache_ops import to_latent_cache, write_latents
 from deltaserve.kernels.mla import (
+    expand_keys,
     gather_latents,
     merge_blocks,
     mla_decode,
@@ -69,8 +70,8 @@ class MultiheadLatentAttention(nn.Module):
         row = nd
         for i in range(nd, batch.num_seqs):
             n, start = batch.query_lens[i], batch.start_positions[i]
-            out[row: row + n] = self._prefill(q_nope[row: row + n], q_rope[row: row + n], latents[row: row + n],
-                                              cache["latent"], batch.block_tables[i], start)
+            out[row: row + n] = self._prefill(q[row: row + n], latents[row: row + n], cache["latent"],
+                                              batch.block_tables[i], start)
             row += n
         return all_reduce(self.o_proj(out.view(N, H * self.v_dim)), self.parallel)
 
@@ -83,18 +84,19 @@ class MultiheadLatentAttention(nn.Module):
                               self.kernels.pdl)
         return (o_latent.transpose(0, 1) @ w[:, self.nope_dim:].transpose(1, 2)).transpose(0, 1)  # [B, H, Dv]
 
-    def _prefill(self, q_nope, q_rope, new_latents: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+    def _prefill(self, q: torch.Tensor, new_latents: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                  start: int) -> torch.Tensor:
-        """Expanded: the chunk's latents [T, R+Dr] and the start cached ones -> per-head keys and values, causal
-        attention from position start. Half precision on a GPU: fused kernels, the cached keys gathered and
-        expanded FUSED_PREFILL_KEY_BLOCK at a time. Otherwise (the exact regime: the reference's order of
-        operations) one softmax over all keys, or past EXPANDED_PREFILL_MAX_KEYS of context, the keys expanded and
-        attended PREFILL_KEY_BLOCK at a time."""
-        if q_nope.is_cuda and q_nope.dtype != torch.float32:
+        """Expanded: the chunk's queries q [T, H, Dn+Dr] (a view of in_proj's output), its latents [T, R+Dr] and the
+        start cached ones -> per-head keys and values, causal attention from position start. Half precision on a
+        GPU: fused kernels, taking q as it lies, the cached keys gathered and expanded FUSED_PREFILL_KEY_BLOCK at a
+        time. Otherwise (the exact regime: the reference's order of operations) one softmax over all keys, or past
+        EXPANDED_PREFILL_MAX_KEYS of context, the keys expanded and attended PREFILL_KEY_BLOCK at a time."""
+        if q.is_cuda and q.dtype != torch.float32:
             if cache.dtype == torch.float8_e4m3fn:  # the chunk's own keys as the cache keeps them, as every later
-                new_latents = to_latent_cache(new_latents).to(q_nope.dtype)  # step and the CPU path read them
+                new_latents = to_latent_cache(new_latents).to(q.dtype)  # step and the CPU path read them
             expand = functools.partial(self._expand_positions, new_latents, cache, block_table, start)
-            return mla_prefill_fused(q_nope, q_rope, expand, self.scale, start, FUSED_PREFILL_KEY_BLOCK)
+            return mla_prefill_fused(q, expand, self.scale, start, FUSED_PREFILL_KEY_BLOCK)
+        q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim:]
         latents = gather_latents(cache, block_table, start + q_nope.shape[0], dtype=q_nope.dtype)
         if latents.shape[0] > EXPANDED_PREFILL_MAX_KEYS:
             return self._prefill_blockwise(q_nope, q_rope, latents, start)
@@ -122,7 +124,7 @@ class MultiheadLatentAttention(nn.Module):
     def _expand_keys(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latents [L, R+Dr] -> (keys [L, H, Dn+Dr]: k_nope beside the shared k_rope, values [L, H, Dv])."""
         k_nope, k_rope, v = self._expand(latents)
-        return torch.cat([k_nope, k_rope[:, None, :].expand(-1, self.num_heads, -1)], dim=-1), v
+        return expand_keys(k_nope, k_rope), v
 
     def _expand(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """latents [L, R+Dr] -> (k_nope [L, H, Dn], k_rope [L, Dr], v [L, H, Dv])."""

@@ -223,7 +223,7 @@ def test_fused_mla_prefill_matches_naive(T, start, block):
         kv = (part[:, :R] @ w_kv_b.t()).view(part.shape[0], H, Dn + Dv).bfloat16()
         return torch.cat([kv[..., :Dn], part[:, None, R:].expand(-1, H, -1).bfloat16()], dim=-1), kv[..., Dn:]
 
-    out = mla_prefill_fused(q_nope.bfloat16(), q_rope.bfloat16(), expand, (Dn + Dr) ** -0.5, start, block)
+    out = mla_prefill_fused(torch.cat([q_nope, q_rope], dim=-1).bfloat16(), expand, (Dn + Dr) ** -0.5, start, block)
     assert rel_err(out.float(), naive_mla(q_nope, q_rope, latents, w_kv_b, (Dn + Dr) ** -0.5, start)) < 2e-2
 
 
@@ -502,6 +502,19 @@ def test_silu_and_mul_kernel_is_one_rounding_of_float32(M, I):
     x = (torch.randn(M, 2 * I, generator=gen, device=DEV) * 4).to(torch.bfloat16)
     gate, up = x.float().chunk(2, dim=-1)
     assert within_ulps(silu_and_mul(x), (torch.nn.functional.silu(gate) * up).bfloat16(), 1)
+
+
+@pytest.mark.parametrize("L,H", [(1, 32), (8191, 32), (65536, 32), (300, 3)])
+def test_expand_keys_kernel_equals_the_cat(L, H):
+    """MLA prefill's keys (kv_b_proj's k_nope columns beside the shared k_rope) bit for bit the twin's torch.cat, up
+    to a long prefill's block of 65,536 cached keys."""
+    from deltaserve.kernels.mla.keys import expand_keys
+
+    gen = torch.Generator(device=DEV).manual_seed(L)
+    kv = torch.randn(L, H, 256, generator=gen, device=DEV).bfloat16()
+    latents = torch.randn(L, 576, generator=gen, device=DEV).bfloat16()
+    twin = torch.cat([kv[..., :128], latents[:, None, 512:].expand(-1, H, -1)], dim=-1)
+    assert torch.equal(expand_keys(kv[..., :128], latents[:, 512:]), twin)
 
 
 def test_router_logits_from_bf16_weights_match_float32():

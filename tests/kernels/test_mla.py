@@ -118,8 +118,8 @@ def test_fused_prefill_matches_naive(start_pos, num_new, block, tail):
         kv = (part[:, :R] @ w_kv_b.t()).view(part.shape[0], H, DN + DV)
         return torch.cat([kv[..., :DN], part[:, None, R:].expand(-1, H, -1)], dim=-1), kv[..., DN:]
 
-    out = mla_prefill_fused(q_nope, q_rope, expand, SCALE, start_pos, block, attend=attention_lse_naive,
-                            tail_block=tail)
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    out = mla_prefill_fused(q, expand, SCALE, start_pos, block, attend=attention_lse_naive, tail_block=tail)
     torch.testing.assert_close(out, naive_mla(q_nope, q_rope, latents, w_kv_b, SCALE, start_pos), **TOL)
     blocks, tail_start = prefix_blocks(start_pos, block, tail)
     assert seen == [(tail_start, length), *blocks]  # the causal call first, then each earlier block once, in order

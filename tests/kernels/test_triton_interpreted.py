@@ -26,6 +26,7 @@ from deltaserve.kernels.kda.naive import naive_causal_conv1d  # noqa: E402
 from deltaserve.kernels.kda.triton_decode import kda_decode, kda_recurrent_varlen  # noqa: E402
 from deltaserve.kernels.mla import triton_decode  # noqa: E402
 from deltaserve.kernels.mla.attention import torch_mla_decode  # noqa: E402
+from deltaserve.kernels.mla.keys import expand_keys  # noqa: E402
 from deltaserve.kernels.mla.triton_decode import (  # noqa: E402
     MERGE_MIN_COLS,
     MERGE_PROGRAMS,
@@ -34,6 +35,7 @@ from deltaserve.kernels.mla.triton_decode import (  # noqa: E402
     merge_tiles,
     triton_mla_decode,
 )
+from deltaserve.kernels.mla.triton_keys import triton_expand_keys  # noqa: E402
 from deltaserve.kernels.moe.experts import _weighted_sum  # noqa: E402
 from deltaserve.kernels.moe.naive import naive_experts, naive_grouped_topk  # noqa: E402
 from deltaserve.kernels.moe.triton_blocks import SORT_CHUNK, block_experts, expert_blocks, torch_expert_blocks  # noqa: E402
@@ -635,6 +637,31 @@ def test_silu_and_mul_kernel_matches_twin(M, I, dtype):
     assert y.dtype == dtype and y.shape == (M, I) and y.is_contiguous()
     assert within_ulps(y, (torch.nn.functional.silu(gate) * up).to(dtype), 1)
     assert within_ulps(y, silu_and_mul(x), 2)  # a CPU tensor: the twin
+
+
+@pytest.mark.parametrize("L,H,DN,DR", [(1, 1, 8, 4), (5, 3, 16, 8), (37, 32, 128, 64), (9, 20, 24, 12)])
+def test_expand_keys_kernel_matches_twin(L, H, DN, DR):
+    """MLA's prefill keys from kv_b_proj's output as the layer views it (k_nope: each head's first DN of DN + DV
+    columns) and the latents' k_rope columns (strided rows), at head counts and widths off the kernel's blocks: the
+    twin's torch.cat bit for bit, contiguous."""
+    gen = torch.Generator().manual_seed(L * H + DN)
+    DV, R = DN + 3, 2 * DN
+    kv = torch.randn(L, H, DN + DV, generator=gen).bfloat16()
+    latents = torch.randn(L, R + DR, generator=gen).bfloat16()
+    k_nope, k_rope = kv[..., :DN], latents[:, R:]
+    keys = triton_expand_keys(k_nope, k_rope)
+    assert keys.shape == (L, H, DN + DR) and keys.is_contiguous()
+    assert torch.equal(keys, expand_keys(k_nope, k_rope))  # a CPU tensor: the twin
+    assert torch.equal(keys[:, :, DN:], k_rope[:, None].expand(-1, H, -1))
+
+
+def test_expand_keys_kernel_refuses_mismatched_inputs():
+    k_nope = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one token count"):
+        triton_expand_keys(k_nope, torch.zeros(3, 4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="one dtype"):
+        triton_expand_keys(k_nope, torch.zeros(4, 4))
+    assert triton_expand_keys(k_nope[:0], torch.zeros(0, 4, dtype=torch.bfloat16)).shape == (0, 2, 12)
 
 
 def test_silu_and_mul_kernel_refuses_an_odd_or_strided_last_dim():

@@ -7,6 +7,7 @@ from deltaserve.kernels.mla.attention import (
     mla_prefill_fused,
     torch_mla_decode,
 )
+from deltaserve.kernels.mla.keys import expand_keys
 
-__all__ = ["gather_latents", "merge_blocks", "mla_decode", "mla_prefill", "mla_prefill_block", "mla_prefill_fused",
-           "torch_mla_decode"]
+__all__ = ["expand_keys", "gather_latents", "merge_blocks", "mla_decode", "mla_prefill", "mla_prefill_block",
+           "mla_prefill_fused", "torch_mla_decode"]

@@ -93,8 +93,7 @@ def _causal_scores(q_nope, q_rope, k_nope, k_rope, scale: float, start_pos: int,
 
 
 def mla_prefill_fused(
-    q_nope: torch.Tensor,
-    q_rope: torch.Tensor,
+    q: torch.Tensor,
     expand: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
     scale: float,
     start_pos: int,
@@ -106,25 +105,27 @@ def mla_prefill_fused(
     keys and the last cached ones (causal), then to the earlier cached ones a block at a time (all visible), merged
     by log-sum-exp.
 
-    q_nope [T, H, Dn], q_rope [T, H, Dr], expand(lo, hi): the keys [hi - lo, H, Dn+Dr] and values [hi - lo, H, Dv]
-    of the sequence's positions lo..hi-1 (expanded from their latents on demand, so no more than key_block of the
-    context, or the tail and the chunk, is ever expanded or copied at once) -> [T, H, Dv]. attend:
-    prefill.attention_lse or its naive twin.
+    q [T, H, Dn+Dr] (each head's q_nope, then its q_rope; a strided view is fine), expand(lo, hi): the keys [hi -
+    lo, H, Dn+Dr] and values [hi - lo, H, Dv] of the sequence's positions lo..hi-1 (expanded from their latents on
+    demand, so no more than key_block of the context, or the tail and the chunk, is ever expanded or copied at once)
+    -> [T, H, Dv]. attend: prefill.attention_lse or its naive twin.
 
     The blocks come from prefix_blocks, so the kernels see few distinct shapes (cuDNN builds a plan for each new
     one, tens of milliseconds): the cached tail shorter than tail_block joins the causal call behind zero queries
     in front of the chunk's (a query at row tail + t of a top-left causal mask sees the whole tail and its own
-    first t + 1 keys: exactly its attention; the zero rows' outputs are dropped)."""
-    q = torch.cat([q_nope, q_rope], dim=-1)
+    first t + 1 keys: exactly its attention; the zero rows' outputs are dropped). With no earlier blocks the causal
+    call's output is returned as the kernel wrote it (no float32 round trip: the merge's only)."""
     blocks, tail_start = prefix_blocks(start_pos, key_block, tail_block)
     tail = start_pos - tail_start  # cached keys in the causal call, each with a zero query in front of the chunk's
     queries = F.pad(q, (0, 0, 0, 0, tail, 0)) if tail else q
     out, lse = attend(queries, *expand(tail_start, start_pos + q.shape[0]), scale, causal=True)
+    if not blocks:
+        return out[tail:]
     out, lse = out[tail:].float(), lse[tail:]
     for lo, hi in blocks:
         part, part_lse = attend(q, *expand(lo, hi), scale, causal=False)
         out, lse = merge_blocks(out, lse, part.float(), part_lse)
-    return out.to(q_nope.dtype)
+    return out.to(q.dtype)
 
 
 def prefix_blocks(start_pos: int, key_block: int, tail_block: int) -> tuple[list[tuple[int, int]], int]:
