@@ -576,8 +576,9 @@ def keys_rows(device: str, smoke: bool) -> list[dict]:
 def conv_rows(device: str, smoke: bool) -> list[dict]:
     """KDA's short conv over a prefill chunk's packed sequences (12,288 channels: q, k and v of 32 heads of 128, read
     from in_proj's strided output): the kernel as the layer runs it (q, k and v stored apart; tiles past a sequence's
-    first through the interior path), with every tile through the general path, and with one output group. GB/s of
-    the inputs read and outputs written once. Smoke: the interpreter at tiny shapes."""
+    first through the interior path), with every tile through the general path, with one output group, and at other
+    launches (channels a program, warps). GB/s of the inputs read and outputs written once. Smoke: the interpreter
+    at tiny shapes."""
     from deltaserve.kernels.conv1d_triton import conv1d_varlen
     from deltaserve.kernels.varlen import pack_seqs
 
@@ -594,6 +595,10 @@ def conv_rows(device: str, smoke: bool) -> list[dict]:
         variants = {"groups 3, interior": lambda: conv1d_varlen(x, weight, state.clone(), packed, 3),
                     "groups 3, general": lambda: conv1d_varlen(x, weight, state.clone(), packed, 3, interior=False),
                     "groups 1, interior": lambda: conv1d_varlen(x, weight, state.clone(), packed).view(N, 3, -1)}
+        for block_c, warps in ((64, 2), (64, 4), (128, 2), (128, 8), (256, 4), (256, 8)):  # the launch, swept
+            variants[f"groups 3, interior, {block_c} channels, {warps} warps"] = \
+                lambda block_c=block_c, warps=warps: conv1d_varlen(x, weight, state.clone(), packed, 3,
+                                                                   block_c=block_c, num_warps=warps)
         expected = variants["groups 3, general"]()
         for variant, fn in variants.items():
             us = timed(fn, device)

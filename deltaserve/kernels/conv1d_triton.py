@@ -84,7 +84,10 @@ def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, cu_ptr, tiles_ptr, y
     tl.store(y_ptr + out, acc * tl.sigmoid(acc), mask=rows & cols)
 
 
-@triton.jit
+# starts and ends unspecialised: a prefill's are slices of cu_seqlens (ends 8 bytes past a 16-byte boundary), a
+# snapshot's tensors of their own; specialised on that alignment, a server builds the kernel twice (one scalar load
+# each reads them)
+@triton.jit(do_not_specialize=["starts_ptr", "ends_ptr"])
 def _conv_state_kernel(x_ptr, state_ptr, slots_ptr, out_ptr, out_slots_ptr, starts_ptr, ends_ptr, x_stride,
                        C: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
     """The state a sequence reaches after its inputs x[start:end], continuing state slot slots[seq]: its last W-1
@@ -112,12 +115,14 @@ _VARLEN_BLOCK_C = 128
 
 
 def conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, packed: PackedSeqs,
-                  groups: int = 1, interior: bool = True) -> torch.Tensor:
+                  groups: int = 1, interior: bool = True, *, block_c: int = _VARLEN_BLOCK_C,
+                  num_warps: int = 4) -> torch.Tensor:
     """Packed sequences: x [N, C] (rows may be strided), weight [C, W], conv_state [S, C, W-1] in place, packed: the
     sequences' state slots, offsets and token tiles on x's device -> silu(conv) in x's dtype: [N, C], or with groups
     > 1 [N, groups, C / groups], each group's [N, C / groups] contiguous (stored group by group). Two launches: the
     conv (reading the old states), then the states. Twin: kernels.conv1d.causal_conv1d_varlen's torch path.
-    interior False: every tile through the general path (kernels_bench's comparison)."""
+    interior False: every tile through the general path; block_c (channels a program, a power of two) and num_warps:
+    the launch (kernels_bench's comparisons)."""
     N, C = x.shape
     W, B = weight.shape[1], packed.state_slots.shape[0]
     _check(x, conv_state)
@@ -128,10 +133,10 @@ def conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     G = C // groups
     y = torch.empty(groups, N, G, dtype=x.dtype, device=x.device)
     if N:
-        grid = (packed.token_tiles.shape[0], triton.cdiv(C, _VARLEN_BLOCK_C))
+        grid = (packed.token_tiles.shape[0], triton.cdiv(C, block_c))
         _conv_varlen_kernel[grid](x, weight, conv_state, packed.state_slots, packed.cu_seqlens, packed.token_tiles,
                                   y, x.stride(0), N * G, C=C, W=W, GROUP_C=G, BLOCK_T=TOKEN_TILE,
-                                  BLOCK_C=_VARLEN_BLOCK_C, INTERIOR=interior, num_warps=4)
+                                  BLOCK_C=block_c, INTERIOR=interior, num_warps=num_warps)
         _states(x, conv_state, packed.state_slots, conv_state, packed.state_slots, packed.cu_seqlens[:-1],
                 packed.cu_seqlens[1:])
     return y[0] if groups == 1 else y.transpose(0, 1)

@@ -64,6 +64,9 @@ class MultiheadLatentAttention(nn.Module):
         q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim:]
         latents = torch.cat([rms_norm(ckv[:, :R], self.kv_a_norm_weight, self.kv_norm_eps), ckv[:, R:]], dim=-1)
         write_latents(cache["latent"], batch.slot_mapping, latents)
+        if nd == 0 and batch.num_seqs == 1:  # one prompt's chunk: its attention output is the layer's, no copy
+            out = self._prefill(q, latents, cache["latent"], batch.block_tables[0], batch.start_positions[0])
+            return all_reduce(self.o_proj(out.reshape(N, H * self.v_dim)), self.parallel)
         out = projected.new_empty(N, H, self.v_dim)
         if nd:
             out[:nd] = self._decode(q_nope[:nd], q_rope[:nd], batch, cache["latent"])
