@@ -549,6 +549,32 @@ def activation_rows(device: str, smoke: bool) -> list[dict]:
     return rows
 
 
+def gather_rows(device: str, smoke: bool) -> list[dict]:
+    """The grouped experts' input rows: x[token] for an 8k prefill chunk's tokens x 8 experts sorted by expert
+    (65,536 rows of 2,304), index_select (the path now) against kernels.triton_copy's gather at a few launches. GB/s
+    of the rows written and read once each. Smoke: the interpreter at tiny shapes."""
+    from deltaserve.kernels.moe.experts import sort_by_expert
+    from deltaserve.kernels.triton_copy import triton_gather_rows
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    (T, D, E, k) = (24, 40, 8, 2) if smoke else (8192, 2304, 256, 8)
+    x = torch.randn(T, D, device=device).to(dtype)
+    ids = torch.rand(T, E, device=device).topk(k, dim=-1).indices
+    token = sort_by_expert(ids, E)[1]
+    variants = {"index_select": lambda: x.index_select(0, token)}
+    for r, c, warps in ((8, 256, 4), (4, 512, 4), (16, 256, 8), (2, 1024, 4), (1, 2048, 8), (32, 128, 4)):
+        variants[f"triton {r}x{c}, {warps} warps"] = \
+            lambda r=r, c=c, warps=warps: triton_gather_rows(x, token, rows=r, cols=c, num_warps=warps)
+    expected = x.index_select(0, token)
+    rows = []
+    for variant, fn in variants.items():
+        us = timed(fn, device)
+        emit("gather", rows, {"rows": token.shape[0], "D": D, "variant": variant, "us": us,
+                              "GBps": 2 * token.shape[0] * D * x.element_size() / us / 1e3,
+                              "rel_err": rel_err(fn(), expected)})
+    return rows
+
+
 def keys_rows(device: str, smoke: bool) -> list[dict]:
     """MLA prefill's keys [L, 32, 192] from kv_b_proj's k_nope columns and the latents' shared k_rope:
     kernels.mla.keys' Triton pass against torch.cat of the broadcast k_rope (the path before it), at an 8k chunk's
@@ -615,7 +641,8 @@ PARTS = {"mla_decode": mla_decode_rows, "mla_prefill": mla_prefill_rows, "fp8_ex
          "decode_experts": decode_expert_rows, "batch_experts": batch_expert_rows, "gemv": gemv_rows,
          "router": router_rows, "norm_gemv": norm_gemv_rows,
          "norms": norm_rows, "kda_prefill": kda_prefill_rows, "bookkeeping": bookkeeping_rows,
-         "activation": activation_rows, "conv": conv_rows, "keys": keys_rows}
+         "activation": activation_rows, "conv": conv_rows, "keys": keys_rows,
+         "gather": gather_rows}
 
 
 def main() -> None:

@@ -517,6 +517,19 @@ def test_expand_keys_kernel_equals_the_cat(L, H):
     assert torch.equal(expand_keys(kv[..., :128], latents[:, 512:]), twin)
 
 
+@pytest.mark.parametrize("T,D,k", [(8192, 2304, 8), (3, 2304, 8), (1000, 7168, 2)])
+def test_grouped_experts_row_gather_equals_index_select(T, D, k):
+    """The grouped experts' rows sorted by expert (kernels.triton_copy's gather) bit for bit index_select's, up to an
+    8k chunk's 65,536 rows."""
+    from deltaserve.kernels.moe.experts import sort_by_expert
+    from deltaserve.kernels.triton_copy import triton_gather_rows
+
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    x = torch.randn(T, D, generator=gen, device=DEV).bfloat16()
+    token = sort_by_expert(torch.rand(T, 256, generator=gen, device=DEV).topk(k, dim=-1).indices, 256)[1]
+    assert torch.equal(triton_gather_rows(x, token), x.index_select(0, token))
+
+
 def test_router_logits_from_bf16_weights_match_float32():
     """The router's tensor-core GEMM (MoE.choose_router_gemm) where bfloat16 holds its weights, as dummy weights
     are drawn: the float32 GEMM's logits up to the order of summation, for a prefill chunk's rows; weights bf16 does

@@ -30,7 +30,7 @@ def kernels_bench():
                                          ("norm_gemv", ["rel_err"]), ("norms", ["rel_err"]),
                                          ("kda_prefill", ["rel_err"]), ("bookkeeping", ["rel_err"]),
                                          ("activation", ["rel_err"]), ("conv", ["rel_err"]),
-                                         ("keys", ["rel_err"])])
+                                         ("keys", ["rel_err"]), ("gather", ["rel_err"])])
 def test_each_part_runs_and_its_variants_agree(kernels_bench, part, errors):
     rows = kernels_bench.PARTS[part]("cpu", smoke=True)
     assert rows

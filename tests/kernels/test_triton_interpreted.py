@@ -45,7 +45,7 @@ from deltaserve.kernels.moe.triton_routing import _ROUTER_TILES, router_logits, 
 from deltaserve.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm  # noqa: E402
 from deltaserve.kernels.norm_gemv import add_norm_gemv, gated_norm_gemv, naive_add_norm_linear, naive_gated_norm_linear  # noqa: E402
 from deltaserve.kernels.triton_activation import triton_silu_and_mul  # noqa: E402
-from deltaserve.kernels.triton_copy import triton_copy_rows  # noqa: E402
+from deltaserve.kernels.triton_copy import triton_copy_rows, triton_gather_rows  # noqa: E402
 from deltaserve.kernels.varlen import pack_seqs  # noqa: E402
 
 
@@ -662,6 +662,25 @@ def test_expand_keys_kernel_refuses_mismatched_inputs():
     with pytest.raises(ValueError, match="one dtype"):
         triton_expand_keys(k_nope, torch.zeros(4, 4))
     assert triton_expand_keys(k_nope[:0], torch.zeros(0, 4, dtype=torch.bfloat16)).shape == (0, 2, 12)
+
+
+@pytest.mark.parametrize("T,D,M,launch", [(5, 40, 13, {}), (1, 3, 1, {}), (30, 300, 70, dict(rows=4, cols=128)),
+                                           (9, 257, 0, {}), (17, 64, 33, dict(rows=1, cols=64, num_warps=1))])
+def test_gather_rows_kernel_matches_index_select(T, D, M, launch):
+    """The experts' row gather from strided rows (a column slice of a wider tensor), at widths and row counts off
+    the kernel's tiles, repeats and all: index_select's rows bit for bit, contiguous."""
+    gen = torch.Generator().manual_seed(T * D + M)
+    x = torch.randn(T, D + 5, generator=gen).bfloat16()[:, :D]
+    index = torch.randint(0, T, (M,), generator=gen)
+    y = triton_gather_rows(x, index, **launch)
+    assert y.shape == (M, D) and y.is_contiguous() and torch.equal(y, x.index_select(0, index))
+
+
+def test_gather_rows_kernel_refuses_other_inputs():
+    with pytest.raises(ValueError, match="1-D int64 index"):
+        triton_gather_rows(torch.zeros(4, 8), torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="unit column stride"):
+        triton_gather_rows(torch.zeros(8, 4).t(), torch.zeros(3, dtype=torch.int64))
 
 
 def test_silu_and_mul_kernel_refuses_an_odd_or_strided_last_dim():

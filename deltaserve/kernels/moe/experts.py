@@ -122,7 +122,7 @@ def grouped_experts(x, w13, w2, weights, ids) -> torch.Tensor:
     """The GPU path of fused_experts: tokens sorted by expert, two grouped GEMMs (bf16), no host sync, so it
     is CUDA-graph safe. Same contract as fused_experts."""
     order, token, ends = sort_by_expert(ids, w13.shape[0])
-    y = _grouped_swiglu(x.index_select(0, token), w13, w2, ends.to(torch.int32))  # [T*k, D]
+    y = _grouped_swiglu(_gather_rows(x, token), w13, w2, ends.to(torch.int32))  # [T*k, D]
     return _weighted_sum(y, order, weights, x.dtype)
 
 
@@ -132,7 +132,7 @@ def grouped_experts_in_chunks(x, weights, ids, num_experts: int, chunk: int, wei
     bounds come to the host (one sync): for prefill steps, not CUDA graphs. Same contract as fused_experts."""
     order, token, ends = sort_by_expert(ids, num_experts)
     bounds = [0] + ends.tolist()
-    rows = x.index_select(0, token)
+    rows = _gather_rows(x, token)
     y = torch.empty(rows.shape[0], x.shape[1], dtype=x.dtype, device=x.device)
     for e0 in range(0, num_experts, chunk):
         e1 = min(e0 + chunk, num_experts)
@@ -150,6 +150,16 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, t
     order = flat.argsort(stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     return order, order // ids.shape[1], counts.cumsum(0)
+
+
+def _gather_rows(x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """x[token]: each sorted pair's token row, [T*k, D]. On a GPU one Triton pass (kernels.triton_copy), whose twin is
+    index_select."""
+    if x.is_cuda:
+        from deltaserve.kernels.triton_copy import triton_gather_rows
+
+        return triton_gather_rows(x, token)
+    return x.index_select(0, token)
 
 
 def _grouped_swiglu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
