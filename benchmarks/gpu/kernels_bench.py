@@ -551,8 +551,8 @@ def activation_rows(device: str, smoke: bool) -> list[dict]:
 
 def gather_rows(device: str, smoke: bool) -> list[dict]:
     """The grouped experts' input rows: x[token] for an 8k prefill chunk's tokens x 8 experts sorted by expert
-    (65,536 rows of 2,304), index_select (the path now) against kernels.triton_copy's gather at a few launches. GB/s
-    of the rows written and read once each. Smoke: the interpreter at tiny shapes."""
+    (65,536 rows of 2,304), index_select (the path before it) against kernels.triton_copy's gather at a few
+    launches. GB/s of the rows written and read once each. Smoke: the interpreter at tiny shapes."""
     from deltaserve.kernels.moe.experts import sort_by_expert
     from deltaserve.kernels.triton_copy import triton_gather_rows
 
@@ -641,8 +641,7 @@ PARTS = {"mla_decode": mla_decode_rows, "mla_prefill": mla_prefill_rows, "fp8_ex
          "decode_experts": decode_expert_rows, "batch_experts": batch_expert_rows, "gemv": gemv_rows,
          "router": router_rows, "norm_gemv": norm_gemv_rows,
          "norms": norm_rows, "kda_prefill": kda_prefill_rows, "bookkeeping": bookkeeping_rows,
-         "activation": activation_rows, "conv": conv_rows, "keys": keys_rows,
-         "gather": gather_rows}
+         "activation": activation_rows, "conv": conv_rows, "keys": keys_rows, "gather": gather_rows}
 
 
 def main() -> None:

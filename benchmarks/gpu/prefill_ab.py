@@ -57,9 +57,10 @@ def main() -> None:
         result[name] = {"median_tok_s": statistics.median(runs), "runs": runs}
         print(f"{args.tag} {name}: median {statistics.median(runs):.0f} tok/s, runs {[round(r) for r in runs]}",
               flush=True)
-    from deltaserve.kernels.mla.prefill import _chosen  # the fused attention backend each tree's MLA prefill took
+    from deltaserve.kernels.mla import prefill  # the fused attention backend each tree's MLA prefill took
 
-    result["attention_backends"] = {f"{device} {dtype}": name for (device, dtype), name in _chosen.items()}
+    chosen = getattr(prefill, "_chosen", {})  # a tree older than the backend probe has none
+    result["attention_backends"] = {f"{device} {dtype}": name for (device, dtype), name in chosen.items()}
     print(f"{args.tag} attention backends: {result['attention_backends']}", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:

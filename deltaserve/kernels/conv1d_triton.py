@@ -84,9 +84,7 @@ def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, cu_ptr, tiles_ptr, y
     tl.store(y_ptr + out, acc * tl.sigmoid(acc), mask=rows & cols)
 
 
-# starts and ends unspecialised: a prefill's are slices of cu_seqlens (ends 8 bytes past a 16-byte boundary), a
-# snapshot's tensors of their own; specialised on that alignment, a server builds the kernel twice (one scalar load
-# each reads them)
+# unspecialised: a prefill's ends (cu_seqlens[1:]) and a snapshot's cuts differ in alignment; one variant serves both
 @triton.jit(do_not_specialize=["starts_ptr", "ends_ptr"])
 def _conv_state_kernel(x_ptr, state_ptr, slots_ptr, out_ptr, out_slots_ptr, starts_ptr, ends_ptr, x_stride,
                        C: tl.constexpr, W: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):

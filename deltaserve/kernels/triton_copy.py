@@ -45,7 +45,7 @@ def triton_copy_rows(source: torch.Tensor, target: torch.Tensor, src: torch.Tens
 _GATHER_ROWS, _GATHER_COLS = 8, 256  # a program's tile: rows of the output, columns of each
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # M (tokens x experts) only masks: any chunk length, one compiled variant
 def _gather_rows_kernel(x_ptr, index_ptr, y_ptr, M, D, x_stride, ROWS: tl.constexpr, COLS: tl.constexpr):
     """y[i, cols] = x[index[i], cols] for ROWS output rows program_id(0) (the axis of 2**31 - 1 programs: a prefill
     chunk's tokens x experts rows) and COLS columns program_id(1)."""

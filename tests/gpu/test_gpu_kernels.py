@@ -197,6 +197,24 @@ def test_fused_attention_lse_backends_match_twin(backend, T, L, causal):
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=2e-2)
 
 
+@pytest.mark.parametrize("T", [8192, 300])
+def test_cudnn_attention_takes_queries_as_the_layer_slices_them(T):
+    """MLA's prefill queries are a view of in_proj's output (rows of H * 192 + 576), and values a view of kv_b_proj's
+    (each head's last 128 of 256): cuDNN takes them as they lie (no error, so the backend probe never falls to a
+    slower kernel over strides), agreeing with contiguous copies."""
+    from deltaserve.kernels.mla.prefill import attention_lse
+
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    H = 32
+    projected = torch.randn(T, H * 192 + 576, generator=gen, device=DEV).bfloat16()
+    kv = torch.randn(T, H, 256, generator=gen, device=DEV).bfloat16()
+    q, k = projected[:, : H * 192].view(T, H, 192), torch.randn(T, H, 192, generator=gen, device=DEV).bfloat16()
+    out, lse = attention_lse(q, k, kv[..., 128:], 192 ** -0.5, True, backend="cudnn")
+    ref, ref_lse = attention_lse(q.contiguous(), k, kv[..., 128:].contiguous(), 192 ** -0.5, True, backend="cudnn")
+    assert rel_err(out.float(), ref.float()) < 1e-2
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-2)
+
+
 def test_fused_attention_lse_chooses_a_backend():
     from deltaserve.kernels.mla.prefill import _chosen, attention_lse
 

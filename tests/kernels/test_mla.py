@@ -17,10 +17,11 @@ from deltaserve.kernels.mla import (
     mla_prefill,
     mla_prefill_block,
     mla_prefill_fused,
+    prefill,
 )
 from deltaserve.kernels.mla.attention import prefix_blocks
 from deltaserve.kernels.mla.naive import naive_mla
-from deltaserve.kernels.mla.prefill import attention_lse_naive, padded, padded_length
+from deltaserve.kernels.mla.prefill import attention_lse, attention_lse_naive, padded, padded_length
 
 H, DN, DR, DV, R = 3, 8, 4, 6, 16
 BLOCK_SIZE, NUM_PAGES = 4, 40
@@ -118,11 +119,41 @@ def test_fused_prefill_matches_naive(start_pos, num_new, block, tail):
         kv = (part[:, :R] @ w_kv_b.t()).view(part.shape[0], H, DN + DV)
         return torch.cat([kv[..., :DN], part[:, None, R:].expand(-1, H, -1)], dim=-1), kv[..., DN:]
 
-    q = torch.cat([q_nope, q_rope], dim=-1)
+    q = torch.zeros(num_new, H * (DN + DR) + 7)[:, : H * (DN + DR)].view(num_new, H, DN + DR)  # as the layer's
+    q.copy_(torch.cat([q_nope, q_rope], dim=-1))  # a view of in_proj's wider rows
     out = mla_prefill_fused(q, expand, SCALE, start_pos, block, attend=attention_lse_naive, tail_block=tail)
     torch.testing.assert_close(out, naive_mla(q_nope, q_rope, latents, w_kv_b, SCALE, start_pos), **TOL)
     blocks, tail_start = prefix_blocks(start_pos, block, tail)
     assert seen == [(tail_start, length), *blocks]  # the causal call first, then each earlier block once, in order
+
+
+def test_the_backend_probe_keeps_a_backend_that_refuses_only_strides(monkeypatch):
+    """The first backend refusing strided inputs (the layer's q and v are views) is kept, fed contiguous copies from
+    then on, rather than dropped for a slower one; a backend refusing the shapes is dropped."""
+    calls = []
+
+    def strict(q, k, v, scale, causal):  # runs contiguous inputs only
+        calls.append(("strict", q.is_contiguous()))
+        if not q.is_contiguous():
+            raise RuntimeError("strides")
+        return attention_lse_naive(q, k, v, scale, causal)
+
+    def missing(*args):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(prefill, "_RUN", {"cudnn": missing, "flash": strict, "efficient": attention_lse_naive})
+    monkeypatch.setattr(prefill, "_chosen", {})
+    monkeypatch.setattr(prefill, "_contiguous", set())
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(6, H, DN + DR + 5, generator=gen)
+    q, k, v = wide[..., : DN + DR], torch.randn(6, H, DN + DR, generator=gen), torch.randn(6, H, DV, generator=gen)
+    expected = attention_lse_naive(q, k, v, SCALE, True)
+    for _ in range(2):  # the probe, then a call on the choice
+        out, lse = attention_lse(q, k, v, SCALE, True)
+        torch.testing.assert_close(out, expected[0], **TOL)
+        torch.testing.assert_close(lse, expected[1], **TOL)
+    assert prefill._chosen == {("cpu", torch.float32): "flash"} and prefill._contiguous == {("cpu", torch.float32)}
+    assert calls == [("strict", False), ("strict", True), ("strict", True)]
 
 
 @pytest.mark.parametrize("key_block,tail", [(4, 4), (16, 4), (64, 4), (65, 8), (65536, 2048), (7, 16)])

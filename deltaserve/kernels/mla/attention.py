@@ -108,7 +108,8 @@ def mla_prefill_fused(
     q [T, H, Dn+Dr] (each head's q_nope, then its q_rope; a strided view is fine), expand(lo, hi): the keys [hi -
     lo, H, Dn+Dr] and values [hi - lo, H, Dv] of the sequence's positions lo..hi-1 (expanded from their latents on
     demand, so no more than key_block of the context, or the tail and the chunk, is ever expanded or copied at once)
-    -> [T, H, Dv]. attend: prefill.attention_lse or its naive twin.
+    -> [T, H, Dv] (with no earlier blocks a view of the kernel's output: rows may be strided, so reshape it, not
+    view). attend: prefill.attention_lse or its naive twin.
 
     The blocks come from prefix_blocks, so the kernels see few distinct shapes (cuDNN builds a plan for each new
     one, tens of milliseconds): the cached tail shorter than tail_block joins the causal call behind zero queries

@@ -3,7 +3,8 @@
 Prefill attention takes keys [L, H, Dn+Dr]; kv_b_proj gives k_nope inside its [L, H, Dn+Dv] output and the latent
 gives k_rope [L, Dr]. On a GPU in half precision one Triton pass writes the keys (kernels.mla.triton_keys);
 torch.cat of a broadcast k_rope runs PyTorch's non-vectorised copy there (a third of the card's copy bandwidth), and
-a long prefill expands every cached key once a chunk. The torch path below is its twin and the exact regime's."""
+a long prefill expands every cached key once a chunk. The torch path below is its twin (the exact regime's prefill
+expands its keys apart, in the reference's order: layers.mla's _expand)."""
 
 import torch
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 BACKENDS = ("cudnn", "flash", "efficient")
 _chosen: dict[tuple[str, torch.dtype], str] = {}  # (device, dtype) -> the backend that ran there first
+_contiguous: set[tuple[str, torch.dtype]] = set()  # where the chosen backend ran only on contiguous copies
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
@@ -31,23 +32,32 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """q [T, H, D], k [L, H, D], v [L, H, Dv] -> (out [T, H, Dv] in q's dtype, lse [T, H] float32: the
     log-sum-exp of each query's scaled scores). causal: query t sees keys 0..t (T == L); else every key.
 
-    backend: one of BACKENDS; None takes the one chosen for this device and dtype (probing on first use)."""
+    backend: one of BACKENDS; None takes the one chosen for this device and dtype (probing on first use: each in
+    BACKENDS' order, on the inputs as they lie, then on contiguous copies of strided ones, which every later call
+    then makes if only they ran)."""
     if causal and q.shape[0] != k.shape[0]:
         raise ValueError(f"causal attention needs as many queries as keys, got {q.shape[0]} and {k.shape[0]}")
     if backend is not None:
         return _RUN[backend](q, k, v, scale, causal)
     key = (str(q.device), q.dtype)
     if key in _chosen:
+        if key in _contiguous:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return _RUN[_chosen[key]](q, k, v, scale, causal)
+    strided = not all(t.is_contiguous() for t in (q, k, v))  # the layer's queries and values are views
     for name in BACKENDS:
-        try:
-            result = _RUN[name](q, k, v, scale, causal)
-        except torch.OutOfMemoryError:  # not a missing kernel: never a reason to drop a backend for good
-            raise
-        except RuntimeError:  # this build or device has no kernel for these shapes: the next backend
-            continue
-        _chosen[key] = name
-        return result
+        for copies in (False, True) if strided else (False,):  # a backend that refuses strides keeps its place
+            try:
+                result = _RUN[name](*((q.contiguous(), k.contiguous(), v.contiguous()) if copies else (q, k, v)),
+                                    scale, causal)
+            except torch.OutOfMemoryError:  # not a missing kernel: never a reason to drop a backend for good
+                raise
+            except RuntimeError:  # this build or device has no kernel for these shapes (or strides): try on
+                continue
+            _chosen[key] = name
+            if copies:
+                _contiguous.add(key)
+            return result
     raise RuntimeError(f"no fused attention backend ran q {list(q.shape)}, v {list(v.shape)} in {q.dtype} on "
                        f"{q.device}")
 
