@@ -212,3 +212,20 @@ def test_copy_rows_twin_in_chunks_copies_every_pair(monkeypatch):
     monkeypatch.setattr(cache_ops, "_COPY_CHUNK_BYTES", 2 * 3 * 4 * 5 * 4)
     cache_ops.copy_rows(source, target, src, dst)
     assert torch.equal(target, want)
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (37, 256, 8), (500, 256, 8), (33, 257, 3), (9, 30000, 4), (5, 2, 2)])
+def test_sort_by_expert_on_narrow_keys_is_the_int64_sort(T, E, k):
+    """sort_by_expert sorts uint8 or int16 keys where they hold every expert: the same stable order (ties in pair
+    order), tokens and run ends as a sort of the int64 ids, at expert counts on each side of a byte's 256."""
+    from deltaserve.kernels.moe.experts import sort_by_expert, sort_key_dtype
+
+    gen = torch.Generator().manual_seed(T * E + k)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    ids[::3] = ids[0].clone()  # repeated rows: many ties
+    order, token, ends = sort_by_expert(ids, E)
+    flat = ids.flatten()
+    expected = flat.argsort(stable=True)
+    assert torch.equal(order, expected) and torch.equal(token, expected // k)
+    assert torch.equal(ends, torch.bincount(flat, minlength=E).cumsum(0))
+    assert sort_key_dtype(E) == (torch.uint8 if E <= 256 else torch.int16)

@@ -145,9 +145,10 @@ def grouped_experts_in_chunks(x, weights, ids, num_experts: int, chunk: int, wei
 
 def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order: the flat (token, slot) pairs sorted by expert, stably; each sorted pair's token; ends [E]: where
-    each expert's run of sorted pairs ends)."""
+    each expert's run of sorted pairs ends). The sort's keys in the narrowest integer type that holds every expert:
+    a GPU radix sort makes a pass a byte of key, so 256 experts sort in one pass, not int64's eight."""
     flat = ids.flatten()
-    order = flat.argsort(stable=True)
+    order = flat.to(sort_key_dtype(num_experts)).argsort(stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     return order, order // ids.shape[1], counts.cumsum(0)
 
@@ -160,6 +161,11 @@ def _gather_rows(x: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
 
         return triton_gather_rows(x, token)
     return x.index_select(0, token)
+
+
+def sort_key_dtype(num_experts: int) -> torch.dtype:
+    """The narrowest integer type holding expert ids 0..num_experts-1 (sort_by_expert's keys)."""
+    return torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 32768 else torch.int64
 
 
 def _grouped_swiglu(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
