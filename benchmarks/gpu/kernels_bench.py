@@ -610,15 +610,13 @@ def conv_rows(device: str, smoke: bool) -> list[dict]:
     """KDA's short conv over a prefill chunk's packed sequences (12,288 channels: q, k and v of 32 heads of 128, read
     from in_proj's strided output): the kernel as the layer runs it (q, k and v stored apart; tiles past a sequence's
     first through the interior path), with every tile through the general path, with one output group, and at other
-    launches (channels a program, warps), and with q's and k's heads l2-normalised in its epilogue (checked against
-    the plain conv's output so normalised). GB/s of the inputs read and outputs written once. Smoke: the
-    interpreter at tiny shapes."""
+    launches (channels a program, warps). GB/s of the inputs read and outputs written once. Smoke: the interpreter
+    at tiny shapes."""
     from deltaserve.kernels.conv1d_triton import conv1d_varlen
-    from deltaserve.kernels.kda.gate import l2norm
     from deltaserve.kernels.varlen import pack_seqs
 
     dtype = torch.float32 if smoke else torch.bfloat16
-    C, W, head = (3 * 32, 4, 16) if smoke else (3 * 32 * 128, 4, 128)
+    C, W = (3 * 32, 4) if smoke else (3 * 32 * 128, 4)
     rows = []
     for lengths in ([40], [3, 33]) if smoke else ([512], [8192], [512] * 16):
         N = sum(lengths)
@@ -629,21 +627,16 @@ def conv_rows(device: str, smoke: bool) -> list[dict]:
         packed = pack_seqs(list(range(1, len(lengths) + 1)), cu, torch.device(device))
         variants = {"groups 3, interior": lambda: conv1d_varlen(x, weight, state.clone(), packed, 3),
                     "groups 3, general": lambda: conv1d_varlen(x, weight, state.clone(), packed, 3, interior=False),
-                    "groups 1, interior": lambda: conv1d_varlen(x, weight, state.clone(), packed).view(N, 3, -1),
-                    "groups 3, interior, q and k heads normalised": lambda: conv1d_varlen(
-                        x, weight, state.clone(), packed, 3, qk_norm_head=head)}
+                    "groups 1, interior": lambda: conv1d_varlen(x, weight, state.clone(), packed).view(N, 3, -1)}
         for block_c, warps in ((64, 2), (64, 4), (128, 2), (128, 8), (256, 4), (256, 8)):  # the launch, swept
             variants[f"groups 3, interior, {block_c} channels, {warps} warps"] = \
                 lambda block_c=block_c, warps=warps: conv1d_varlen(x, weight, state.clone(), packed, 3,
                                                                    block_c=block_c, num_warps=warps)
         expected = variants["groups 3, general"]()
-        normed = expected.clone()
-        normed[:, :2] = l2norm(expected[:, :2].unflatten(-1, (-1, head))).to(dtype).flatten(-2)
         for variant, fn in variants.items():
             us = timed(fn, device)
-            want = normed if "normalised" in variant else expected
             emit("conv", rows, {"tokens": N, "sequences": len(lengths), "variant": variant, "us": us,
-                                "GBps": 2 * N * C * x.element_size() / us / 1e3, "rel_err": rel_err(fn(), want)})
+                                "GBps": 2 * N * C * x.element_size() / us / 1e3, "rel_err": rel_err(fn(), expected)})
     return rows
 
 

@@ -4,7 +4,6 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.forward_batch import PackedSeqs
-from deltaserve.kernels.kda.gate import l2norm
 from deltaserve.kernels.varlen import pack_seqs
 
 
@@ -32,22 +31,18 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torc
 
 def causal_conv1d_varlen(
     x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, state_slots: list[int], cu_seqlens: list[int],
-    packed: PackedSeqs | None = None, groups: int = 1, qk_norm_head: int = 0,
+    packed: PackedSeqs | None = None, groups: int = 1,
 ) -> torch.Tensor:
     """Packed sequences; sequence b continues from conv_state[state_slots[b]] and leaves its last inputs there.
 
     x: [N, D]; weight: [D, W]; conv_state: [S, D, W-1]; cu_seqlens: B+1 host offsets. Returns silu(conv) [N, D], or
     with groups > 1 as [N, groups, D / groups] (KDA's q, k and v), each group's [N, D / groups] contiguous on a GPU
     (fla-core copies strided inputs), a view of [N, D] here. On a GPU, two Triton kernels
-    (kernels.conv1d_triton.conv1d_varlen) over `packed`, the same sequences as tensors (made here when not given).
-    qk_norm_head > 0 (3 groups): q's and k's heads of that width come out l2-normalised as fla-core's l2norm makes
-    them from the outputs in x's dtype (kernels.kda.gate.l2norm, rounded to x's dtype: fla-core's chunked prefill then
-    skips its own)."""
+    (kernels.conv1d_triton.conv1d_varlen) over `packed`, the same sequences as tensors (made here when not given)."""
     if x.is_cuda:
         from deltaserve.kernels.conv1d_triton import conv1d_varlen
 
-        return conv1d_varlen(x, weight, conv_state, packed or pack_seqs(state_slots, cu_seqlens, x.device), groups,
-                             qk_norm_head=qk_norm_head)
+        return conv1d_varlen(x, weight, conv_state, packed or pack_seqs(state_slots, cu_seqlens, x.device), groups)
     D, W = weight.shape
     y = torch.empty_like(x)
     for b, slot in enumerate(state_slots):
@@ -56,12 +51,6 @@ def causal_conv1d_varlen(
         y[cu_seqlens[b]: cu_seqlens[b + 1]] = F.conv1d(padded[None], weight[:, None, :], groups=D)[0].t()
         conv_state[slot] = padded[:, padded.shape[1] - (W - 1):]
     y = F.silu(y)
-    if qk_norm_head:
-        if groups != 3 or (D // 3) % qk_norm_head:
-            raise ValueError(f"causal_conv1d_varlen: q and k heads of {qk_norm_head} need 3 groups of whole heads, "
-                             f"got {groups} groups of {D // groups} channels")
-        qk = y[:, : 2 * D // 3].unflatten(-1, (-1, qk_norm_head))
-        qk.copy_(l2norm(qk).to(y.dtype))
     return y if groups == 1 else y.view(y.shape[0], groups, D // groups)
 
 

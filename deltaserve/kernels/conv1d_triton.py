@@ -46,30 +46,25 @@ def conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
 @triton.jit
 def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, cu_ptr, tiles_ptr, y_ptr, x_stride, y_group_stride,
                         C: tl.constexpr, W: tl.constexpr, GROUP_C: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_C: tl.constexpr, CH_STEP: tl.constexpr, NORM_GROUPS: tl.constexpr,
-                        INTERIOR: tl.constexpr):
+                        BLOCK_C: tl.constexpr, INTERIOR: tl.constexpr):
     """y[t] = silu(sum_j w[:, j] * input[t - (W-1) + j]) for a tile of one sequence's tokens (tiles_ptr: its
     sequence and first token), the inputs before the sequence's first token read from its state slot (which this
     kernel leaves as it was). Channel ch is stored in group ch // GROUP_C, each group a contiguous [N, GROUP_C] at
     y_group_stride elements from the one before (GROUP_C = C: one group, y [N, C]). INTERIOR: a tile whose taps all
-    lie inside its sequence (all but a sequence's first) reads x alone, with no state addresses or masks.
-
-    A program takes CH_STEP channels from pid_c * CH_STEP (BLOCK_C, or one head of CH_STEP <= BLOCK_C). With
-    NORM_GROUPS > 0 (programs of one head each) the heads of the first NORM_GROUPS groups are stored l2-normalised
-    as fla-core's l2norm would from the stored values: x / sqrt(sum(x^2) + 1e-6) in float32 of the rounded outputs."""
+    lie inside its sequence (all but a sequence's first) reads x alone, with no state addresses or masks."""
     pid_t, pid_c = tl.program_id(0), tl.program_id(1)
     seq, first = tl.load(tiles_ptr + 2 * pid_t), tl.load(tiles_ptr + 2 * pid_t + 1)
     start, end = tl.load(cu_ptr + seq), tl.load(cu_ptr + seq + 1)
     t = start + first + tl.arange(0, BLOCK_T)
-    ch = pid_c * CH_STEP + tl.arange(0, BLOCK_C)
-    rows, cols = (t < end)[:, None], ((ch < C) & (tl.arange(0, BLOCK_C) < CH_STEP))[None, :]
+    ch = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    rows, cols = (t < end)[:, None], (ch < C)[None, :]
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     if INTERIOR and first >= W - 1:
         for j in tl.static_range(W):
             src = t - (W - 1) + j
             value = tl.load(x_ptr + src[:, None].to(tl.int64) * x_stride + ch[None, :], mask=rows & cols,
                             other=0.0).to(tl.float32)
-            acc += value * tl.load(w_ptr + ch[None, :] * W + j, mask=cols, other=0.0).to(tl.float32)
+            acc += value * tl.load(w_ptr + ch * W + j, mask=ch < C, other=0.0).to(tl.float32)[None, :]
     else:
         slot = tl.load(slots_ptr + seq).to(tl.int64)
         for j in tl.static_range(W):
@@ -79,19 +74,14 @@ def _conv_varlen_kernel(x_ptr, w_ptr, state_ptr, slots_ptr, cu_ptr, tiles_ptr, y
                             other=0.0).to(tl.float32)
             value += tl.load(state_ptr + (slot * C + ch[None, :]) * (W - 1) + (W - 1 + src - start)[:, None],
                              mask=rows & cols & ~inside, other=0.0).to(tl.float32)
-            acc += value * tl.load(w_ptr + ch[None, :] * W + j, mask=cols, other=0.0).to(tl.float32)
-    y = acc * tl.sigmoid(acc)
-    if GROUP_C % CH_STEP == 0:  # the program's channels lie in one group: its offset a scalar, the store contiguous
-        group = (pid_c * CH_STEP) // GROUP_C
+            acc += value * tl.load(w_ptr + ch * W + j, mask=ch < C, other=0.0).to(tl.float32)[None, :]
+    if GROUP_C % BLOCK_C == 0:  # the program's channels lie in one group: its offset a scalar, the store contiguous
+        group = (pid_c * BLOCK_C) // GROUP_C
         out = group.to(tl.int64) * y_group_stride + t[:, None].to(tl.int64) * GROUP_C + (ch - group * GROUP_C)[None, :]
-        if NORM_GROUPS > 0:
-            if group < NORM_GROUPS:  # q or k: one head a program, its masked channels zero
-                y = y.to(y_ptr.dtype.element_ty).to(tl.float32)
-                y = y * (1 / tl.sqrt(tl.sum(y * y, axis=1) + 1e-6))[:, None]
     else:
         out = (ch // GROUP_C).to(tl.int64)[None, :] * y_group_stride + t[:, None].to(tl.int64) * GROUP_C \
             + (ch % GROUP_C)[None, :]
-    tl.store(y_ptr + out, y, mask=rows & cols)
+    tl.store(y_ptr + out, acc * tl.sigmoid(acc), mask=rows & cols)
 
 
 # unspecialised: a prefill's ends (cu_seqlens[1:]) and a snapshot's cuts differ in alignment; one variant serves both
@@ -123,15 +113,14 @@ _VARLEN_BLOCK_C = 128
 
 
 def conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, packed: PackedSeqs,
-                  groups: int = 1, interior: bool = True, *, qk_norm_head: int = 0, block_c: int = _VARLEN_BLOCK_C,
+                  groups: int = 1, interior: bool = True, *, block_c: int = _VARLEN_BLOCK_C,
                   num_warps: int = 4) -> torch.Tensor:
     """Packed sequences: x [N, C] (rows may be strided), weight [C, W], conv_state [S, C, W-1] in place, packed: the
     sequences' state slots, offsets and token tiles on x's device -> silu(conv) in x's dtype: [N, C], or with groups
     > 1 [N, groups, C / groups], each group's [N, C / groups] contiguous (stored group by group). Two launches: the
     conv (reading the old states), then the states. Twin: kernels.conv1d.causal_conv1d_varlen's torch path.
-    qk_norm_head > 0 (groups 3: KDA's q, k, v): q's and k's heads of that width stored l2-normalised (fla-core's
-    l2norm, so its chunked prefill skips its own two passes), a program a head. interior False: every tile through
-    the general path; block_c (channels a program, a power of two) and num_warps: the launch (kernels_bench)."""
+    interior False: every tile through the general path; block_c (channels a program, a power of two) and num_warps:
+    the launch (kernels_bench's comparisons)."""
     N, C = x.shape
     W, B = weight.shape[1], packed.state_slots.shape[0]
     _check(x, conv_state)
@@ -140,17 +129,12 @@ def conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tenso
     assert C % groups == 0, f"{C} channels do not split into {groups} groups"
     assert int(packed.cu_seqlens_cpu[-1]) == N and packed.cu_seqlens.shape[0] == B + 1, "cu_seqlens must cover x"
     G = C // groups
-    if qk_norm_head and (groups != 3 or G % qk_norm_head):
-        raise ValueError(f"conv1d_varlen: q and k heads of {qk_norm_head} need 3 groups of whole heads, got {groups} "
-                         f"groups of {G} channels")
-    step = qk_norm_head or block_c  # channels a program: one head where the heads are normalised
     y = torch.empty(groups, N, G, dtype=x.dtype, device=x.device)
     if N:
-        grid = (packed.token_tiles.shape[0], triton.cdiv(C, step))
+        grid = (packed.token_tiles.shape[0], triton.cdiv(C, block_c))
         _conv_varlen_kernel[grid](x, weight, conv_state, packed.state_slots, packed.cu_seqlens, packed.token_tiles,
                                   y, x.stride(0), N * G, C=C, W=W, GROUP_C=G, BLOCK_T=TOKEN_TILE,
-                                  BLOCK_C=triton.next_power_of_2(step), CH_STEP=step,
-                                  NORM_GROUPS=2 if qk_norm_head else 0, INTERIOR=interior, num_warps=num_warps)
+                                  BLOCK_C=block_c, INTERIOR=interior, num_warps=num_warps)
         _states(x, conv_state, packed.state_slots, conv_state, packed.state_slots, packed.cu_seqlens[:-1],
                 packed.cu_seqlens[1:])
     return y[0] if groups == 1 else y.transpose(0, 1)

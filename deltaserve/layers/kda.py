@@ -11,7 +11,7 @@ from deltaserve.forward_batch import ForwardBatch
 from deltaserve.kernel_options import KernelOptions
 from deltaserve.kernels import cpu_gemv
 from deltaserve.kernels.conv1d import causal_conv1d_update, causal_conv1d_varlen, conv_states_at
-from deltaserve.kernels.kda import kda_decode, kda_prefill, prefill_path
+from deltaserve.kernels.kda import kda_decode, kda_prefill
 from deltaserve.kernels.norm import gated_rms_norm
 from deltaserve.layers import linear
 from deltaserve.layers.linear import Linear
@@ -50,34 +50,22 @@ class KimiDeltaAttention(nn.Module):
         if nd:
             decodes = causal_conv1d_update(qkv[:nd], self.conv_weight, cache["conv"], batch.state_slots[:nd],
                                            self.kernels.pdl).view(nd, 3, H, K).unbind(1)
-        qk_normed = N > nd and self._qk_normed_in_conv(qkv, batch)
         if N > nd:
-            prefills = self._prefill_conv(qkv[nd:], batch, cache, qk_normed).unflatten(-1, (H, K)).unbind(1)
+            prefills = self._prefill_conv(qkv[nd:], batch, cache).unflatten(-1, (H, K)).unbind(1)
         g_raw, gate = self._gate_up_projections(fg_a, batched=projected.is_cuda and nd == N)
-        o = self._delta_rule(decodes, prefills, g_raw, b, batch, cache, qk_normed)
+        o = self._delta_rule(decodes, prefills, g_raw, b, batch, cache)
         return all_reduce(self._gated_norm_out(o, gate), self.parallel)
 
-    def _prefill_conv(self, qkv: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor],
-                      qk_normed: bool) -> torch.Tensor:
+    def _prefill_conv(self, qkv: torch.Tensor, batch: ForwardBatch, cache: dict[str, torch.Tensor]) -> torch.Tensor:
         """The prefill tokens' short conv, [Np, 3, HK]: q, k and v each contiguous on a GPU (conv1d's groups), as
-        fla-core's kernel takes them without a copy; with qk_normed, q's and k's heads l2-normalised in it. A
-        snapshot split's conv states at its save positions go to their snapshot slots first: the conv itself runs the
-        step whole."""
+        fla-core's kernel takes them without a copy. A snapshot split's conv states at its save positions go to
+        their snapshot slots first: the conv itself runs the step whole."""
         split = batch.snapshot_split
         if split is not None:
             conv_states_at(qkv, cache["conv"], cache["conv_snapshots"], split.state_slots, split.snapshot_slots,
                            split.starts, split.cuts)
         return causal_conv1d_varlen(qkv, self.conv_weight, cache["conv"], batch.state_slot_list[batch.num_decodes:],
-                                    batch.prefill_cu_seqlens(), batch.prefill, groups=3,
-                                    qk_norm_head=self.head_dim if qk_normed else 0)
-
-    def _qk_normed_in_conv(self, qkv: torch.Tensor, batch: ForwardBatch) -> bool:
-        """Whether the prefill conv l2-normalises q and k (fla-core's l2norm, in its epilogue): where every pass of
-        the step's recurrence runs fla-core's chunked kernel, which then skips its own two passes over them."""
-        split = batch.snapshot_split
-        passes = [(batch.prefill_cu_seqlens(), batch.prefill)] if split is None else [
-            (part.cu_seqlens, part.packed) for part in (split.heads, split.tails)]
-        return all(prefill_path(qkv.device, qkv.dtype, cu, packed) == "fla" for cu, packed in passes)
+                                    batch.prefill_cu_seqlens(), batch.prefill, groups=3)
 
     def _gated_norm_out(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """o [N, H, K], gate [N, H*K] -> o_proj(gated_rms_norm(o, gate)); for one token on a GPU in one kernel
@@ -108,11 +96,11 @@ class KimiDeltaAttention(nn.Module):
         threads = linear.cpu_gemv_threads(self.kernels)
         return cpu_gemv.linear(fg_a[:, :K], w[0], threads), cpu_gemv.linear(fg_a[:, K:], w[1], threads)
 
-    def _delta_rule(self, decodes, prefills, g_raw, b_raw, batch: ForwardBatch, cache: dict[str, torch.Tensor],
-                    qk_normed: bool = False) -> torch.Tensor:
+    def _delta_rule(self, decodes, prefills, g_raw, b_raw, batch: ForwardBatch,
+                    cache: dict[str, torch.Tensor]) -> torch.Tensor:
         """decodes, prefills: (q, k, v) [n, H, K] raw, of the decode tokens and of the prefill tokens (None where the
-        step has none; qk_normed: the prefills' q and k l2-normalised already); g_raw [N, H*K]; b_raw [N, H] -> o [N,
-        H, V] in the layer's dtype (each part rounded once from what its kernel returns)."""
+        step has none); g_raw [N, H*K]; b_raw [N, H] -> o [N, H, V] in the layer's dtype (each part rounded once
+        from what its kernel returns)."""
         nd, scale = batch.num_decodes, self.head_dim ** -0.5
         params, state = (self.dt_bias, self.A_log), cache["recurrent"]
         dtype = (decodes or prefills)[2].dtype
@@ -121,8 +109,7 @@ class KimiDeltaAttention(nn.Module):
             return o.to(dtype)
 
         def prefill_pass(seqs, *qkvgb):  # seqs: (state slots, cu_seqlens, packed)
-            return kda_prefill(*qkvgb, *params, state, seqs[0], seqs[1], scale, seqs[2], self.kernels.pdl,
-                               qk_normed=qk_normed)
+            return kda_prefill(*qkvgb, *params, state, seqs[0], seqs[1], scale, seqs[2], self.kernels.pdl)
 
         prefill = _prefill_passes(prefill_pass, (*prefills, g_raw[nd:], b_raw[nd:]), batch, cache, "recurrent")
         if decodes is None:

@@ -72,36 +72,6 @@ def test_fla_chunk_prefill_matches_torch_chunk(lengths):
     assert rel_err(state[slots], twin_state[slots]) < 2e-2
 
 
-@pytest.mark.parametrize("lengths", [[8192], [300, 33, 64, 1000]])
-def test_q_and_k_normalised_in_the_conv_give_flas_prefill(lengths):
-    """The conv's epilogue l2-normalising q's and k's heads (qk_norm_head) and fla-core then skipping its own
-    norms: the outputs and states of the conv plain with fla-core normalising, up to the norms' summation order."""
-    pytest.importorskip("fla.ops.kda")
-    from deltaserve.kernels.conv1d import causal_conv1d_varlen
-    from deltaserve.kernels.kda import kda_prefill
-
-    gen = torch.Generator(device=DEV).manual_seed(sum(lengths))
-    H, K, S, W = 4, 128, 8, 4
-    N, C = sum(lengths), 3 * H * K
-    cu = [0] + torch.tensor(lengths).cumsum(0).tolist()
-    slots = list(range(1, len(lengths) + 1))
-    packed = pack_seqs(slots, cu, DEV)
-    x = torch.randn(N, C + 64, generator=gen, device=DEV).bfloat16()[:, :C]
-    weight = (torch.randn(C, W, generator=gen, device=DEV) * 0.5).bfloat16()
-    _, g_raw, b_raw, dt_bias, a_log = kda_inputs(N, H, K, torch.bfloat16, gen)
-    conv_state = torch.randn(S, C, W - 1, generator=gen, device=DEV).bfloat16()
-    state = torch.randn(S, H, K, K, generator=gen, device=DEV) * 0.1
-    outs = []
-    for normed in (False, True):
-        y = causal_conv1d_varlen(x, weight, conv_state.clone(), slots, cu, packed, groups=3,
-                                 qk_norm_head=K if normed else 0).unflatten(-1, (H, K))
-        states = state.clone()
-        outs.append((kda_prefill(*y.unbind(1), g_raw, b_raw, dt_bias, a_log, states, slots, cu, K ** -0.5, packed,
-                                 qk_normed=normed), states))
-    assert rel_err(outs[1][0], outs[0][0]) < 1e-2
-    assert rel_err(outs[1][1][slots], outs[0][1][slots]) < 1e-2
-
-
 @pytest.mark.parametrize("lengths", [[1], [5, 32, 2], [31, 1, 17, 9]])
 def test_short_bf16_prefill_runs_the_recurrent_kernel_and_matches_torch_chunk(lengths):
     """kda_prefill in bfloat16 at lengths up to RECURRENT_PREFILL_MAX_LEN: our recurrent kernel (no fla-core),

@@ -200,15 +200,3 @@ def test_prefill_path_by_device_dtype_and_longest_sequence(monkeypatch):
     assert packed.max_len == M + 1 and prefill_path(cuda, torch.bfloat16, long, packed) == "fla"
     monkeypatch.setattr(kda, "_fla_available", lambda: False)
     assert prefill_path(cuda, torch.bfloat16, long) == "torch"
-
-
-def test_kda_prefill_refuses_normalised_q_and_k_off_flas_path():
-    """q and k l2-normalised in the conv are for fla-core's kernel only (which then skips its own norms): the CPU's
-    chunked path normalises its inputs itself, so it refuses them rather than normalise twice."""
-    from deltaserve.kernels.kda import kda_prefill
-
-    q = k = v = torch.randn(5, 2, 8)
-    state = torch.zeros(2, 2, 8, 8)
-    with pytest.raises(ValueError, match="takes the torch path"):
-        kda_prefill(q, k, v, torch.randn(5, 16), torch.randn(5, 2), torch.zeros(16), torch.zeros(2), state, [1],
-                    [0, 5], 8 ** -0.5, qk_normed=True)

@@ -161,44 +161,6 @@ def test_conv_varlen_kernel_stores_channel_groups_apart(groups, C, interior):
     assert rel_err(y, want) < 1e-5 and torch.equal(state, twin_state)
 
 
-@pytest.mark.parametrize("head,heads", [(16, 3), (48, 2), (128, 1)])  # 48: the demo model's, a program's block 64
-@pytest.mark.parametrize("interior", [True, False])
-def test_conv_varlen_kernel_normalises_q_and_k_heads(head, heads, interior):
-    """qk_norm_head: q's and k's heads come out l2-normalised as fla-core's l2norm makes them from the stored outputs
-    (float32 of the rounded values), v's as without; the twin's values and states, in bf16 and float32."""
-    gen = torch.Generator().manual_seed(head * heads)
-    lengths, W, C = [3, 40, 1], 4, 3 * heads * head
-    cu = torch.tensor([0] + lengths).cumsum(0).tolist()
-    x = torch.randn(cu[-1], C + 5, generator=gen)[:, :C]
-    weight = torch.randn(C, W, generator=gen)
-    state = torch.randn(5, C, W - 1, generator=gen)
-    packed = pack_seqs([4, 0, 2], cu, torch.device("cpu"))
-    plain = conv1d_varlen(x, weight, state.clone(), packed, 3, interior)
-    for dtype in (torch.float32, torch.bfloat16):
-        xs, ws, states = x.to(dtype), weight.to(dtype), (state.to(dtype, copy=True), state.to(dtype, copy=True))
-        y = conv1d_varlen(xs, ws, states[0], packed, 3, interior, qk_norm_head=head)
-        want = causal_conv1d_varlen(xs, ws, states[1], [4, 0, 2], cu, groups=3, qk_norm_head=head)  # the twin
-        assert y.shape == (cu[-1], 3, C // 3) and torch.equal(states[0], states[1])
-        assert rel_err(y.float(), want.float()) < (1e-5 if dtype == torch.float32 else 1e-2)
-        unnormed = conv1d_varlen(xs, ws, state.to(dtype, copy=True), packed, 3, interior)
-        qk = unnormed[:, :2].unflatten(-1, (heads, head))
-        normed = l2norm(qk).to(dtype).flatten(-2)  # from the rounded outputs, as fla-core (its sum in another order)
-        assert within_ulps(y[:, :2], normed, 1) if dtype == torch.bfloat16 else rel_err(y[:, :2], normed) < 1e-6
-        assert torch.equal(y[:, 2], unnormed[:, 2])
-    assert rel_err(y[:, 2].float(), plain[:, 2]) < 1e-2
-    norms = y[:, :2].float().unflatten(-1, (heads, head)).norm(dim=-1)
-    assert torch.allclose(norms, torch.ones_like(norms), atol=1e-2)
-
-
-def test_conv_varlen_refuses_heads_that_do_not_tile_the_groups():
-    x, weight, state = torch.zeros(4, 3 * 40), torch.zeros(3 * 40, 4), torch.zeros(2, 3 * 40, 3)
-    packed = pack_seqs([1], [0, 4], torch.device("cpu"))
-    with pytest.raises(ValueError, match="3 groups of whole heads"):
-        conv1d_varlen(x, weight, state, packed, 3, qk_norm_head=16)
-    with pytest.raises(ValueError, match="3 groups of whole heads"):
-        causal_conv1d_varlen(x, weight, state, [1], [0, 4], groups=1, qk_norm_head=8)
-
-
 @pytest.mark.parametrize("W", [4, 2])
 def test_conv_states_at_kernel_matches_twin(W):
     """Conv states partway through sequences into snapshot slots, as the torch twin writes them: a cut before the

@@ -30,16 +30,13 @@ def kda_decode(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: torch.
 
 
 def kda_prefill(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: list[int], cu_seqlens: list[int],
-                scale: float, packed: PackedSeqs | None = None, pdl: bool = True, qk_normed: bool = False):
+                scale: float, packed: PackedSeqs | None = None, pdl: bool = True):
     """Packed sequences (cu_seqlens: B+1 host offsets; packed: the same as tensors, made here when needed and not
     given). Same tensors as kda_decode with N tokens instead of B; sequence b starts from state[state_slots[b]] and
     leaves its final state there. The kernel is prefill_path's choice for the step's longest sequence, so a
-    sequence's last bits in half precision depend on what shares its step (as chunk boundaries do). qk_normed: q and
-    k come l2-normalised already (the conv's epilogue did it, for fla-core's path only). Returns o [N, H, V]: float32
-    from the torch path, v's dtype from the GPU kernels."""
+    sequence's last bits in half precision depend on what shares its step (as chunk boundaries do). Returns o [N,
+    H, V]: float32 from the torch path, v's dtype from the GPU kernels."""
     path = prefill_path(q.device, q.dtype, cu_seqlens, packed)
-    if qk_normed and path != "fla":
-        raise ValueError(f"kda_prefill: q and k normalised for fla-core's kernel, but this step takes the {path} path")
     if path == "recurrent":
         from deltaserve.kernels.kda.triton_decode import kda_recurrent_varlen
 
@@ -49,7 +46,7 @@ def kda_prefill(q, k, v, g_raw, b_raw, dt_bias, a_log, state, state_slots: list[
         from deltaserve.kernels.kda.fla_chunk import fla_chunk_kda
 
         packed = packed or pack_seqs(state_slots, cu_seqlens, q.device)
-        return fla_chunk_kda(q, k, v, g_raw, b_raw, dt_bias, a_log, scale, state, packed, qk_normed)
+        return fla_chunk_kda(q, k, v, g_raw, b_raw, dt_bias, a_log, scale, state, packed)
     g, beta = kda_gate(g_raw, dt_bias, a_log), torch.sigmoid(b_raw).float()
     return chunk_kda(l2norm(q), l2norm(k), v.float(), g, beta, scale, state, state_slots, cu_seqlens)
 
