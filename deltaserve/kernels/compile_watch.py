@@ -19,26 +19,29 @@ log = logging.getLogger("deltaserve")
 
 @dataclass
 class CompileCounts:
-    """Compiles and disk loads since the process installed the listener: how many, their microseconds, and the
-    kernels compiled (by name, with their count)."""
+    """Compiles and disk loads since the process installed the listener: how many, their microseconds, the kernels
+    compiled (by name, with their count) and each compiled variant's specialisation (variant_of's, in order)."""
 
     compiled: int = 0
     compiled_us: int = 0
     loaded: int = 0
     loaded_us: int = 0
     kernels: dict[str, int] = field(default_factory=dict)
+    variants: list[str] = field(default_factory=list)
 
-    def add(self, name: str, cache_hit: bool, us: int) -> None:
+    def add(self, name: str, cache_hit: bool, us: int, variant: str = "") -> None:
         if cache_hit:
             self.loaded, self.loaded_us = self.loaded + 1, self.loaded_us + us
         else:
             self.compiled, self.compiled_us = self.compiled + 1, self.compiled_us + us
             self.kernels[name] = self.kernels.get(name, 0) + 1
+            self.variants.append(f"{name}({variant})")
 
     def since(self, before: CompileCounts) -> CompileCounts:
         kernels = {k: n - before.kernels.get(k, 0) for k, n in self.kernels.items() if n > before.kernels.get(k, 0)}
         return CompileCounts(self.compiled - before.compiled, self.compiled_us - before.compiled_us,
-                             self.loaded - before.loaded, self.loaded_us - before.loaded_us, kernels)
+                             self.loaded - before.loaded, self.loaded_us - before.loaded_us, kernels,
+                             self.variants[len(before.variants):])
 
     def copy(self) -> CompileCounts:
         return self.since(CompileCounts())
@@ -49,6 +52,30 @@ class CompileCounts:
         if self.kernels:
             text += ": " + ", ".join(f"{name} ({n})" for name, n in sorted(self.kernels.items()))
         return text
+
+
+def variant_of(src) -> str:
+    """What a compile's source (Triton's ASTSource) was specialised on: its constants (the constexprs, and integer
+    arguments equal to 1) as name=value and the arguments taken as multiples of 16 (integers; pointers, 16-byte
+    aligned) as name%16, so two variants of one kernel show where they differ. Empty where the source has none,
+    "?" where a Triton release keeps them otherwise."""
+    try:
+        return _specialisation(src)
+    except Exception:  # a description lost, never a count
+        return "?"
+
+
+def _specialisation(src) -> str:
+    names = list(getattr(src, "signature", None) or {})
+
+    def name(key) -> str:
+        index = key[0] if isinstance(key, tuple) and len(key) == 1 else key
+        return names[index] if isinstance(index, int) and 0 <= index < len(names) else str(key)
+
+    parts = [f"{name(k)}={v}" for k, v in (getattr(src, "constants", None) or {}).items()]
+    parts += [f"{name(k)}%16" for k, attrs in (getattr(src, "attrs", None) or {}).items()
+              if any(a and a[0] == "tt.divisibility" for a in attrs)]
+    return ", ".join(parts)
 
 
 COUNTS = CompileCounts()  # the process's, filled by the listener record() installs
@@ -73,7 +100,8 @@ def record() -> bool:
         try:
             metadata = event.get("metadata") or {}
             name = getattr(event.get("src"), "name", None) or str(metadata.get("name", "?"))
-            COUNTS.add(name, bool(event.get("cache_hit")), int(getattr(event.get("times"), "total", 0)))
+            COUNTS.add(name, bool(event.get("cache_hit")), int(getattr(event.get("times"), "total", 0)),
+                       variant_of(event.get("src")))
         except Exception as e:  # a count lost, never a compile
             log.debug("not counting a Triton compile: %s", e)
         if before is not None:

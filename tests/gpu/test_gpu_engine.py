@@ -65,8 +65,10 @@ if watch is None:
 params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 llm.generate([{{"prompt_token_ids": p}} for p in {PROMPTS!r}], params, use_tqdm=False)
 built = watch.check()
+from deltaserve.kernels import compile_watch
+before = compile_watch.COUNTS.variants[: len(compile_watch.COUNTS.variants) - len(built.variants)]
 print(json.dumps({{"tuned": llm.engine._tuning_watch.check(), "compiled": built.compiled, "loaded": built.loaded,
-                  "what": built.describe()}}))
+                  "what": built.describe(), "variants": built.variants, "before": before}}))
 """
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -74,7 +76,10 @@ print(json.dumps({{"tuned": llm.engine._tuning_watch.check(), "compiled": built.
     result = json.loads(run.stdout.strip().splitlines()[-1])
     if "skip" in result:
         pytest.skip(result["skip"])
-    assert result["tuned"] == 0 and result["compiled"] == 0 and result["loaded"] == 0, result["what"]
+    served = {v.split("(")[0] for v in result["variants"]}  # beside the same kernels' variants the warm-up built
+    warmed = [v for v in result["before"] if v.split("(")[0] in served]
+    assert result["tuned"] == 0 and result["compiled"] == 0 and result["loaded"] == 0, \
+        f"{result['what']}; serving built: {'; '.join(result['variants'])}; the warm-up built: {'; '.join(warmed)}"
 
 
 def test_cuda_graphs_match_eager_bf16_up_to_near_ties():

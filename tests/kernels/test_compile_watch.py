@@ -52,3 +52,23 @@ def test_the_listener_counts_compiles_and_keeps_a_listener_already_there(monkeyp
     counts = compile_watch.COUNTS
     assert (counts.compiled, counts.compiled_us, counts.loaded, counts.loaded_us) == (1, 3_000, 1, 3_000)
     assert counts.kernels == {"_kda_kernel": 1} and heard == [False, True]
+
+
+def test_each_compiled_variant_names_what_it_was_specialised_on():
+    """variant_of reads a compile's source as Triton 3.x keeps it (argument names in the signature; constants and
+    attributes keyed by the argument's index), so two variants of one kernel differ where their specialisations do;
+    the counts keep each compiled variant in order, and `since` only the new ones."""
+    from deltaserve.kernels.compile_watch import variant_of
+
+    src = types.SimpleNamespace(
+        name="_rms_norm_kernel", signature={"x_ptr": "*bf16", "n_rows": "i32", "x_stride": "i32", "D": "constexpr"},
+        constants={(1,): 1, (3,): 2304}, attrs={(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]})
+    assert variant_of(src) == "n_rows=1, D=2304, x_ptr%16, x_stride%16"
+    assert variant_of(object()) == "" and variant_of(types.SimpleNamespace(signature={}, attrs={(0,): 5})) == "?"
+    counts = CompileCounts()
+    counts.add("_rms_norm_kernel", cache_hit=False, us=1, variant="n_rows=1")
+    before = counts.copy()
+    counts.add("_rms_norm_kernel", cache_hit=False, us=1, variant="x_stride%16")
+    counts.add("_rms_norm_kernel", cache_hit=True, us=1, variant="ignored: a disk load")
+    assert counts.variants == ["_rms_norm_kernel(n_rows=1)", "_rms_norm_kernel(x_stride%16)"]
+    assert counts.since(before).variants == ["_rms_norm_kernel(x_stride%16)"]
