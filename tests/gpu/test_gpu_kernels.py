@@ -475,7 +475,6 @@ def test_gated_norm_gemv_matches_gated_norm_then_linear(T, H, K, N):
     assert rel_err(gated_norm_gemv(*args), naive_gated_norm_linear(*args)) < 5e-3
 
 
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 2304), (37, 512), (5, 3, 300), (200, 4, 128)])
 def test_norm_kernels_match_their_eager_twins(shape, dtype):
