@@ -61,26 +61,26 @@ class MultiheadLatentAttention(nn.Module):
         N, nd, H, R = projected.shape[0], batch.num_decodes, self.num_heads, self.kv_lora_rank
         q, ckv = projected.split(self.split, dim=-1)  # [N, H*(Dn+Dr)], [N, R+Dr]
         q = q.view(N, H, self.nope_dim + self.rope_dim)
-        q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim:]
         latents = torch.cat([rms_norm(ckv[:, :R], self.kv_a_norm_weight, self.kv_norm_eps), ckv[:, R:]], dim=-1)
         write_latents(cache["latent"], batch.slot_mapping, latents)
         if nd == 0 and batch.num_seqs == 1:  # one prompt's chunk: its attention output is the layer's, no copy
             out = self._prefill(q, latents, cache["latent"], batch.block_tables[0], batch.start_positions[0])
-            return all_reduce(self.o_proj(out.reshape(N, H * self.v_dim)), self.parallel)
-        out = projected.new_empty(N, H, self.v_dim)
-        if nd:
-            out[:nd] = self._decode(q_nope[:nd], q_rope[:nd], batch, cache["latent"])
-        row = nd
-        for i in range(nd, batch.num_seqs):
-            n, start = batch.query_lens[i], batch.start_positions[i]
-            out[row: row + n] = self._prefill(q[row: row + n], latents[row: row + n], cache["latent"],
-                                              batch.block_tables[i], start)
-            row += n
-        return all_reduce(self.o_proj(out.view(N, H * self.v_dim)), self.parallel)
+        else:
+            out = projected.new_empty(N, H, self.v_dim)
+            if nd:
+                out[:nd] = self._decode(q[:nd], batch, cache["latent"])
+            row = nd
+            for i in range(nd, batch.num_seqs):
+                n, start = batch.query_lens[i], batch.start_positions[i]
+                out[row: row + n] = self._prefill(q[row: row + n], latents[row: row + n], cache["latent"],
+                                                  batch.block_tables[i], start)
+                row += n
+        return all_reduce(self.o_proj(out.reshape(N, H * self.v_dim)), self.parallel)
 
-    def _decode(self, q_nope, q_rope, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
-        """Absorbed: q_nope [B, H, Dn] -> latent query [B, H, R]; attended latent -> values [B, H, Dv]."""
-        nd = q_nope.shape[0]
+    def _decode(self, q: torch.Tensor, batch: ForwardBatch, cache: torch.Tensor) -> torch.Tensor:
+        """Absorbed: q [B, H, Dn+Dr]: q_nope -> latent query [B, H, R]; attended latent -> values [B, H, Dv]."""
+        nd = q.shape[0]
+        q_nope, q_rope = q[..., : self.nope_dim], q[..., self.nope_dim:]
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         q_latent = (q_nope.transpose(0, 1) @ w[:, : self.nope_dim]).transpose(0, 1)  # per head: [B, Dn] @ [Dn, R]
         o_latent = mla_decode(q_latent, q_rope, cache, batch.block_tables[:nd], batch.context_lens[:nd], self.scale,

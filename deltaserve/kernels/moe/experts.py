@@ -66,13 +66,12 @@ def _one_token(x, w13, w2, weights, ids, cpu_threads: int | None) -> torch.Tenso
     chosen = sorted(zip(ids[0].tolist(), range(ids.shape[1])))
     # all k experts in one call a product (fused_experts' rule)
     if cpu_threads is not None and cpu_gemv.can_run(x, w13[0], group=len(chosen)):
-        gate, up = cpu_gemv.cpu_gemv_grouped(x, [w13[e] for e, _ in chosen], cpu_threads).chunk(2, dim=-1)  # [k,1,I]
-        ys = cpu_gemv.cpu_gemv_grouped(F.silu(gate) * up, [w2[e] for e, _ in chosen], cpu_threads)  # [k, 1, D]
+        act = silu_and_mul(cpu_gemv.cpu_gemv_grouped(x, [w13[e] for e, _ in chosen], cpu_threads))  # [k, 1, I]
+        ys = cpu_gemv.cpu_gemv_grouped(act, [w2[e] for e, _ in chosen], cpu_threads)  # [k, 1, D]
     else:
         ys = []
         for expert, _ in chosen:
-            gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
-            ys.append(F.linear(F.silu(gate) * up, w2[expert]))
+            ys.append(F.linear(silu_and_mul(F.linear(x, w13[expert])), w2[expert]))
     out = None
     for (_, slot), y in zip(chosen, ys):
         y = (y * weights[:, slot, None]).to(x.dtype)
@@ -89,8 +88,8 @@ def _gathered(x, w13, w2, weights, ids) -> torch.Tensor:
     weights = weights.gather(1, order)
     flat = ids.flatten()
     rows = x[:, None, :].expand(T, k, x.shape[-1]).reshape(T * k, -1, 1)
-    gate, up = torch.bmm(w13[flat], rows)[..., 0].chunk(2, dim=-1)  # [T * k, I] each
-    y = torch.bmm(w2[flat], (F.silu(gate) * up)[..., None])[..., 0].view(T, k, -1)
+    act = silu_and_mul(torch.bmm(w13[flat], rows)[..., 0])  # [T * k, I]
+    y = torch.bmm(w2[flat], act[..., None])[..., 0].view(T, k, -1)
     y = (y * weights[..., None]).to(x.dtype)
     out = y[:, 0]
     for slot in range(1, k):
