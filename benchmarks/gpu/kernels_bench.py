@@ -552,8 +552,10 @@ def activation_rows(device: str, smoke: bool) -> list[dict]:
 def gather_rows(device: str, smoke: bool) -> list[dict]:
     """The grouped experts' input rows: x[token] for an 8k prefill chunk's tokens x 8 experts sorted by expert
     (65,536 rows of 2,304), index_select (the path before it) against kernels.triton_copy's gather at a few
-    launches (GB/s of the rows written and read once each); and the sort before it on int64 keys and on
-    sort_by_expert's narrow ones. Smoke: the interpreter at tiny shapes."""
+    launches (GB/s of the bytes that must cross memory: the rows written, and x read once, since each of its rows
+    repeats k times and the repeats come from L2; counting every row read as memory traffic would give a figure
+    above the card's bandwidth); and the sort before it on int64 keys and on sort_by_expert's narrow ones. Smoke:
+    the interpreter at tiny shapes."""
     from deltaserve.kernels.moe.experts import sort_by_expert, sort_key_dtype
     from deltaserve.kernels.triton_copy import triton_gather_rows
 
@@ -571,7 +573,7 @@ def gather_rows(device: str, smoke: bool) -> list[dict]:
     for variant, fn in variants.items():
         us = timed(fn, device)
         emit("gather", rows, {"rows": token.shape[0], "D": D, "variant": variant, "us": us,
-                              "GBps": 2 * token.shape[0] * D * x.element_size() / us / 1e3,
+                              "GBps": (token.shape[0] + T) * D * x.element_size() / us / 1e3,
                               "rel_err": rel_err(fn(), expected)})
     flat = ids.flatten()  # the sort before the gather: on int64 keys (before) and on sort_by_expert's narrow ones
     sorts = {"sort int64 keys": lambda: flat.argsort(stable=True),
