@@ -96,21 +96,26 @@ def warmup_schedules(llm) -> list[list[int]]:
     return scheduled
 
 
-def test_the_warmup_mixes_decodes_with_a_prompt_on_each_side_of_the_recurrent_kernels_limit(make_llm, caplog):
-    """After the prefill-only steps, 1, 2 and 3 requests decode beside a prompt of ragged length, one each side of
-    the recurrent KDA kernel's 32 tokens (the prefill's tensors then slices past the decodes' rows, as in a server's
-    steps); the engine is left empty, and the log names the rounds."""
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_warmup_mixes_decodes_with_a_prompt_on_each_side_of_the_recurrent_kernels_limit(make_llm, caplog,
+                                                                                            async_scheduling):
+    """After the prefill-only steps, 1, 2, 3 and each power of two of decode rows (one-token prompts) below
+    max_num_seqs run beside a prompt of ragged length, one each side of the recurrent KDA kernel's 32 tokens (the
+    prefill's tensors then slices past the decodes' rows, as in a server's steps), in one step also with
+    asynchronous scheduling (a GPU's default), under which decodes started before the prompt came had finished before
+    it was scheduled; the engine is left empty, and the log names the rounds."""
     from deltaserve.core.engine import MIXED_WARMUP_SHORT_PROMPT
     from deltaserve.kernels.kda import RECURRENT_PREFILL_MAX_LEN
 
     assert MIXED_WARMUP_SHORT_PROMPT == RECURRENT_PREFILL_MAX_LEN
-    llm = make_llm(max_num_batched_tokens=200, max_model_len=128, max_num_seqs=4)
+    llm = make_llm(max_num_batched_tokens=200, max_model_len=128, max_num_seqs=10, async_scheduling=async_scheduling)
     caplog.set_level(logging.INFO, logger="deltaserve")
     steps = warmup_schedules(llm)
-    # (decodes, prompt tokens) of the steps of one prompt beside one-token decodes
+    # (decodes, prompt tokens) of the steps of one prompt beside one-token rows
     mixed = {(len(step) - 1, step[-1]) for step in steps if len(step) > 1 and step[-1] > 1 and step[-2] == 1}
-    assert mixed >= {(1, 25), (1, 41), (2, 26), (2, 42), (3, 27), (3, 43)}
-    assert "decodes beside a prompt (decodes+tokens): 1+25, 1+41, 2+26, 2+42, 3+27, 3+43" in caplog.text
+    rounds = [(1, 25), (1, 41), (2, 26), (2, 42), (3, 27), (3, 43), (4, 28), (4, 44), (8, 25), (8, 41)]
+    assert mixed == set(rounds)
+    assert "decodes beside a prompt (decodes+tokens): " + ", ".join(f"{d}+{n}" for d, n in rounds) in caplog.text
     assert not llm.engine.has_unfinished_requests()
     assert all(t.steps == 0 and t.tokens == 0 for t in llm.engine.step_totals.values())
 

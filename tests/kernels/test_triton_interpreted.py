@@ -316,6 +316,30 @@ def test_mla_decode_wide_path_compiled_in_only_where_it_can_run(monkeypatch, H, 
     assert launched.value.args == (wide_h,)
 
 
+@pytest.mark.parametrize("batches", [(1,), (3, 4), (5, 8)])
+def test_mla_decode_merge_launch_follows_the_batchs_power_of_two_not_the_table_width(monkeypatch, batches):
+    """An eager decode beside a prompt meets any block-table width and batch: the merge kernel's constants (slices a
+    step, columns a program) follow the batch's power of two alone, so one compiled variant serves every width the
+    warm-up's batches of that power did not meet (a GPU test found a variant built while serving: BENCHMARKS.md,
+    stop 53). The outputs still match the twin."""
+    launches, merge = [], triton_decode._mla_decode_merge_kernel
+
+    class Spy:  # records the merge's constants, then launches it
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((kwargs["SLICES"], kwargs["BR"]))
+                return merge[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_decode, "_mla_decode_merge_kernel", Spy())
+    gen = torch.Generator().manual_seed(len(batches))
+    for B in batches:
+        for width in (1, 3, 13, 16):  # pages of 16 tokens
+            lengths = [1 + (7 * i + width * 11) % (16 * width) for i in range(B)]
+            assert _decode_against_twin(lengths, 4, 32, 8, B * width + 1, gen, width=width, min_split=16) < 1e-5
+    assert len(set(launches)) == 1, launches
+
+
 def _decode_against_twin(lengths, H, R, DR, num_pages, gen, width=None, **knobs) -> float:
     """rel_err of triton_mla_decode (with knobs) against the twin: random latents of sequences of `lengths` in pages of
     16, block tables `width` pages wide (default: the longest's)."""

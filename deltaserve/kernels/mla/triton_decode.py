@@ -154,7 +154,9 @@ def _attend_slice(q_ptr, qr_ptr, cache_ptr, bt_ptr, bt_stride, mid_o_ptr, mid_ls
         tl.store(mid_lse_ptr + mid, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=mh)
 
 
-@triton.jit
+# unspecialised: the block table's width and the split count follow the step's contexts; an eager decode beside a
+# prompt meets any value, and a value of 1 or a multiple of 16 would compile a variant of its own while serving
+@triton.jit(do_not_specialize=["bt_stride", "num_splits"])
 def _mla_decode_split_kernel(
     q_ptr, qr_ptr, cache_ptr, bt_ptr, lens_ptr, mid_o_ptr, mid_lse_ptr,
     q_stride_b, q_stride_h, qr_stride_b, qr_stride_h, bt_stride, page_stride, token_stride, scale,
@@ -192,7 +194,7 @@ def _mla_decode_split_kernel(
                       token_stride, scale, PAGE, H, R, DR, BR, BDR, BLOCK_H, BLOCK_N, IEEE, LAZY_SLACK, REREAD)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "mid_stride"])  # as the split kernel's: any step's contexts, one variant
 def _mla_decode_merge_kernel(mid_o_ptr, mid_lse_ptr, lens_ptr, o_ptr, num_splits, min_split, mid_stride, wide_from,
                              H: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BLOCK_N: tl.constexpr,
                              SLICES: tl.constexpr, PDL: tl.constexpr):
@@ -257,11 +259,13 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     short context's step is latency), 4 warps, 32 tokens a step; a batch: 32 heads (the latents read once for all
     heads), 8 warps, 64 tokens a step (bf16; float32 keeps 4 warps and 32 tokens); NUM_STAGES stages (float32:
     NUM_STAGES_FLOAT32, whose tiles are twice as wide). merge_slices and merge_cols: the merge kernel's slices a step
-    and latent columns a program, merge_tiles' by default. reread_tile: load each latent tile twice, once for each
-    product; on by default for a float8 cache. A float8 tile's one load feeds both products, each in a shared-memory
-    layout of its own, and Triton's pipeliner leaves such a load synchronous (into registers, then copied for each
-    product); loaded twice, each load has one product and both stream in asynchronously, at twice the L2 reads
-    (faster at every context timed: BENCHMARKS.md, stop 43). A bf16 tile's one load is pipelined already.
+    and latent columns a program, merge_tiles' by default (for the batch's power of two and the most slices it can
+    have, so that every table width shares one merge variant). reread_tile: load each latent tile twice, once for
+    each product; on by default for a float8 cache. A float8 tile's one load feeds both products, each in a
+    shared-memory layout of its own, and Triton's pipeliner leaves such a load synchronous (into registers, then
+    copied for each product); loaded twice, each load has one product and both stream in asynchronously, at twice
+    the L2 reads (faster at every context timed: BENCHMARKS.md, stop 43). A bf16 tile's one load is pipelined
+    already.
     wide_from (None: off): a sequence of at least this many context tokens is attended by every program of the launch
     with all heads at once, each over its own slice of the context (head blocks x slices of them), so each tile is
     read once, not once per head block. Where a launch has one head block (a batch's 32 heads), or its table holds
@@ -286,6 +290,10 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     block_h = max(min(triton.next_power_of_2(H), max_head_block), 16)  # tl.dot needs 16 rows
     head_blocks = triton.cdiv(H, block_h)
     table_tokens = block_tables.shape[1] * page
+    # the merge's tiles follow the batch's power of two and the most slices a sequence of such a batch can use in a
+    # table of any width, not this table's: an eager decode beside a prompt meets every width, and one merge variant
+    # then serves them all (the engine's warm-up builds one at each power of two)
+    most_splits = splits or num_splits(triton.next_power_of_2(B), head_blocks, 2**31 - 1, min_split)
     splits = splits or num_splits(B, head_blocks, table_tokens, min_split)
     wide_mode = wide_from is not None and head_blocks > 1 and table_tokens >= wide_from
     slots = splits * head_blocks if wide_mode else splits  # each (sequence, head)'s partial outputs
@@ -305,7 +313,8 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q_latent.device, pdl),
     )
     out = torch.empty(B, H, R, dtype=q_latent.dtype, device=q_latent.device)
-    auto_slices, auto_cols = merge_tiles(B * H, R, slots)
+    most_slots = most_splits * head_blocks if wide_mode else most_splits
+    auto_slices, auto_cols = merge_tiles(triton.next_power_of_2(B) * H, R, most_slots)
     merge_slices = merge_slices or auto_slices
     merge_br = triton.next_power_of_2(merge_cols or auto_cols)
     _mla_decode_merge_kernel[(B * H, triton.cdiv(R, merge_br))](
