@@ -419,24 +419,25 @@ class Engine:
         self.step_totals = {"decode": StepTotals(), "prefill": StepTotals()}
 
     def _warm_up_mixed_steps(self, rng: random.Random, params: SamplingParams) -> list[str]:
-        """Steps that mix decodes with a prefill, as a server's do while prompts arrive: 1, 2, 3 and each power of two
-        up to max_num_seqs - 1 decode rows beside a prompt of ragged length on each side of MIXED_WARMUP_SHORT_PROMPT
-        (our recurrent KDA kernel's limit, and fla-core's chunked path). The prefill's tensors are then slices past
-        the decodes' rows, whose pointers Triton specializes by their alignment, and the decodes run eagerly at
-        counts of their own (the MLA decode's merge tiles follow the count's power of two): kernel variants the
-        prefill-only steps do not build (a GPU test found 12 built while serving, BENCHMARKS.md stop 51). The decode
-        rows are one-token prompts (a step's decode rows are its one-token sequences) added with the prompt, so the
-        step mixes them whatever the scheduler does: with asynchronous scheduling, requests that had started
-        decoding finished before a prompt added after them was scheduled, and no step mixed. Each then decodes
-        three tokens. None with one sequence at a time; prompts within the step budget and the model's length.
-        Returns "decodes+prompt tokens" of each mixed round run."""
+        """Steps that mix decodes with a prefill, as a server's do while prompts arrive: 1, 2, 3, each power of two
+        below max_num_seqs and max_num_seqs - 1 decode rows beside a prompt of ragged length on each side of
+        MIXED_WARMUP_SHORT_PROMPT (our recurrent KDA kernel's limit, and fla-core's chunked path). The prefill's
+        tensors are then slices past the decodes' rows, whose pointers Triton specializes by their alignment, and the
+        decodes run eagerly at counts of their own (the MLA decode's merge tiles follow the count's power of two):
+        kernel variants the prefill-only steps do not build (a GPU test found 12 built while serving, BENCHMARKS.md
+        stop 51; 11 after stop 51's rounds, stop 52). The decode rows are one-token prompts (a step's decode rows are
+        its one-token sequences) added with the prompt, so the step mixes them whatever the scheduler does: with
+        asynchronous scheduling (a GPU's default), requests that had started decoding finished before a prompt added
+        after them was scheduled, and no step of stop 51's rounds mixed. Each then decodes three tokens. None with
+        one sequence at a time; prompts within the step budget and the model's length. Returns "decodes+prompt
+        tokens" of each mixed round run."""
         cfg, longest = self.config, self.max_model_len - 1
         decoding = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         most = min(cfg.max_num_seqs - 1, cfg.max_num_batched_tokens - 2)  # decode rows beside a prompt of 2 tokens
         rounds = []
         if longest < 4 or most < 1:  # a decoding request's one token and four generated within the model's length
             return rounds
-        counts = sorted({c for c in (1, 2, 3) if c <= most} | {1 << i for i in range(most.bit_length())})
+        counts = sorted({c for c in (1, 2, 3, most) if c <= most} | {1 << i for i in range(most.bit_length())})
         for count in counts:
             ragged = 1 + (count - 1) % 7  # 1 to 7 tokens past a multiple of 8: the short prompt stays short
             for length in (MIXED_WARMUP_SHORT_PROMPT - 8 + ragged, MIXED_WARMUP_SHORT_PROMPT + 8 + ragged):

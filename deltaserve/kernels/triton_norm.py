@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["n_rows"])  # the rows only mask: any step's token count, one compiled variant
+@triton.jit(do_not_specialize=["n_rows"])  # the rows only mask: one variant a BLOCK_ROWS, whatever the step's tokens
 def _rms_norm_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, n_rows, x_stride, r_stride, g_stride, eps,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_ROWS: tl.constexpr, ADD: tl.constexpr,
                      GATED: tl.constexpr):

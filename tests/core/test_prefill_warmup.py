@@ -99,8 +99,8 @@ def warmup_schedules(llm) -> list[list[int]]:
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_warmup_mixes_decodes_with_a_prompt_on_each_side_of_the_recurrent_kernels_limit(make_llm, caplog,
                                                                                             async_scheduling):
-    """After the prefill-only steps, 1, 2, 3 and each power of two of decode rows (one-token prompts) below
-    max_num_seqs run beside a prompt of ragged length, one each side of the recurrent KDA kernel's 32 tokens (the
+    """After the prefill-only steps, 1, 2, 3, each power of two below max_num_seqs and max_num_seqs - 1 decode rows
+    (one-token prompts) run beside a prompt of ragged length, one each side of the recurrent KDA kernel's 32 tokens (the
     prefill's tensors then slices past the decodes' rows, as in a server's steps), in one step also with
     asynchronous scheduling (a GPU's default), under which decodes started before the prompt came had finished before
     it was scheduled; the engine is left empty, and the log names the rounds."""
@@ -113,7 +113,8 @@ def test_the_warmup_mixes_decodes_with_a_prompt_on_each_side_of_the_recurrent_ke
     steps = warmup_schedules(llm)
     # (decodes, prompt tokens) of the steps of one prompt beside one-token rows
     mixed = {(len(step) - 1, step[-1]) for step in steps if len(step) > 1 and step[-1] > 1 and step[-2] == 1}
-    rounds = [(1, 25), (1, 41), (2, 26), (2, 42), (3, 27), (3, 43), (4, 28), (4, 44), (8, 25), (8, 41)]
+    rounds = [(1, 25), (1, 41), (2, 26), (2, 42), (3, 27), (3, 43), (4, 28), (4, 44), (8, 25), (8, 41), (9, 26),
+              (9, 42)]
     assert mixed == set(rounds)
     assert "decodes beside a prompt (decodes+tokens): " + ", ".join(f"{d}+{n}" for d, n in rounds) in caplog.text
     assert not llm.engine.has_unfinished_requests()

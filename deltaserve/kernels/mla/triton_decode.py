@@ -290,10 +290,10 @@ def triton_mla_decode(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     block_h = max(min(triton.next_power_of_2(H), max_head_block), 16)  # tl.dot needs 16 rows
     head_blocks = triton.cdiv(H, block_h)
     table_tokens = block_tables.shape[1] * page
-    # the merge's tiles follow the batch's power of two and the most slices a sequence of such a batch can use in a
-    # table of any width, not this table's: an eager decode beside a prompt meets every width, and one merge variant
-    # then serves them all (the engine's warm-up builds one at each power of two)
-    most_splits = splits or num_splits(triton.next_power_of_2(B), head_blocks, 2**31 - 1, min_split)
+    # the merge's tiles follow the batch's power of two P and the most slices a sequence of a batch of P/2+1 to P
+    # (the smallest has the most) can use in a table of any width, not this table's: an eager decode beside a prompt
+    # meets every width, and one merge variant then serves them all (the engine's warm-up builds one at each power)
+    most_splits = splits or num_splits(triton.next_power_of_2(B) // 2 + 1, head_blocks, 2**31 - 1, min_split)
     splits = splits or num_splits(B, head_blocks, table_tokens, min_split)
     wide_mode = wide_from is not None and head_blocks > 1 and table_tokens >= wide_from
     slots = splits * head_blocks if wide_mode else splits  # each (sequence, head)'s partial outputs
