@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from deltaserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig
+from deltaserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig, ModelConfig
 from deltaserve.entrypoints.chat import add_chat_options, cmd_chat
 from deltaserve.entrypoints.openai.command import add_serve_options, cmd_serve
 from deltaserve.entrypoints.sampling_options import add_sampling_options, sampling_defaults
@@ -186,24 +186,43 @@ def cmd_bench(args) -> None:
 
     if args.config and args.load_format != "dummy":
         raise ValueError("--config FILE has no weights: add --load-format dummy (or pass --model DIR)")
-    if any(n < 1 for n in args.long_prompt_len):
-        raise ValueError(f"--long-prompt-len {args.long_prompt_len}: each must be a positive number of tokens")
-    long_output = LONG_OUTPUT_LEN
-    if args.max_model_len and args.long_prompt_len and max(args.long_prompt_len) + long_output > args.max_model_len:
-        raise ValueError(f"--long-prompt-len {max(args.long_prompt_len)} needs --max-model-len >= "
-                         f"{max(args.long_prompt_len) + long_output} (the prompt and {long_output} output tokens); "
-                         f"got {args.max_model_len}")
+    model = args.config or args.model or str(BUNDLED_MODEL)
+    longest = _bench_longest(args, model, LONG_OUTPUT_LEN)
     device = args.device or default_device()
-    longest = max([args.prompt_len + args.output_len] + [n + long_output for n in args.long_prompt_len])
     engine = EngineConfig(dtype=args.dtype or ("float32" if device == "cpu" else "bfloat16"), device=device,
                           **_engine_fields(args, max_model_len=args.max_model_len or longest,
                                            max_num_seqs=max(args.batch_sizes)))
-    result = bench(args.config or args.model or str(BUNDLED_MODEL), engine, args.batch_sizes, args.prompt_len,
-                   args.output_len, args.long_prompt_len)
+    result = bench(model, engine, args.batch_sizes, args.prompt_len, args.output_len, args.long_prompt_len)
     print_report(result)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def _bench_longest(args, model: str, long_output: int) -> int:
+    """The most tokens one of bench's requests holds (a prompt and its output; a long prompt's output is long_output
+    tokens), after checking bench's flags and that it fits --max-model-len, or else the model's limit (bench sets
+    max_model_len to it): each error names the flags to change."""
+    def positive(flag: str, values: list[int], what: str) -> None:
+        if any(n < 1 for n in values):
+            each = "each must be" if len(values) > 1 else "must be"
+            raise ValueError(f"{flag} {','.join(map(str, values))}: {each} a positive number of {what}")
+
+    positive("--batch-sizes", args.batch_sizes, "concurrent requests, e.g. 1,16,64")
+    positive("--prompt-len", [args.prompt_len], "tokens")
+    positive("--long-prompt-len", args.long_prompt_len, "tokens, e.g. 8192,262144")
+    if args.output_len < 2:
+        raise ValueError(f"--output-len {args.output_len}: must be at least 2 (TPOT is the time between output tokens)")
+    needs = {f"--prompt-len {args.prompt_len} + --output-len {args.output_len}": args.prompt_len + args.output_len}
+    needs.update({f"--long-prompt-len {n} + {long_output} output tokens": n + long_output
+                  for n in args.long_prompt_len})
+    what, longest = max(needs.items(), key=lambda item: item[1])
+    limit = args.max_model_len or ModelConfig.from_file(model).max_position_embeddings
+    if longest > limit:
+        where = f"--max-model-len {limit}" if args.max_model_len else f"the model's limit ({limit} in its config.json)"
+        fix = "raise --max-model-len" if args.max_model_len else "pass a model with a longer context"
+        raise ValueError(f"{what} = {longest} tokens exceeds {where}; shorten the prompt or {fix}")
+    return longest
 
 
 def cmd_make_tiny(args) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from deltaserve.cache.sizing import CachePlan
 from deltaserve.entrypoints.bench import cache_capacity
 from deltaserve.entrypoints.cli import main
@@ -46,8 +48,26 @@ def test_bench_rejects_a_non_positive_long_prompt(tiny_model, capsys):
 
 
 def test_bench_rejects_a_long_prompt_past_max_model_len(tiny_model, capsys):
-    assert main(["bench", "--model", str(tiny_model), "--long-prompt-len", "100", "--max-model-len", "64"]) == 2
-    assert "needs --max-model-len >= 164" in capsys.readouterr().err
+    assert main(["bench", "--model", str(tiny_model), "--prompt-len", "8", "--long-prompt-len", "100",
+                 "--max-model-len", "64"]) == 2
+    assert "--long-prompt-len 100 + 64 output tokens = 164 tokens exceeds --max-model-len 64" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--batch-sizes=-2,4"], "--batch-sizes -2,4: each must be a positive number of concurrent requests"),
+    (["--batch-sizes", "0"], "--batch-sizes 0: must be a positive number"),
+    (["--prompt-len", "0"], "--prompt-len 0: must be a positive number of tokens"),
+    (["--output-len", "1"], "--output-len 1: must be at least 2"),
+    # bench sets max_model_len to its longest request: past the model's own limit, the error names bench's flags
+    (["--prompt-len", "5000"], "--prompt-len 5000 + --output-len 64 = 5064 tokens exceeds the model's limit (4096"),
+    (["--max-model-len", "100"], "--prompt-len 512 + --output-len 64 = 576 tokens exceeds --max-model-len 100"),
+])
+def test_bench_names_the_flag_a_bad_value_came_in(tiny_model, capsys, flags, error):
+    """Each bad flag gets one line naming it (before: a negative batch size crashed in min() of an empty list, and
+    a prompt past the model's limit was reported as a max_model_len the user never passed)."""
+    assert main(["bench", "--model", str(tiny_model), *flags]) == 2
+    err = capsys.readouterr().err
+    assert error in err and "Traceback" not in err
 
 
 def test_gpu_memory_utilization_out_of_range_is_refused(tiny_model, capsys):
