@@ -76,7 +76,8 @@ def _relocated(params, i: int, defs: dict):
 
 
 class ForcedToolCallParser:
-    """Reads a forced output: nothing until it finishes, then its tool calls as one stream delta."""
+    """Reads a forced output: nothing until it finishes, then its tool calls as one stream delta, or (cut off by
+    max_tokens before its JSON was complete) its text as content, as the whole response's message has it."""
 
     def __init__(self, forced: ForcedTools):
         self.forced = forced
@@ -88,9 +89,10 @@ class ForcedToolCallParser:
         return []
 
     def finish(self) -> list[dict]:
-        self._calls = self._read("".join(self._text))
+        text = "".join(self._text)
+        self._calls = self._read(text)
         if not self._calls:
-            return []
+            return [{"content": text}] if text else []
         return [{"tool_calls": [{"index": i, **call.to_openai()} for i, call in enumerate(self._calls)]}]
 
     def result(self) -> ParsedOutput:

@@ -116,6 +116,16 @@ def test_tool_choice_required_calls_a_tool(client):
     jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_cut_off_by_max_tokens_streams_the_text_the_whole_response_has(client, tool_choice):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0, tools=TOOLS, tool_choice=tool_choice)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+    streamed = "".join(c.delta.content or "" for c in chunks)
+    assert choice.finish_reason == chunks[-1].finish_reason == "length" and choice.message.tool_calls is None
+    assert streamed == choice.message.content and streamed  # the partial JSON, not nothing
+
+
 @pytest.mark.parametrize("extra, param, message", [
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex",
      "structured_outputs.regex: Regex parsing error at position 4: The parenthesis is not closed"),
