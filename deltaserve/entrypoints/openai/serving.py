@@ -98,6 +98,13 @@ class ServingContext:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
 
+    def token_bytes(self, token_id: int, text: str) -> bytes:
+        """The bytes a token adds to the text (part of a character for some byte-level tokens, whose text is then
+        U+FFFD): OpenAI's logprobs `bytes`, which joined rebuild the text. text's UTF-8 for a model without a
+        tokenizer, or an id the vocabulary lacks."""
+        raw = self.tokenizer.id_to_bytes(token_id) if self.tokenizer is not None else b""
+        return raw or text.encode("utf-8", "replace")
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.config.served_model_name:
             raise OpenAIError(404, f"The model '{name}' does not exist; this server serves "

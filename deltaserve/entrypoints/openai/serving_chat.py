@@ -108,7 +108,7 @@ class ChatServing:
     def _token(self, token_id: int, entry: dict) -> dict:
         text = self.ctx.token_text(token_id, entry)
         return {"token": text, "logprob": json_logprob(entry[token_id].logprob),
-                "bytes": list(text.encode("utf-8", "replace"))}
+                "bytes": list(self.ctx.token_bytes(token_id, text))}
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:

@@ -6,6 +6,7 @@ max_tokens 0 that is the prompt-scoring request that lm-eval's loglikelihood tas
 
 from __future__ import annotations
 
+import codecs
 import uuid
 
 from fastapi import Request
@@ -73,8 +74,9 @@ class CompletionServing:
                 completion = output.outputs[0]
                 logprobs = None
                 if body.logprobs is not None:
-                    parts = [(_prompt_scored(output), 0)] if body.echo else []
-                    logprobs = _logprobs(parts + [(_output_scored(output, 0), len(echo))], self.ctx.token_text)
+                    parts = [(_prompt_scored(output), _TextOffsets(self.ctx, 0))] if body.echo else []
+                    parts.append((_output_scored(output, 0), _TextOffsets(self.ctx, len(echo))))
+                    logprobs = _logprobs(parts, self.ctx.token_text)
                 choices.append({"index": index, "text": echo + completion.text, "logprobs": logprobs,
                                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason})
             return {**meta, "object": "text_completion", "choices": choices, "usage": usage(outputs, body.n)}
@@ -86,7 +88,7 @@ class CompletionServing:
         """One chunk per choice that gained text (the echo comes with its first), then the usage chunk if asked."""
         sent_chars = [None] * len(echoes)  # output text sent per choice; None before its first chunk
         sent_tokens = [0] * len(echoes)
-        text_offset = [0] * len(echoes)  # characters sent per choice, echo included
+        offsets: list[_TextOffsets | None] = [None] * len(echoes)  # each choice's output tokens' offsets
         final: dict[int, RequestOutput] = {}
         include_usage = wants_usage(body)
         async for index, output in stream:
@@ -98,10 +100,11 @@ class CompletionServing:
                 continue  # the detokenizer holds back a partial character: these tokens go with the next chunk
             logprobs = None
             if body.logprobs is not None:
-                parts = [(_prompt_scored(output), text_offset[index])] if first and body.echo else []
-                parts.append((_output_scored(output, sent_tokens[index]), text_offset[index] + len(prefix)))
+                if first:
+                    offsets[index] = _TextOffsets(self.ctx, len(prefix))
+                parts = [(_prompt_scored(output), _TextOffsets(self.ctx, 0))] if first and body.echo else []
+                parts.append((_output_scored(output, sent_tokens[index]), offsets[index]))
                 logprobs = _logprobs(parts, self.ctx.token_text)
-            text_offset[index] += len(text)
             sent_chars[index], sent_tokens[index] = len(completion.text), len(completion.token_ids)
             if output.finished:
                 final[index] = output
@@ -143,15 +146,35 @@ def _scored(token_ids: list[int], entries: list[dict | None] | None, start: int)
     return [(token_ids[i], entries[i] if i < len(entries) else None) for i in range(start, len(token_ids))]
 
 
-def _logprobs(parts: list[tuple[list[tuple[int, dict | None]], int]], token_text) -> dict:
-    """OpenAI's completions logprobs of (scored tokens, text offset of the first) parts laid end to end."""
+class _TextOffsets:
+    """Where each of a run of tokens starts in the response's text, in characters from `start`: the characters the
+    earlier tokens' bytes decode to. A character split over several byte-level tokens counts once, when whole (each
+    of those tokens starts where the character does), and special tokens add none, as the text is detokenized;
+    counting each token's own text instead ran past the text's end (U+FFFD for each part of a character) and, over
+    a stream's chunks, went backwards."""
+
+    def __init__(self, ctx: ServingContext, start: int):
+        self._ctx = ctx
+        self._skip = ctx.tokenizer.all_special_ids if ctx.tokenizer is not None else frozenset()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = start
+
+    def take(self, token_id: int, text: str) -> int:
+        """The offset of the next token, whose text (as logprobs show it) is text."""
+        offset = self.chars
+        if token_id not in self._skip:
+            self.chars += len(self._utf8.decode(self._ctx.token_bytes(token_id, text)))
+        return offset
+
+
+def _logprobs(parts: list[tuple[list[tuple[int, dict | None]], _TextOffsets]], token_text) -> dict:
+    """OpenAI's completions logprobs of (scored tokens, their offsets in the text) parts laid end to end."""
     tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
-    for scored, offset in parts:
+    for scored, offsets in parts:
         for token_id, entry in scored:
             text = token_text(token_id, entry)
             tokens.append(text)
-            text_offset.append(offset)
-            offset += len(text)
+            text_offset.append(offsets.take(token_id, text))
             token_logprobs.append(json_logprob(entry[token_id].logprob) if entry else None)
             top_logprobs.append({token_text(t, entry): json_logprob(lp.logprob) for t, lp in entry.items()}
                                 if entry else None)

@@ -116,6 +116,29 @@ def test_tool_choice_required_calls_a_tool(client):
     jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
 
 
+WIDE = {"structured_outputs": {"regex": "é😀中"}}  # characters of 2, 4 and 3 bytes: the demo's tokens split them
+
+
+def test_chat_logprobs_bytes_are_the_tokens_own_and_rebuild_the_text(client):
+    choice = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=20, temperature=0,
+                                            logprobs=True, top_logprobs=1, extra_body=WIDE).choices[0]
+    assert choice.message.content == "é😀中"
+    pieces = [bytes(entry.bytes) for entry in choice.logprobs.content]
+    assert b"".join(pieces) in ("é😀中".encode(), "é😀中<|eos|>".encode())  # the end token listed, as vLLM lists it
+    assert any(not piece.decode("utf-8", "ignore") for piece in pieces)  # some token held part of a character
+
+
+def test_completions_text_offsets_count_characters_once_streamed_or_not(client):
+    kwargs = dict(model="tiny", prompt="Go:", max_tokens=20, temperature=0, logprobs=0, extra_body=WIDE)
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    streamed = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert whole.text == "é😀中" and streamed == whole.logprobs.text_offset
+    assert streamed == sorted(streamed) and streamed[0] == 0 and set(streamed) <= {0, 1, 2, 3}  # 3 characters
+    echoed = client.completions.create(**kwargs, echo=True).choices[0]
+    assert echoed.logprobs.text_offset[-len(streamed):] == [3 + o for o in streamed]  # after "Go:"
+
+
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_forced_call_cut_off_by_max_tokens_streams_the_text_the_whole_response_has(client, tool_choice):
     kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0, tools=TOOLS, tool_choice=tool_choice)
