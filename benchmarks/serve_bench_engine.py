@@ -34,7 +34,7 @@ from deltaserve.core.engine_process import EngineProcess
 from deltaserve.entrypoints.chat_tools import render_chat_prompt
 from deltaserve.entrypoints.cli import _engine_arguments, _make_llm, build_parser
 from deltaserve.entrypoints.openai.api_server import run_server
-from deltaserve.entrypoints.openai.command import server_config
+from deltaserve.entrypoints.openai.command import bind_address, server_config
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -97,8 +97,8 @@ def main() -> None:
             release_memory()
             serve_in_engine_process(serve_args, config)
         else:
-            run_server(llm.engine, config, serve_args.host, serve_args.port, serve_args.drain_timeout,
-                       log_level="warning")
+            with bind_address(serve_args.host, serve_args.port) as sock:
+                run_server(llm.engine, config, sock, serve_args.drain_timeout, log_level="warning")
     finally:
         if llm is not None:
             llm.shutdown()
@@ -118,7 +118,8 @@ def serve_in_engine_process(serve_args, config) -> None:
     """The server as `deltaserve serve --engine-process` runs it."""
     process = EngineProcess(functools.partial(_engine_arguments, serve_args))
     try:
-        run_server(process, config, serve_args.host, serve_args.port, serve_args.drain_timeout, log_level="warning")
+        with bind_address(serve_args.host, serve_args.port) as sock:
+            run_server(process, config, sock, serve_args.drain_timeout, log_level="warning")
     finally:
         process.close()
 

@@ -154,6 +154,9 @@ class ModelConfig:
         """quantization: the engine option; "fp8" quantizes a high-precision checkpoint at load (128 x 128
         blocks). A checkpoint whose config.json carries a quantization_config runs quantized either way."""
         path = Path(path)
+        if path.is_file() and path.suffix != ".json":  # a model's weights, say: not a config.json to fix
+            raise ConfigError(f"{path} is a file, not a model folder: pass the folder that holds config.json and the "
+                              "weights (or, with load_format dummy, a config.json)")
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():

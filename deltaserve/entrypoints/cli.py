@@ -101,8 +101,16 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (DESIGN.md section 5): the error and where the usage is, not the usage block
+    (23 lines for generate) above it. Subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deltaserve", description="Kimi-Linear inference engine")
+    parser = _Parser(prog="deltaserve", description="Kimi-Linear inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for prompts")
     _engine_options(gen)
@@ -162,6 +170,12 @@ def cmd_generate(args) -> None:
     args.max_num_seqs = min(args.max_num_seqs, len(prompts))
     llm = _make_llm(args)
     try:
+        if args.prompt and llm.tokenizer is None:
+            raise ValueError(f"{args.model} has no tokenizer, so --prompt cannot be encoded; pass the prompt as token "
+                             "ids instead: --prompt-token-ids 1,2,3")
+        if args.max_tokens >= llm.engine.max_model_len:  # the engine stops a request there (finish_reason "length")
+            print(f"note: --max-tokens {args.max_tokens} is past the model's length, {llm.engine.max_model_len} tokens "
+                  f"with the prompt's: each output ends there at the latest", file=sys.stderr)
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start

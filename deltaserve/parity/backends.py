@@ -69,8 +69,10 @@ class TransformersBackend:
         except ImportError:
             raise ValueError("--reference transformers needs transformers >= 5.24 (pip install "
                              "'deltaserve[parity]'), or pass --reference deltaserve") from None
+        from deltaserve.device import check_device
         from deltaserve.loader.model_loader import DTYPES
 
+        check_device(device or "cpu")
         self.device = torch.device(device or "cpu")
         self.model = KimiLinearForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(self.device).eval()
         # the reference's cache serves only models with a full-attention layer; others recompute every step

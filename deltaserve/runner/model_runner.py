@@ -76,6 +76,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else None
         self.compiled_decode = None
+        self._compiled_sizes: set[int] = set()  # the decode batch sizes compile_decode has run (said once each)
         if compile_decode and self.device.type == "cpu":
             # the CPU's CUDA graphs: a decode step's ~460 small ops in one compiled graph (EngineConfig.compile_decode).
             # One graph a batch size (up to COMPILED_DECODE_MAX_SEQS) and thread count; the block table's width is
@@ -296,6 +297,10 @@ class ModelRunner:
         if self.compiled_decode is not None and batch.num_decodes == batch.num_seqs <= COMPILED_DECODE_MAX_SEQS:
             if batch.block_tables.shape[1] > 1:  # one graph for every width (dynamo specialises a size of 1)
                 torch._dynamo.mark_dynamic(batch.block_tables, 1)
+            if batch.num_seqs not in self._compiled_sizes:  # else tens of seconds pass with nothing said
+                self._compiled_sizes.add(batch.num_seqs)
+                log.info("compile_decode: compiling the decode step of %d request(s) (tens of seconds the first "
+                         "time; torch.compile's disk cache makes a later process's quicker)", batch.num_seqs)
             try:
                 return self.compiled_decode(input_ids, batch, self.caches)
             except torch._dynamo.exc.BackendCompilerFailed as e:  # before the graph ran: nothing was written

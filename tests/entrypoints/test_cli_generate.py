@@ -127,7 +127,7 @@ def test_text_prompt_without_tokenizer_is_one_clear_error(capsys, no_tokenizer):
     code, out, err = run(capsys, "generate", "--model", no_tokenizer, "--prompt", "hello", "--max-tokens", 4, *FAST)
     assert code == 2 and out == ""
     [line] = error_lines(err)
-    assert "no tokenizer" in line and "prompt_token_ids" in line
+    assert "no tokenizer" in line and "--prompt-token-ids 1,2,3" in line  # the flag, not the Python API's dict
 
 
 @pytest.mark.parametrize("value,message", [
@@ -150,6 +150,39 @@ def test_out_of_vocabulary_prompt_token_ids(capsys, tiny, value):
     assert code == 2 and out == ""
     [line] = error_lines(err)
     assert "out of range" in line and "[0, 512)" in line
+
+
+def test_a_file_passed_as_the_model_folder_is_named_so(capsys, tiny):
+    code, out, err = run(capsys, "generate", "--model", tiny["moonshot"] / "model.safetensors", "--prompt", "hi", *FAST)
+    assert code == 2 and out == ""
+    [line] = error_lines(err)
+    assert "model.safetensors is a file, not a model folder" in line and "JSON" not in line
+
+
+def test_cuda_on_a_machine_without_it_is_a_clear_error(capsys, tiny, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = run(capsys, "generate", "--model", tiny["moonshot"], "--prompt", "hi", "--device", "cuda", *FAST)
+    assert code == 2 and out == ""
+    [line] = error_lines(err)
+    assert "device 'cuda': CUDA is not available" in line and "--device cpu" in line
+
+
+def test_a_mistyped_option_is_one_line_naming_the_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--max-tokens", "abc"])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and out == ""
+    assert err.splitlines() == ["deltaserve generate: error: argument --max-tokens: invalid int value: 'abc' "
+                                "(see deltaserve generate --help)"]
+
+
+def test_max_tokens_past_the_models_length_is_noted(capsys, tiny):
+    code, out, err = run(capsys, "generate", "--model", tiny["moonshot"], "--prompt-token-ids", "1,2",
+                         "--max-tokens", 1000, "--ignore-eos", "--json", *FAST)
+    assert code == 0 and json.loads(out)["finish_reason"] == "length"
+    assert "note: --max-tokens 1000 is past the model's length, 256 tokens" in err
 
 
 def test_missing_model_folder(capsys, tmp_path):

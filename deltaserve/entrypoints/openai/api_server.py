@@ -7,7 +7,9 @@ lets every in-flight response (streams included) finish, then the lifespan stops
 from __future__ import annotations
 
 import gc
+import logging
 import signal
+import socket
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -146,16 +148,28 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def run_server(engine: Engine | EngineProcess, config: ServerConfig, host: str, port: int, drain_timeout: float | None,
+def run_server(engine: Engine | EngineProcess, config: ServerConfig, sock: socket.socket, drain_timeout: float | None,
                log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM; then drain (at most drain_timeout seconds) and return normally."""
+    """Serve on sock (bound: command.bind_address) until SIGINT/SIGTERM; then drain (at most drain_timeout
+    seconds) and return normally."""
     import uvicorn
 
+    host, port = sock.getsockname()[:2]
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:  # uvicorn says where it listens only for a socket it bound itself
+                address = f"[{host}]" if ":" in host else host
+                logging.getLogger("uvicorn.error").info(f"Uvicorn running on http://{address}:{port} "
+                                                        "(Press CTRL+C to quit)")
+
+    server = Server(uvicorn.Config(build_app(engine, config), host=host, port=port, log_level=log_level,
+                                   timeout_graceful_shutdown=drain_timeout))
     # uvicorn re-raises the signal after its graceful shutdown, into the handler that was there before it:
     # a no-op for SIGTERM, so that a drained server exits 0 (SIGINT still ends as KeyboardInterrupt, 130)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
-        uvicorn.run(build_app(engine, config), host=host, port=port, log_level=log_level,
-                    timeout_graceful_shutdown=drain_timeout)
+        server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)

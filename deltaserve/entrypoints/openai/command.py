@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import socket
 
 API_KEY_ENV = "DELTASERVE_API_KEY"
 
@@ -51,25 +52,46 @@ def server_config(args):
                         max_body_bytes=args.max_body_bytes, max_queue=args.max_queue, default_seed=args.seed)
 
 
-def cmd_serve(args, make_llm, engine_arguments) -> None:
-    """Start the engine (in its own process, from engine_arguments(args); else in this one: make_llm(args), as
-    generate does), then serve until SIGINT/SIGTERM."""
-    config = server_config(args)
-    if args.engine_process and args.tensor_parallel_size == 1:
-        from deltaserve.core.engine_process import EngineProcess
-
-        process = EngineProcess(functools.partial(engine_arguments, args))  # starts now, beside the imports below
-        try:
-            from deltaserve.entrypoints.openai.api_server import run_server
-
-            run_server(process, config, args.host, args.port, args.drain_timeout)
-        finally:
-            process.close()
-        return
-    from deltaserve.entrypoints.openai.api_server import run_server
-
-    llm = make_llm(args)
+def bind_address(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port (not listening yet: connections are refused until the server starts), so that
+    an address in use or a host that does not resolve fails at once, in one line, before the model loads (uvicorn
+    binds only after: a GPU's start-up spent first, then its multi-line log and exit code 3)."""
     try:
-        run_server(llm.engine, config, args.host, args.port, args.drain_timeout)
-    finally:
-        llm.shutdown()
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"--host {host}: cannot resolve it ({e.strerror or e}); pass an address of this machine, "
+                         "e.g. 127.0.0.1 or 0.0.0.0 for every interface") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart reuses the port
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); pass another --port, or stop what "
+                         "holds it") from None
+    return sock
+
+
+def cmd_serve(args, make_llm, engine_arguments) -> None:
+    """Bind the address, start the engine (in its own process, from engine_arguments(args); else in this one:
+    make_llm(args), as generate does), then serve until SIGINT/SIGTERM."""
+    config = server_config(args)
+    with bind_address(args.host, args.port) as sock:
+        if args.engine_process and args.tensor_parallel_size == 1:
+            from deltaserve.core.engine_process import EngineProcess
+
+            process = EngineProcess(functools.partial(engine_arguments, args))  # starts now, beside the imports below
+            try:
+                from deltaserve.entrypoints.openai.api_server import run_server
+
+                run_server(process, config, sock, args.drain_timeout)
+            finally:
+                process.close()
+            return
+        from deltaserve.entrypoints.openai.api_server import run_server
+
+        llm = make_llm(args)
+        try:
+            run_server(llm.engine, config, sock, args.drain_timeout)
+        finally:
+            llm.shutdown()

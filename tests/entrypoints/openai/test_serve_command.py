@@ -76,6 +76,21 @@ def test_serve_rejects_a_bad_option_before_loading(capsys, option, words):
     assert words in capsys.readouterr().err
 
 
+def test_serve_refuses_an_address_in_use_or_unknown_before_loading(capsys):
+    """The address is bound before the model loads: an address in use or a host that does not resolve is one line,
+    exit 2 (the model folder does not exist, so an error from the load would name it instead)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "/nonexistent", "--port", str(port)]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert f"cannot listen on 127.0.0.1:{port}" in line and "another --port" in line
+    assert main(["serve", "--model", "/nonexistent", "--host", "nowhere.invalid"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "--host nowhere.invalid: cannot resolve it" in line
+
+
 def _wait_healthy(proc: subprocess.Popen, base: str, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
