@@ -15,6 +15,15 @@ GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetitio
 MAX_CHOICES = 1024  # StructuredOutputsParams.choice: alternatives per request
 
 
+class ParamError(ValueError):
+    """A bad field of SamplingParams or StructuredOutputsParams; field names it (None: the fields together), so that
+    the server's 400 can name the request's field."""
+
+    def __init__(self, message: str, field: str | None):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """What a constrained request's output must match: exactly one of a JSON schema (a dict or its JSON text), any
@@ -33,19 +42,19 @@ class StructuredOutputsParams:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object is True else []
         if len(given) != 1:
-            raise ValueError(f"StructuredOutputsParams: set exactly one of json, regex, choice, grammar or "
-                             f"json_object; got {given or 'none'}")
+            raise ParamError(f"StructuredOutputsParams: set exactly one of json, regex, choice, grammar or "
+                             f"json_object; got {given or 'none'}", None)
         if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError(f"StructuredOutputsParams.json is {type(self.json).__name__}: pass a JSON schema as a "
-                             "dict or as JSON text")
+            raise ParamError(f"StructuredOutputsParams.json is {type(self.json).__name__}: pass a JSON schema as a "
+                             "dict or as JSON text", "json")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"StructuredOutputsParams.{name} = {value!r:.80}: must be a non-empty string")
+                raise ParamError(f"StructuredOutputsParams.{name} = {value!r:.80}: must be a non-empty string", name)
         if self.choice is not None and not (0 < len(self.choice) <= MAX_CHOICES
                                             and all(isinstance(c, str) and c for c in self.choice)):
-            raise ValueError(f"StructuredOutputsParams.choice = {self.choice!r:.80}: must be 1 to {MAX_CHOICES} "
-                             "non-empty strings")
+            raise ParamError(f"StructuredOutputsParams.choice = {self.choice!r:.80}: must be 1 to {MAX_CHOICES} "
+                             "non-empty strings", "choice")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -90,7 +99,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name, expectation):
-            raise ValueError(f"SamplingParams.{name} = {getattr(self, name)!r}: {expectation}")
+            raise ParamError(f"SamplingParams.{name} = {getattr(self, name)!r}: {expectation}", name)
 
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)

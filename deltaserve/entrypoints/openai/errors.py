@@ -13,6 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from deltaserve.entrypoints.openai.protocol import MAX_STOP
+
 log = logging.getLogger("deltaserve")
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
@@ -20,7 +22,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                500: "server_error", 503: "service_unavailable"}
 # fields whose type is a union: pydantic reports one error per member, so say what the field takes instead
 UNION_HINTS = {"prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
-               "stop": "must be a non-empty string or a list of non-empty strings",
+               "stop": f"must be a non-empty string or a list of at most {MAX_STOP} non-empty strings",
                "content": "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
                "tool_choice": "must be a string or an object"}
 

@@ -2,7 +2,8 @@
 
 In order: the API key on /v1 routes (401), the body size, from Content-Length and again while reading a
 chunked body (413), and UTF-8 (400). The body it read is replayed to the app, and later receive() calls go
-to the server, so a handler still hears the client disconnect."""
+to the server, so a handler still hears the client disconnect. A client that leaves before its body is whole gets
+nothing: its request never reaches the app (a cut JSON body may still parse, and would be queued and run)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ class RequestGuard:
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             return await self._too_large(send)
-        body, more = await self._read_body(receive)
+        try:
+            body = await self._read_body(receive)
+        except _ClientLeft:
+            return None
         if body is None:
             return await self._too_large(send)
         try:
@@ -40,26 +44,26 @@ class RequestGuard:
         except UnicodeDecodeError as e:
             return await self._refuse(send, 400, f"request body is not valid UTF-8 (byte {e.start}); send JSON "
                                                  "encoded as UTF-8", "invalid_encoding")
-        await self.app(scope, _replay(body, more, receive), send)
+        await self.app(scope, _replay(body, receive), send)
 
     def _authorized(self, headers: dict[str, str]) -> bool:
         scheme, _, token = headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.api_key.encode())
 
-    async def _read_body(self, receive) -> tuple[bytes | None, dict | None]:
-        """The whole body (None if over the limit), and a disconnect message met while reading, if any."""
+    async def _read_body(self, receive) -> bytes | None:
+        """The whole body, None if over the limit; _ClientLeft if the client disconnected before it was whole."""
         chunks, size = [], 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                return b"".join(chunks), message
+                raise _ClientLeft
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                return None, None
+                return None
             chunks.append(chunk)
             if not message.get("more_body", False):
-                return b"".join(chunks), None
+                return b"".join(chunks)
 
     async def _too_large(self, send):
         await self._refuse(send, 413, f"request body is larger than the server's limit of {self.max_body_bytes} "
@@ -74,8 +78,12 @@ class RequestGuard:
         await send({"type": "http.response.body", "body": payload})
 
 
-def _replay(body: bytes, disconnect: dict | None, receive):
-    """A receive() that gives the body once, then a disconnect seen while reading it, then the server's own."""
+class _ClientLeft(Exception):
+    """The client disconnected before its body was whole."""
+
+
+def _replay(body: bytes, receive):
+    """A receive() that gives the body once, then the server's own."""
     sent = False
 
     async def replayed():
@@ -83,8 +91,6 @@ def _replay(body: bytes, disconnect: dict | None, receive):
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        if disconnect is not None:
-            return disconnect
         return await receive()
 
     return replayed

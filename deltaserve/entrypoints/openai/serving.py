@@ -22,7 +22,7 @@ from deltaserve.entrypoints.chat_tools import ChatPrompt, ToolRequestError, rend
 from deltaserve.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from deltaserve.entrypoints.openai.protocol import SamplingFields
 from deltaserve.entrypoints.openai.request_body import read_body
-from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
+from deltaserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from deltaserve.tokenizer import ChatTemplateError
 
 log = logging.getLogger("deltaserve")
@@ -190,7 +190,8 @@ class ServingContext:
     def check_max_tokens(self, max_tokens: int | None, param: str) -> None:
         """Before tokenizing: a max_tokens that no prompt could go with."""
         if max_tokens is not None and max_tokens >= self.max_model_len:
-            raise bad_request(f"'{param}' = {max_tokens} must be less than this model's maximum context length "
+            shown = max_tokens if max_tokens < 10**15 else f"{str(max_tokens)[:6]}... ({len(str(max_tokens))} digits)"
+            raise bad_request(f"'{param}' = {shown} must be less than this model's maximum context length "
                               f"({self.max_model_len} tokens, which includes the prompt)", param)
 
     def default_max_tokens(self, num_prompt_tokens: int) -> int:
@@ -225,8 +226,8 @@ class ServingContext:
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured)
         try:
             return [SamplingParams(seed=None if seed is None else seed + i, **fields) for i in range(body.n)]
-        except ValueError as e:
-            raise bad_request(str(e).removeprefix("SamplingParams.")) from e
+        except ParamError as e:  # a request field of the same name (max_tokens was checked before, by its own)
+            raise bad_request(str(e).removeprefix("SamplingParams."), e.field) from e
 
     async def start(self, inputs: list[EngineInput], request_id: str,
                     request: Request) -> tuple[RequestStream, asyncio.Task]:
@@ -247,6 +248,8 @@ class ServingContext:
         try:
             async for index, output in stream:
                 final[index] = output
+        except EngineStoppedError as e:  # the engine died mid-request: unavailable, as a request after it is told
+            raise OpenAIError(503, str(e), None, "unavailable") from e
         finally:
             stream.abort()
             watcher.cancel()
@@ -260,6 +263,9 @@ class ServingContext:
                 try:
                     async for event in events:
                         yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+                except EngineStoppedError as e:  # headers are sent: in-band, as a request after it is told (503)
+                    log.warning("stream ended: %s", e)
+                    yield f"data: {json.dumps(error_body(503, str(e), None, 'unavailable'))}\n\n"
                 except Exception as e:  # headers are sent: report in-band, as OpenAI does
                     log.exception("stream failed")
                     yield f"data: {json.dumps(error_body(500, f'the stream failed: {e}'))}\n\n"

@@ -11,7 +11,7 @@ from deltaserve.core.async_engine import EngineClient, EngineStoppedError
 from deltaserve.entrypoints.forced_tools import ForcedTools
 from deltaserve.entrypoints.openai.errors import OpenAIError, bad_request
 from deltaserve.entrypoints.openai.protocol import SamplingFields
-from deltaserve.sampling_params import StructuredOutputsParams
+from deltaserve.sampling_params import ParamError, StructuredOutputsParams
 from deltaserve.structured import GrammarError, StructuredOutputsUnavailable, errors
 
 # where in the request a constraint's error is (its field, then the kind of constraint: json, regex, ...)
@@ -35,8 +35,9 @@ def structured_spec(body: SamplingFields, forced: ForcedTools | None = None) -> 
         fields = body.structured_outputs.model_dump(exclude_none=True, by_alias=True)
         try:
             return StructuredOutputsParams(**fields), "structured_outputs"
-        except ValueError as e:
-            raise bad_request(str(e).removeprefix("StructuredOutputsParams"), "structured_outputs") from e
+        except ParamError as e:
+            where = "structured_outputs" + (f".{e.field}" if e.field else "")
+            raise bad_request("structured_outputs" + str(e).removeprefix("StructuredOutputsParams"), where) from e
     return None
 
 

@@ -112,6 +112,22 @@ def test_bad_request_gets_openai_error(http, path, body, status, words):
         assert after[name] == before[name], f"{name}: the bad request reached the engine"
 
 
+@pytest.mark.parametrize("body, param, words", [
+    (completion(stop=""), "stop", "stop = ['']: must be non-empty strings"),
+    (b'{"prompt": "hi", "repetition_penalty": Infinity}', "repetition_penalty", "repetition_penalty = inf: must be"),
+    (completion(stop=list("abcdefghijklmnopq")), "stop", "a list of at most 16 non-empty strings"),
+    (completion(max_tokens=10**400), "max_tokens", "'max_tokens' = 100000... (401 digits) must be less than"),
+], ids=["empty stop string", "repetition_penalty infinite", "17 stop strings", "a 401-digit max_tokens"])
+def test_a_bad_sampling_field_is_named_in_param(http, body, param, words):
+    """The field SamplingParams refused is the error's param; a huge number is not echoed whole."""
+    if isinstance(body, bytes):  # JSON's Infinity, which Python's json reads
+        error = http.post(COMPLETIONS, content=body, headers={"content-type": "application/json"}).json()["error"]
+    else:
+        error = http.post(COMPLETIONS, json=body).json()["error"]
+    assert (error["param"], error["code"]) == (param, "invalid_value") and words in error["message"]
+    assert len(error["message"]) < 200
+
+
 def test_oversized_body_is_413_by_length_and_by_chunks(http, server):
     too_big = json.dumps(completion(prompt="x" * (server.app.state.max_body_bytes + 1))).encode()
     response = http.post(COMPLETIONS, content=too_big, headers={"content-type": "application/json"})
