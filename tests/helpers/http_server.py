@@ -65,8 +65,10 @@ class ServerThread:
 
 
 def start_server(model_dir, api_key: str | None = API_KEY, max_queue: int = 256, max_body_bytes: int | None = 1 << 20,
-                 engine_process: bool = False, **engine_options) -> ServerThread:
-    config = ServerConfig(MODEL_NAME, api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes)
+                 engine_process: bool = False, sampling_defaults: dict | None = None,
+                 **engine_options) -> ServerThread:
+    config = ServerConfig(MODEL_NAME, api_key=api_key, max_queue=max_queue, max_body_bytes=max_body_bytes,
+                          sampling_defaults=sampling_defaults or {})
     return ServerThread(model_dir, config, engine_process, **engine_options).start()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
 import os
 import socket
 
@@ -49,7 +50,23 @@ def server_config(args):
     if args.drain_timeout <= 0:
         raise ValueError(f"--drain-timeout {args.drain_timeout}: must be > 0 seconds")
     return ServerConfig(served_model_name=args.served_model_name or args.model or "demo-model", api_key=api_key,
-                        max_body_bytes=args.max_body_bytes, max_queue=args.max_queue, default_seed=args.seed)
+                        max_body_bytes=args.max_body_bytes, max_queue=args.max_queue, default_seed=args.seed,
+                        sampling_defaults=_sampling_defaults(args.model))
+
+
+def _sampling_defaults(model: str | None) -> dict:
+    """The model folder's generation_config.json sampling defaults (said in the log: they change what a request
+    that sends no temperature gets, as in vLLM)."""
+    from deltaserve.entrypoints.llm import BUNDLED_MODEL
+    from deltaserve.sampling_params import generation_defaults
+
+    folder = model or BUNDLED_MODEL
+    defaults = generation_defaults(folder)
+    if defaults:
+        logging.getLogger("deltaserve").info(
+            "sampling defaults from %s/generation_config.json (for fields a request leaves out): %s", folder,
+            ", ".join(f"{name} {value}" for name, value in defaults.items()))
+    return defaults
 
 
 def bind_address(host: str, port: int) -> socket.socket:

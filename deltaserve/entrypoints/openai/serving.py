@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,7 +22,7 @@ from deltaserve.entrypoints.chat_tools import ChatPrompt, ToolRequestError, rend
 from deltaserve.entrypoints.openai.errors import OpenAIError, bad_request, error_body
 from deltaserve.entrypoints.openai.protocol import SamplingFields
 from deltaserve.entrypoints.openai.request_body import read_body
-from deltaserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
+from deltaserve.sampling_params import GENERATION_CONFIG_FIELDS, ParamError, SamplingParams, StructuredOutputsParams
 from deltaserve.tokenizer import ChatTemplateError
 
 log = logging.getLogger("deltaserve")
@@ -61,6 +61,10 @@ def body_limit(max_model_len: int) -> int:
     return max(MIN_BODY_BYTES, BODY_BYTES_A_TOKEN * max_model_len + (1 << 20))
 
 
+# OpenAI's defaults of the sampling fields a model folder's generation_config.json may set (GENERATION_CONFIG_FIELDS)
+OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     served_model_name: str
@@ -68,6 +72,9 @@ class ServerConfig:
     max_body_bytes: int | None = None  # None: body_limit of the engine's model length
     max_queue: int = 256  # engine requests that may wait beyond the max_num_seqs running ones
     default_seed: int | None = None  # for requests that send no seed (the serve command's --seed)
+    # sampling fields a request leaves out take these (the model folder's generation_config.json, as vLLM applies
+    # it: sampling_params.generation_defaults), else OpenAI's (temperature 1, top_p 1, no top_k, min_p or penalty)
+    sampling_defaults: dict = field(default_factory=dict)
 
 
 class ClientGone(Exception):
@@ -216,12 +223,11 @@ class ServingContext:
                         structured: StructuredOutputsParams | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice; with a seed, choice i uses seed + i so that choices differ."""
         seed = body.seed if body.seed is not None else self.config.default_seed
+        given = {name: getattr(body, name) for name in GENERATION_CONFIG_FIELDS if getattr(body, name) is not None}
         fields = dict(
-            max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
+            max_tokens=max_tokens, **{**OPENAI_SAMPLING, **self.config.sampling_defaults, **given},
+            presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0, stop_token_ids=body.stop_token_ids or [],
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or ()), ignore_eos=body.ignore_eos,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured)
         try:
