@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from deltaserve.cache.sizing import DTYPE_BYTES
+from deltaserve.cache.sizing import DTYPE_BYTES, format_bytes
 from deltaserve.config import MLA, MOE, EngineConfig, ModelConfig
 from deltaserve.core.engine import Engine
 from deltaserve.entrypoints.routing_stats import RoutingRecorder, RoutingStats, uniform_distinct_experts
@@ -263,8 +263,9 @@ def cache_capacity(plan) -> dict:
     cache = plan.num_blocks * plan.bytes_per_block + (plan.num_slots + plan.num_snapshot_slots) * plan.bytes_per_slot
     per_token = plan.bytes_per_block / plan.block_size
     per_4k = plan.bytes_per_slot + -(-4096 // plan.block_size) * plan.bytes_per_block
-    return {"cache_GiB": cache / 2**30, "max_context_batch1": int((cache - plan.bytes_per_slot) // per_token)
-            if per_token else None, "batch_at_4k": int(cache // per_4k)}
+    return {"cache_GiB": cache / 2**30, "cache_bytes": cache, "page_tokens": plan.num_blocks * plan.block_size,
+            "max_context_batch1": int((cache - plan.bytes_per_slot) // per_token) if per_token else None,
+            "batch_at_4k": int(cache // per_4k)}
 
 
 def print_report(result: dict) -> None:
@@ -278,8 +279,10 @@ def print_report(result: dict) -> None:
           f"peak memory {result['peak_memory_GiB'] or 0:.1f} GiB, prompt {result['prompt_len']}, "
           f"output {result['output_len']}")
     capacity = result["capacity"]
-    print(f"cache {capacity['cache_GiB']:.1f} GiB: one request up to {capacity['max_context_batch1']} tokens, or "
-          f"{capacity['batch_at_4k']} requests of 4k tokens")
+    size = format_bytes(capacity["cache_bytes"]) if "cache_bytes" in capacity else f"{capacity['cache_GiB']:.1f} GiB"
+    pages = f" ({capacity['page_tokens']} tokens of MLA pages, sized for this run)" if "page_tokens" in capacity else ""
+    print(f"cache {size}{pages}; spent on pages and slots for them, its bytes would hold one request of up to "
+          f"{capacity['max_context_batch1']} tokens, or {capacity['batch_at_4k']} requests of 4k tokens")
     print("".join(f"{c:>17}" for c in cols))
     for row in result["rows"]:
         cells = (row.get(c) for c in cols)  # None (no GPU memory on a CPU, no MoE layer) prints as "-"

@@ -101,6 +101,15 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deltaserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (DESIGN.md section 5): the error and where the usage is, not the usage block
     (23 lines for generate) above it. Subcommands' parsers are of this class too."""
@@ -111,6 +120,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="deltaserve", description="Kimi-Linear inference engine")
+    parser.add_argument("--version", action="version", version=f"deltaserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for prompts")
     _engine_options(gen)
@@ -139,9 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_options(chat)
     add_chat_options(chat)
     tiny = sub.add_parser("make-tiny", help="write a small random Kimi-Linear checkpoint")
-    tiny.add_argument("out")
-    tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--layout", choices=["moonshot", "saved", "transformers"], default="moonshot")
+    tiny.add_argument("out", help="the folder to write (new, or empty)")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    tiny.add_argument("--layout", choices=["moonshot", "saved", "transformers"], default="moonshot",
+                      help="tensor names and config.json spelling: Moonshot's published checkpoint (default), "
+                           "what transformers' save_pretrained writes (saved), or transformers' in-memory names "
+                           "(transformers)")
     add_parity_parser(sub)
     return parser
 

@@ -9,11 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
-
 from deltaserve.config import ModelConfig
-from deltaserve.loader.model_loader import build_model, init_dummy_weights
-from deltaserve.loader.writer import save_checkpoint
 from deltaserve.tokenizer.train import MODEL_MAX_LENGTH, train_tiny_tokenizer
 
 TINY_VOCAB = 512
@@ -61,7 +57,10 @@ def make_tiny(out: str | Path, seed: int = 0, layout: str = "moonshot") -> Path:
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"{out} exists and is not empty (or not a folder); pass a new folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create {out.parent} ({e.strerror}); pass a folder in a writable place") from None
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
     try:
         _write_tiny(staging, seed, layout)
@@ -74,6 +73,11 @@ def make_tiny(out: str | Path, seed: int = 0, layout: str = "moonshot") -> Path:
 
 
 def _write_tiny(folder: Path, seed: int, layout: str) -> None:
+    import torch  # here, not above: make-tiny refuses a bad folder before torch's import (a second or two)
+
+    from deltaserve.loader.model_loader import build_model, init_dummy_weights
+    from deltaserve.loader.writer import save_checkpoint
+
     ids = train_tiny_tokenizer(folder, TINY_VOCAB)
     raw = tiny_raw_config(ids, layout)
     cfg = ModelConfig.from_dict(raw)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from deltaserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
 from deltaserve.parity.defaults import DEFAULT_TIE_MARGINS, DEFAULT_TOPK, REFERENCES
@@ -24,18 +25,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _model_options(parser: argparse.ArgumentParser) -> None:
+def _model_options(parser: argparse.ArgumentParser, device_default: str) -> None:
     parser.add_argument("--model", default=None, help="model folder (default: the bundled demo model)")
     parser.add_argument("--dtype", choices=REGIMES, default="float32", help="numeric regime (default: float32)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cpu for transformers, else "
-                                                       "cuda when present)")
+    parser.add_argument("--device", default=None, help=f"cpu or cuda (default: {device_default})")
 
 
 def add_parity_parser(sub) -> None:
     parity = sub.add_parser("parity", help="token parity against a golden reference")
     commands = parity.add_subparsers(dest="parity_command", required=True)
     cap = commands.add_parser("capture", help="run a reference greedily and write a golden JSON")
-    _model_options(cap)
+    _model_options(cap, "cpu for --reference transformers; for deltaserve, cuda when present, else cpu")
     cap.add_argument("--out", required=True, help="the golden JSON to write")
     source = cap.add_mutually_exclusive_group()
     source.add_argument("--prompts", help="file: one prompt a line, text or a JSON list of token ids")
@@ -48,7 +48,7 @@ def add_parity_parser(sub) -> None:
     cap.add_argument("--topk", type=_positive_int, default=DEFAULT_TOPK,
                      help=f"reference log-probabilities stored per token for the KL (default {DEFAULT_TOPK})")
     chk = commands.add_parser("check", help="compare deltaserve with a golden JSON")
-    _model_options(chk)
+    _model_options(chk, "cuda when present, else cpu")
     chk.add_argument("--golden", required=True, help="a golden JSON written by `parity capture`")
     chk.add_argument("--strict", action="store_true", help="fail on any divergence, near-ties included")
     defaults = ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TIE_MARGINS.items())
@@ -70,6 +70,9 @@ def cmd_capture(args) -> int:
     from deltaserve.parity.capture import capture
     from deltaserve.parity.golden import save_golden
 
+    out_dir = Path(args.out).resolve().parent
+    if not out_dir.is_dir():  # before the capture, which may take minutes
+        raise ValueError(f"--out {args.out}: the folder {out_dir} does not exist; create it, or write elsewhere")
     model_dir, cfg = _model(args.model)
     prompts = _prompts(args, model_dir, cfg.vocab_size)
     golden = capture(model_dir, prompts, args.max_tokens, args.reference, args.dtype, args.device, cfg.vocab_size,

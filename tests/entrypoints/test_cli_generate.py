@@ -65,6 +65,20 @@ def test_make_tiny_refuses_a_folder_that_is_not_empty(capsys, tiny):
     assert str(tiny["moonshot"]) in line and "not empty" in line
 
 
+def test_make_tiny_where_no_folder_can_be_made_is_one_clear_error(capsys, tmp_path):
+    (tmp_path / "file").write_text("")
+    code, out, err = run(capsys, "make-tiny", tmp_path / "file" / "model")
+    assert code == 2 and out == ""
+    [line] = error_lines(err)
+    assert f"cannot create {tmp_path / 'file'}" in line and "writable place" in line
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.startswith("deltaserve ")
+
+
 def test_generate_json_is_one_object_per_prompt_in_order(capsys, tiny):
     prompts = [[5, 6, 7, 8, 9, 10, 11], [42], [300, 301]]
     argv = ["generate", "--model", tiny["moonshot"], "--max-tokens", 9, "--ignore-eos", "--json", *FAST]

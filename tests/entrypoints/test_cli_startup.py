@@ -124,12 +124,12 @@ def test_an_unexpected_error_is_one_line_and_exit_1_unless_debugging(monkeypatch
 
 
 def test_make_tiny_that_fails_halfway_leaves_no_folder(monkeypatch, capsys, tmp_path):
-    from deltaserve.entrypoints import make_tiny
+    from deltaserve.loader import writer
 
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(make_tiny, "save_checkpoint", fail)
+    monkeypatch.setattr(writer, "save_checkpoint", fail)  # make_tiny imports it when it writes
     assert cli.main(["make-tiny", str(tmp_path / "tiny")]) == 2
     assert "disk full" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

@@ -69,3 +69,8 @@ def test_text_prompts_for_a_model_without_tokenizer(captured, capsys, tmp_path):
                       "--prompts", str(tmp_path / "prompts.txt"))
     assert status == 2 and "prompts.txt:2" in err and "no tokenizer" in err
     assert not (tmp_path / "g.json").exists()
+
+
+def test_capture_to_a_folder_that_does_not_exist_fails_before_capturing(capsys, tmp_path):
+    status, err = run(capsys, "capture", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "x" / "g.json"))
+    assert status == 2 and f"the folder {tmp_path / 'x'} does not exist" in err  # not the missing model: before it
