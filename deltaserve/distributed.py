@@ -13,6 +13,28 @@ import torch.distributed as dist
 from deltaserve.config import ConfigError, ModelConfig
 
 
+def check_device(device: str, count: int = 1) -> None:
+    """ValueError, saying what to pass instead, unless device ('cpu', 'cuda' or 'cuda:N') is on this machine with
+    `count` GPUs from its index on (tensor parallel's ranks). Without it, CUDA missing surfaced as torch's
+    AssertionError from deep inside the load."""
+    if device == "cpu":
+        return
+    try:
+        index = torch.device(device).index or 0
+    except RuntimeError:
+        raise ValueError(f"device {device!r} is not a device name: use 'cpu', 'cuda' or 'cuda:N'") from None
+    if not torch.cuda.is_available():
+        built = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+        why = "torch finds no GPU" if built else "this torch is a CPU-only build"
+        raise ValueError(f"device {device!r}: CUDA is not available ({why}); use device cpu (--device cpu), or leave "
+                         "the device out to take what the machine has")
+    have = torch.cuda.device_count()
+    if index + count > have:
+        ranks = f" for {count} tensor-parallel ranks" if count > 1 else ""
+        raise ValueError(f"device {device!r}{ranks}: this machine has {have} GPU(s), cuda:0 to cuda:{have - 1}; "
+                         "pass one of those (or fewer ranks)")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """This process's place: rank in [0, world_size); expert_parallel splits the routed experts across ranks

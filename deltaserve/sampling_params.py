@@ -23,6 +23,9 @@ class ParamError(ValueError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self):  # pickled whole (an exception pickles its args alone, here only the message)
+        return ParamError, (str(self), self.field)
+
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:

@@ -34,8 +34,7 @@ from deltaserve.cache.sizing import describe_plan, plan_cache
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.core.outputs import CompletionOutput, Logprob, RequestOutput, StepTotals
 from deltaserve.core.scheduler import Scheduler
-from deltaserve.device import check_device
-from deltaserve.distributed import SINGLE, ParallelConfig, broadcast_object
+from deltaserve.distributed import SINGLE, ParallelConfig, broadcast_object, check_device
 from deltaserve.kernels import compile_watch
 from deltaserve.kernels.compile_watch import CompileWatch
 from deltaserve.kernels.tuning_cache import TuningWatch

@@ -18,8 +18,7 @@ import torch.multiprocessing as mp
 
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.core.engine import Engine
-from deltaserve.device import check_device
-from deltaserve.distributed import ParallelConfig, broadcast_object, check_divisible, init_process_group
+from deltaserve.distributed import ParallelConfig, broadcast_object, check_device, check_divisible, init_process_group
 from deltaserve.loader.model_loader import DTYPES
 from deltaserve.runner.model_runner import ModelRunner
 
@@ -48,7 +47,7 @@ def start_group(model: str, config: EngineConfig) -> tuple[ParallelConfig, Engin
     """Join (torchrun) or start (spawned workers) a group of config.tensor_parallel_size ranks; returns rank 0's
     ParallelConfig, its EngineConfig (device cuda:0 on GPUs) and the worker processes it started."""
     world = config.tensor_parallel_size
-    check_device(config.device, world)
+    check_device(config.device.split(":")[0], world)  # rank r runs on cuda:r (_rank_config)
     check_divisible(ModelConfig.from_file(model), ParallelConfig(0, world, config.enable_expert_parallel))
     if config.device != "cpu":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines

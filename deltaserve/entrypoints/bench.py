@@ -280,7 +280,7 @@ def print_report(result: dict) -> None:
           f"output {result['output_len']}")
     capacity = result["capacity"]
     size = format_bytes(capacity["cache_bytes"]) if "cache_bytes" in capacity else f"{capacity['cache_GiB']:.1f} GiB"
-    pages = f" ({capacity['page_tokens']} tokens of MLA pages, sized for this run)" if "page_tokens" in capacity else ""
+    pages = f" ({capacity['page_tokens']} tokens of MLA pages)" if "page_tokens" in capacity else ""
     print(f"cache {size}{pages}; spent on pages and slots for them, its bytes would hold one request of up to "
           f"{capacity['max_context_batch1']} tokens, or {capacity['batch_at_4k']} requests of 4k tokens")
     print("".join(f"{c:>17}" for c in cols))

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+import deltaserve
 from deltaserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig, ModelConfig
 from deltaserve.entrypoints.chat import add_chat_options, cmd_chat
 from deltaserve.entrypoints.openai.command import add_serve_options, cmd_serve
@@ -101,15 +102,6 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("deltaserve")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "(not installed)"
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (DESIGN.md section 5): the error and where the usage is, not the usage block
     (23 lines for generate) above it. Subcommands' parsers are of this class too."""
@@ -120,7 +112,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="deltaserve", description="Kimi-Linear inference engine")
-    parser.add_argument("--version", action="version", version=f"deltaserve {_version()}")
+    parser.add_argument("--version", action="version", version=f"deltaserve {deltaserve.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for prompts")
     _engine_options(gen)
@@ -183,9 +175,9 @@ def cmd_generate(args) -> None:
     args.max_num_seqs = min(args.max_num_seqs, len(prompts))
     llm = _make_llm(args)
     try:
-        if args.prompt and llm.tokenizer is None:
-            raise ValueError(f"{args.model} has no tokenizer, so --prompt cannot be encoded; pass the prompt as token "
-                             "ids instead: --prompt-token-ids 1,2,3")
+        if llm.tokenizer is None and any(isinstance(p, str) for p in prompts):  # --prompt, or the default one
+            raise ValueError(f"{args.model} has no tokenizer, so a text prompt cannot be encoded; pass the prompt as "
+                             "token ids instead: --prompt-token-ids 1,2,3")
         if args.max_tokens >= llm.engine.max_model_len:  # the engine stops a request there (finish_reason "length")
             print(f"note: --max-tokens {args.max_tokens} is past the model's length, {llm.engine.max_model_len} tokens "
                   f"with the prompt's: each output ends there at the latest", file=sys.stderr)

@@ -69,7 +69,7 @@ class TransformersBackend:
         except ImportError:
             raise ValueError("--reference transformers needs transformers >= 5.24 (pip install "
                              "'deltaserve[parity]'), or pass --reference deltaserve") from None
-        from deltaserve.device import check_device
+        from deltaserve.distributed import check_device
         from deltaserve.loader.model_loader import DTYPES
 
         check_device(device or "cpu")

@@ -138,10 +138,11 @@ def test_folder_without_tokenizer_takes_token_ids(capsys, no_tokenizer):
 
 
 def test_text_prompt_without_tokenizer_is_one_clear_error(capsys, no_tokenizer):
-    code, out, err = run(capsys, "generate", "--model", no_tokenizer, "--prompt", "hello", "--max-tokens", 4, *FAST)
-    assert code == 2 and out == ""
-    [line] = error_lines(err)
-    assert "no tokenizer" in line and "--prompt-token-ids 1,2,3" in line  # the flag, not the Python API's dict
+    for prompt in (["--prompt", "hello"], []):  # the default prompt is text too
+        code, out, err = run(capsys, "generate", "--model", no_tokenizer, *prompt, "--max-tokens", 4, *FAST)
+        assert code == 2 and out == ""
+        [line] = error_lines(err)
+        assert "no tokenizer" in line and "--prompt-token-ids 1,2,3" in line  # the flag, not the Python API's dict
 
 
 @pytest.mark.parametrize("value,message", [

@@ -161,8 +161,8 @@ def run_server(engine: Engine | EngineProcess, config: ServerConfig, sock: socke
             await super().startup(sockets)
             if self.started:  # uvicorn says where it listens only for a socket it bound itself
                 address = f"[{host}]" if ":" in host else host
-                logging.getLogger("uvicorn.error").info(f"Uvicorn running on http://{address}:{port} "
-                                                        "(Press CTRL+C to quit)")
+                logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                                                        address, port)
 
     server = Server(uvicorn.Config(build_app(engine, config), host=host, port=port, log_level=log_level,
                                    timeout_graceful_shutdown=drain_timeout))
@@ -173,3 +173,5 @@ def run_server(engine: Engine | EngineProcess, config: ServerConfig, sock: socke
         server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if not server.started:  # uvicorn before 0.30 returns here when the app's start-up failed (later ones exit)
+        raise RuntimeError("the server did not start; its log above says why")

@@ -5,6 +5,8 @@ Nothing heavy is imported here at module level, so `deltaserve --help` stays fas
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import functools
 import logging
 import os
@@ -70,22 +72,27 @@ def _sampling_defaults(model: str | None) -> dict:
 
 
 def bind_address(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port (not listening yet: connections are refused until the server starts), so that
-    an address in use or a host that does not resolve fails at once, in one line, before the model loads (uvicorn
-    binds only after: a GPU's start-up spent first, then its multi-line log and exit code 3)."""
+    """A TCP socket bound to host:port (its first address), not listening yet: connections are refused until the
+    server starts. So a port another server listens on, a host that does not resolve or is not this machine's, or a
+    privileged port fails at once, in one line, before the model loads (uvicorn binds only after: a GPU's start-up
+    spent first, then its multi-line log and exit code 3). Two servers starting together on one port both bind (Linux
+    lets sockets with SO_REUSEADDR share a port until one listens); the second fails when it listens."""
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except OSError as e:
         raise ValueError(f"--host {host}: cannot resolve it ({e.strerror or e}); pass an address of this machine, "
                          "e.g. 127.0.0.1 or 0.0.0.0 for every interface") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a restart reuses the port
-        sock.bind((host, port))
+        sock.bind(address)
     except OSError as e:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); pass another --port, or stop what "
-                         "holds it") from None
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        fix = {errno.EADDRNOTAVAIL: "pass an address of this machine with --host (0.0.0.0: every interface)",
+               errno.EACCES: "a port below 1024 needs privileges: pass --port 1024 or above"}.get(
+                   e.errno, "pass another --port, or stop what holds it")
+        raise ValueError(f"cannot listen on {where} ({e.strerror or e}); {fix}") from None
     return sock
 
 
@@ -93,7 +100,9 @@ def cmd_serve(args, make_llm, engine_arguments) -> None:
     """Bind the address, start the engine (in its own process, from engine_arguments(args); else in this one:
     make_llm(args), as generate does), then serve until SIGINT/SIGTERM."""
     config = server_config(args)
-    with bind_address(args.host, args.port) as sock:
+    # the ranks of torchrun other than 0 never serve (they run the workers' loop inside make_llm)
+    rank = int(os.environ.get("RANK", "0"))
+    with bind_address(args.host, args.port) if rank == 0 else contextlib.nullcontext() as sock:
         if args.engine_process and args.tensor_parallel_size == 1:
             from deltaserve.core.engine_process import EngineProcess
 

@@ -61,8 +61,8 @@ def body_limit(max_model_len: int) -> int:
     return max(MIN_BODY_BYTES, BODY_BYTES_A_TOKEN * max_model_len + (1 << 20))
 
 
-# OpenAI's defaults of the sampling fields a model folder's generation_config.json may set (GENERATION_CONFIG_FIELDS)
-OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+# OpenAI's defaults of the sampling fields a model folder's generation_config.json may set, which are SamplingParams'
+OPENAI_SAMPLING = {name: getattr(SamplingParams(), name) for name in GENERATION_CONFIG_FIELDS}
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class CompletionServing:
                 completion = output.outputs[0]
                 logprobs = None
                 if body.logprobs is not None:
-                    parts = [(_prompt_scored(output), _TextOffsets(self.ctx, 0))] if body.echo else []
+                    parts = [(_prompt_scored(output), _TextOffsets(self.ctx, 0, echo=True))] if body.echo else []
                     parts.append((_output_scored(output, 0), _TextOffsets(self.ctx, len(echo))))
                     logprobs = _logprobs(parts, self.ctx.token_text)
                 choices.append({"index": index, "text": echo + completion.text, "logprobs": logprobs,
@@ -102,7 +102,7 @@ class CompletionServing:
             if body.logprobs is not None:
                 if first:
                     offsets[index] = _TextOffsets(self.ctx, len(prefix))
-                parts = [(_prompt_scored(output), _TextOffsets(self.ctx, 0))] if first and body.echo else []
+                parts = [(_prompt_scored(output), _TextOffsets(self.ctx, 0, echo=True))] if first and body.echo else []
                 parts.append((_output_scored(output, sent_tokens[index]), offsets[index]))
                 logprobs = _logprobs(parts, self.ctx.token_text)
             sent_chars[index], sent_tokens[index] = len(completion.text), len(completion.token_ids)
@@ -149,13 +149,14 @@ def _scored(token_ids: list[int], entries: list[dict | None] | None, start: int)
 class _TextOffsets:
     """Where each of a run of tokens starts in the response's text, in characters from `start`: the characters the
     earlier tokens' bytes decode to. A character split over several byte-level tokens counts once, when whole (each
-    of those tokens starts where the character does), and special tokens add none, as the text is detokenized;
-    counting each token's own text instead ran past the text's end (U+FFFD for each part of a character) and, over
-    a stream's chunks, went backwards."""
+    of those tokens starts where the character does). Special tokens add none to the output, as it is detokenized,
+    and their text to an echoed prompt (echo: the prompt's own text, or its ids decoded, keeps them). Counting each
+    token's own text instead ran past the text's end (U+FFFD for each part of a character) and, over a stream's
+    chunks, went backwards."""
 
-    def __init__(self, ctx: ServingContext, start: int):
+    def __init__(self, ctx: ServingContext, start: int, echo: bool = False):
         self._ctx = ctx
-        self._skip = ctx.tokenizer.all_special_ids if ctx.tokenizer is not None else frozenset()
+        self._skip = ctx.tokenizer.all_special_ids if ctx.tokenizer is not None and not echo else frozenset()
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.chars = start
 

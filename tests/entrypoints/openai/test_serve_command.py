@@ -89,6 +89,9 @@ def test_serve_refuses_an_address_in_use_or_unknown_before_loading(capsys):
     assert main(["serve", "--model", "/nonexistent", "--host", "nowhere.invalid"]) == 2
     [line] = capsys.readouterr().err.splitlines()
     assert "--host nowhere.invalid: cannot resolve it" in line
+    assert main(["serve", "--model", "/nonexistent", "--host", "192.0.2.1"]) == 2  # TEST-NET-1: no machine's own
+    [line] = capsys.readouterr().err.splitlines()
+    assert "cannot listen on 192.0.2.1:8000" in line and "an address of this machine with --host" in line
 
 
 def _wait_healthy(proc: subprocess.Popen, base: str, timeout: float = 120) -> None:

@@ -139,6 +139,22 @@ def test_completions_text_offsets_count_characters_once_streamed_or_not(client):
     assert echoed.logprobs.text_offset[-len(streamed):] == [3 + o for o in streamed]  # after "Go:"
 
 
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_an_echoed_prompts_special_tokens_keep_their_text_in_the_offsets(client, as_ids):
+    """The echo is the prompt's text (or its ids decoded), special tokens' text included: each prompt token starts
+    where the ones before it end, and the output starts after the echo."""
+    from deltaserve.tokenizer import load_tokenizer
+
+    text = "<|im_start|>user hi<|im_end|>"
+    prompt = load_tokenizer(BUNDLED_MODEL).encode(text) if as_ids else text
+    choice = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, echo=True,
+                                       logprobs=0, extra_body={"ignore_eos": True}).choices[0]
+    tokens, offsets = choice.logprobs.tokens, choice.logprobs.text_offset
+    assert choice.text.startswith(text) and tokens[0] == "<|im_start|>"
+    assert offsets[:-2] == [sum(map(len, tokens[:i])) for i in range(len(tokens) - 2)]  # ASCII: a character a byte
+    assert offsets[-2] == len(text)
+
+
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_a_forced_call_cut_off_by_max_tokens_streams_the_text_the_whole_response_has(client, tool_choice):
     kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0, tools=TOOLS, tool_choice=tool_choice)

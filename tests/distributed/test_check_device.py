@@ -1,11 +1,11 @@
-"""check_device: a device option against the machine, before anything loads onto it."""
+"""distributed.check_device: a device option against the machine, before anything loads onto it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from deltaserve.device import check_device
+from deltaserve.distributed import check_device
 
 
 def test_cpu_always_passes():
