@@ -12,7 +12,6 @@ import os
 import sys
 import time
 
-import deltaserve
 from deltaserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfig, ModelConfig
 from deltaserve.entrypoints.chat import add_chat_options, cmd_chat
 from deltaserve.entrypoints.openai.command import add_serve_options, cmd_serve
@@ -102,6 +101,16 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
+def _version() -> str:
+    """The installed package's version (deltaserve/__init__.py's __version__ is above the CLI in the import order)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("deltaserve")
+    except PackageNotFoundError:
+        return "(not installed: pip install -e . in the source tree)"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (DESIGN.md section 5): the error and where the usage is, not the usage block
     (23 lines for generate) above it. Subcommands' parsers are of this class too."""
@@ -112,7 +121,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="deltaserve", description="Kimi-Linear inference engine")
-    parser.add_argument("--version", action="version", version=f"deltaserve {deltaserve.__version__}")
+    parser.add_argument("--version", action="version", version=f"deltaserve {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for prompts")
     _engine_options(gen)
