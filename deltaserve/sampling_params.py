@@ -94,13 +94,17 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):  # None or a tuple as a list; anything else, validate names
+            value = getattr(self, name)
+            if value is None or isinstance(value, tuple):
+                setattr(self, name, list(value or ()))
         if self.top_k == -1:
             self.top_k = 0
-        self._validate()
+        self.validate()
 
-    def _validate(self) -> None:
+    def validate(self) -> None:
+        """ParamError naming the first bad field. Run at construction and again by Engine.add_request: the fields
+        can be set after construction (a dataclass), and a bad value there failed deep in a step, or not at all."""
         def bad(name, expectation):
             raise ParamError(f"SamplingParams.{name} = {getattr(self, name)!r}: {expectation}", name)
 
@@ -131,10 +135,13 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 bad(name, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be non-empty strings")
-        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be True or False")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "must be a StructuredOutputsParams or None")
 

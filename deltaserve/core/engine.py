@@ -173,16 +173,19 @@ class Engine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
                     request_id: str | None = None) -> str:
         """Queue one prompt; ValueError (nothing queued) if it can never run."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params of type {type(params).__name__}: pass a SamplingParams")
+        params.validate()  # again: its fields may have been set since it was made
         self._check_prompt(prompt_token_ids, params)
         req_id = request_id if request_id is not None else str(next(self._ids))
         req = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids)
+        detok = None if self.tokenizer is None else IncrementalDetokenizer(  # before the queue: it checks stop
+            self.tokenizer, prompt_token_ids, skip_special_tokens=True, stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output)
         if params.structured_outputs is None:
             self.scheduler.add_request(req)
         else:
             self._add_constrained(req, params.structured_outputs)
-        detok = None if self.tokenizer is None else IncrementalDetokenizer(
-            self.tokenizer, prompt_token_ids, skip_special_tokens=True, stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output)
         self._tracked[req_id] = _Tracked(
             req, prompt, detok, [] if params.logprobs is not None else None,
             [None] if params.prompt_logprobs is not None else None,

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import concurrent.futures
+import operator
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -56,6 +59,17 @@ class LLM:
 
             self.engine, self._workers = start_engine(model, config, progress)
         self.tokenizer = self.engine.tokenizer
+        # each unfinished request's call's outputs not yet taken (one deque a call: generate, or a stream), so that
+        # a step's outputs reach the call that added them, whichever call ran the step
+        self._inboxes: dict[str, deque[RequestOutput]] = {}
+        self._lock = threading.RLock()  # one engine step, add or abort at a time, from whichever thread
+        self._closed = False
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model folder's generation_config.json defaults (temperature, top_p, ...; the
@@ -64,23 +78,29 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the worker processes of tensor parallel; on one process, save the kernels' new autotuning decisions
-        (Engine.save_tuning: a GPU's). The LLM is unusable after."""
-        if self._workers is not None:
-            from deltaserve.core.tensor_parallel import stop_engine
+        (a GPU's) and stop the grammar pool (Engine.shutdown). The LLM refuses work after; a second call does
+        nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            if self._workers is not None:
+                from deltaserve.core.tensor_parallel import stop_engine
 
-            stop_engine(self.engine, self._workers)
-            self._workers = None
-        else:
-            self.engine.save_tuning()
+                stop_engine(self.engine, self._workers)
+                self._workers = None
+            else:
+                self.engine.shutdown()
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion together (continuous batching); outputs in prompt order."""
-        req_ids = self._add(prompts, sampling_params)
+        """Run every prompt to completion together (continuous batching); outputs in prompt order. Requests of
+        other calls (a stream, or another thread's generate) run in the same steps."""
+        req_ids, inbox = self._add(prompts, sampling_params)
         final: dict[str, RequestOutput] = {}
         try:
             with tqdm(total=len(req_ids), desc="generating", disable=not use_tqdm, unit="req") as bar:
-                for output in self._run():
+                for output in self._outputs(req_ids, inbox):
                     if output.finished:
                         final[output.request_id] = output
                         bar.update(1)
@@ -90,15 +110,17 @@ class LLM:
         return [final[r] for r in req_ids]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
-               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
-        """Yield each request's cumulative RequestOutput every time it gains tokens, until all finish.
-        Invalid prompts raise here, at the call, with nothing queued."""
-        self._add(prompts, sampling_params)
-        return self._run()
+               sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> OutputStream:
+        """An iterator of this call's requests' cumulative RequestOutputs, one each time a request gains tokens,
+        until all finish. Invalid prompts raise here, at the call, with nothing queued. Closing the stream, or
+        dropping it, aborts the requests it has not finished."""
+        return OutputStream(self, *self._add(prompts, sampling_params))
 
     def abort(self, request_id: str) -> None:
-        """Stop a request started with stream(); its cache is freed at once."""
-        self.engine.abort(request_id)
+        """Stop a request started with stream(); its cache is freed at once, and its stream yields no more of it."""
+        with self._lock:
+            self._inboxes.pop(request_id, None)
+            self.engine.abort(request_id)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False, *, tools: list[dict] | None = None,
@@ -120,22 +142,63 @@ class LLM:
         output.outputs = [chat_completion_output(c, prompt.parse_tool_calls, prompt.forced) for c in output.outputs]
         return output
 
-    def _add(self, prompts, sampling_params) -> list[str]:
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+    def _add(self, prompts, sampling_params) -> tuple[list[str], deque[RequestOutput]]:
+        """Queue prompts, all or none; their ids and the inbox their outputs go to."""
+        if self._closed:
+            raise RuntimeError("this LLM was shut down; make a new one")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts of type {type(prompts).__name__}: pass a string, a {{'prompt_token_ids': "
+                            "[...]}} dict, or a list of them")
+        prompts = list(prompts)
         params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        elif not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError(f"sampling_params of type {type(params).__name__}: pass a SamplingParams, or a list of "
+                            "them (one per prompt)")
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams; pass one, or one per prompt")
         encoded = [self._encode(p) for p in prompts]
         self._compile_grammars(params)
-        req_ids = []
-        try:
-            for (text, ids), sp in zip(encoded, params):
-                req_ids.append(self.engine.add_request(ids, sp, prompt=text))
-        except ValueError:
-            self._abort_all(req_ids)  # all or nothing: one rejected prompt leaves none of its batch queued
-            raise
-        return req_ids
+        req_ids, inbox = [], deque()
+        with self._lock:
+            try:
+                for (text, ids), sp in zip(encoded, params):
+                    req_ids.append(self.engine.add_request(ids, sp, prompt=text))
+                    self._inboxes[req_ids[-1]] = inbox
+            except BaseException:
+                self._abort_all(req_ids)  # all or nothing: one rejected prompt leaves none of its batch queued
+                raise
+        return req_ids, inbox
+
+    def _outputs(self, req_ids: list[str], inbox: deque[RequestOutput]) -> Iterator[RequestOutput]:
+        """req_ids' outputs as the engine steps, until each has finished or was aborted. A step's outputs of other
+        calls' requests wait in those calls' inboxes."""
+        while True:
+            while inbox:
+                yield inbox.popleft()
+            with self._lock:
+                if inbox:  # another thread's step brought some
+                    continue
+                if not any(r in self._inboxes for r in req_ids):
+                    while not self._inboxes and self.engine.has_unfinished_requests():
+                        self.engine.step()  # no other call waits: end the step in flight (asynchronous scheduling)
+                    return
+                if not self.engine.has_unfinished_requests():  # aborted in the engine itself: nothing more comes
+                    self._forget(req_ids)
+                    return
+                for output in self.engine.step():
+                    box = self._inboxes.get(output.request_id)
+                    if output.finished:
+                        self._inboxes.pop(output.request_id, None)
+                    if box is not None:
+                        box.append(output)
+
+    def _forget(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            self._inboxes.pop(req_id, None)
 
     def _compile_grammars(self, params: list[SamplingParams]) -> None:
         """Compile every constraint first (in parallel, cached by the engine), so that a bad schema, regex or grammar
@@ -153,15 +216,24 @@ class LLM:
                 raise errors.CompileTimeout() from None
 
     def _abort_all(self, req_ids: list[str]) -> None:
-        for req_id in req_ids:
-            self.engine.abort(req_id)
+        """Abort those of req_ids that have not finished."""
+        with self._lock:
+            for req_id in req_ids:
+                if self._inboxes.pop(req_id, None) is not None:
+                    self.engine.abort(req_id)
 
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             ids = prompt.get("prompt_token_ids")
-            if not isinstance(ids, list) or not ids:
-                raise ValueError(f"prompt {prompt!r}: a dict prompt needs a non-empty 'prompt_token_ids' list")
-            return None, ids
+            if set(prompt) != {"prompt_token_ids"} or not isinstance(ids, (list, tuple)) or not ids:
+                raise ValueError(f"prompt {prompt!r:.80}: a dict prompt needs a non-empty 'prompt_token_ids' list "
+                                 "(and no other key)")
+            try:  # numpy's integers too; not bools, nor floats
+                if any(isinstance(t, bool) for t in ids):
+                    raise TypeError
+                return None, [operator.index(t) for t in ids]
+            except TypeError:
+                raise ValueError(f"prompt {prompt!r:.80}: token ids must be integers") from None
         if not isinstance(prompt, str):
             raise ValueError(f"prompt {prompt!r}: must be a string or {{'prompt_token_ids': [...]}}")
         if self.tokenizer is None:
@@ -172,6 +244,29 @@ class LLM:
             raise ValueError(f"prompt {prompt!r} encodes to no tokens; pass a non-empty prompt")
         return prompt, ids
 
-    def _run(self) -> Iterator[RequestOutput]:
-        while self.engine.has_unfinished_requests():
-            yield from self.engine.step()
+
+
+class OutputStream:
+    """What LLM.stream returns: an iterator of its own requests' outputs. close(), or dropping it before the end,
+    aborts the requests it has not finished (they would otherwise run on, and a later generate would wait for
+    them)."""
+
+    def __init__(self, llm: LLM, req_ids: list[str], inbox: deque[RequestOutput]):
+        self._llm, self.request_ids = llm, req_ids
+        self._outputs = llm._outputs(req_ids, inbox)
+
+    def __iter__(self) -> OutputStream:
+        return self
+
+    def __next__(self) -> RequestOutput:
+        return next(self._outputs)
+
+    def close(self) -> None:
+        self._outputs.close()
+        self._llm._abort_all(self.request_ids)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # the interpreter is exiting, or the engine already failed: nothing to free
+            pass
