@@ -368,14 +368,29 @@ class EngineConfig:
         def bad(name, value, expectation):
             raise ConfigError(f"engine option {name} = {value!r}: {expectation}")
 
-        if not isinstance(self.num_decode_steps, int) or not 1 <= self.num_decode_steps <= MAX_DECODE_STEPS:
+        def is_int(value) -> bool:  # not a bool, which Python counts as an int
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        if not is_int(self.num_decode_steps) or not 1 <= self.num_decode_steps <= MAX_DECODE_STEPS:
             bad("num_decode_steps", self.num_decode_steps, f"must be an integer in [1, {MAX_DECODE_STEPS}]")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 bad(name, value, "must be a positive integer")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 1):
-            bad("max_model_len", self.max_model_len, "must be a positive integer")
+        for name in ("max_model_len", "cache_bytes", "num_cache_blocks", "num_snapshot_slots", "threads"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                bad(name, value, "must be a positive integer (or None for the default)")
+        for name in ("enable_prefix_caching", "enable_expert_parallel", "compile_decode", "cpu_gemv", "norm_gemv",
+                     "pdl", "warmup_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, getattr(self, name), "must be True or False")
+        if not isinstance(self.device, str):
+            bad("device", self.device, "must be a string: 'cpu' or 'cuda[:N]'")
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or isinstance(self.gpu_memory_utilization, bool):
+            bad("gpu_memory_utilization", self.gpu_memory_utilization, "must be a number in (0, 1]")
+        if not is_int(self.seed) or not 0 <= self.seed < 2**63:
+            bad("seed", self.seed, "must be an integer in [0, 2**63)")
         if self.block_size > 1024:
             bad("block_size", self.block_size, "must be <= 1024 (small pages: 16 to 64 tokens)")
         if self.dtype not in DTYPES:
@@ -390,22 +405,11 @@ class EngineConfig:
             bad("kv_cache_dtype", self.kv_cache_dtype, f"must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.load_format not in ("auto", "dummy"):
             bad("load_format", self.load_format, "must be 'auto' or 'dummy'")
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            bad("threads", self.threads, "must be a positive integer")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             bad("enable_expert_parallel", True, "needs tensor_parallel_size > 1 (experts are split over its ranks)")
-        if self.num_cache_blocks is not None and self.num_cache_blocks < 1:
-            bad("num_cache_blocks", self.num_cache_blocks, "must be a positive integer")
-        if not isinstance(self.compile_decode, bool):
-            bad("compile_decode", self.compile_decode, "must be True or False")
         if self.compile_decode and self.device != "cpu":
             bad("compile_decode", True, "is for the CPU (on a GPU, decode steps replay CUDA graphs)")
         if self.compile_decode and self.tensor_parallel_size > 1:
             bad("compile_decode", True, "runs one process's whole forward: needs tensor_parallel_size 1")
-        if not isinstance(self.warmup_prefill, bool):
-            bad("warmup_prefill", self.warmup_prefill, "must be True or False")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             bad("async_scheduling", self.async_scheduling, "must be True, False or None (on for a GPU)")
-        if self.num_snapshot_slots is not None and (not isinstance(self.num_snapshot_slots, int)
-                                                    or self.num_snapshot_slots < 1):
-            bad("num_snapshot_slots", self.num_snapshot_slots, "must be a positive integer (or None for the default)")

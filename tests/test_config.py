@@ -247,6 +247,10 @@ def test_engine_config_defaults_are_valid():
     ("gpu_memory_utilization", 0.0), ("gpu_memory_utilization", 1.5), ("load_format", "pt"), ("threads", 0),
     ("num_cache_blocks", 0), ("num_decode_steps", 0), ("num_decode_steps", 65), ("num_decode_steps", 2.0),
     ("async_scheduling", "yes"), ("async_scheduling", 1),
+    # types a caller of LLM(...) may pass: each refused here, not deep in the load or a step
+    ("max_num_seqs", True), ("threads", True), ("num_cache_blocks", "10"), ("num_cache_blocks", 2.5),
+    ("cache_bytes", "1GB"), ("cache_bytes", 0), ("gpu_memory_utilization", "x"), ("gpu_memory_utilization", None),
+    ("device", 0), ("enable_prefix_caching", "no"), ("cpu_gemv", "no"), ("pdl", 3), ("seed", "x"), ("seed", 2**70),
 ])
 def test_engine_config_rejections_name_the_option(option, value):
     with pytest.raises(ConfigError) as info:
