@@ -245,7 +245,6 @@ class LLM:
         return prompt, ids
 
 
-
 class OutputStream:
     """What LLM.stream returns: an iterator of its own requests' outputs. close(), or dropping it before the end,
     aborts the requests it has not finished (they would otherwise run on, and a later generate would wait for
