@@ -136,6 +136,9 @@ class LLM:
         prompt = render_chat_prompt(self.tokenizer, messages, tools, tool_choice,
                                     parallel_tool_calls=parallel_tool_calls)
         if prompt.forced is not None:
+            if sampling_params is not None and sampling_params.structured_outputs is not None:
+                raise ValueError("tool_choice forces a tool call, which constrains the output, and sampling_params "
+                                 "carries structured_outputs too; send only one of them")
             sampling_params = replace(sampling_params or self.get_default_sampling_params(),
                                       structured_outputs=StructuredOutputsParams(json=prompt.forced.schema))
         output = self.generate([prompt.text], sampling_params, use_tqdm=use_tqdm)[0]

@@ -95,6 +95,11 @@ def _check_parts(where: str, parts) -> None:
                 f"{where}.content[{i}] = {part!r:.80}, expected a dict with a string 'type' "
                 f"such as {{\"type\": \"text\", \"text\": \"...\"}}"
             )
+        if part["type"] != "text" or not isinstance(part.get("text"), str):  # a template would drop it unsaid
+            raise ChatTemplateError(
+                f"{where}.content[{i}] is of type {part['type']!r}: Kimi-Linear reads text only; send "
+                f"{{\"type\": \"text\", \"text\": \"...\"}} parts"
+            )
 
 
 def _plain(value, where: str):

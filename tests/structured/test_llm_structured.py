@@ -114,6 +114,14 @@ def test_a_forced_tool_call_returns_valid_arguments(llm, tool_choice):
         assert out.tool_calls[0].name == "get_weather"
 
 
+def test_a_forced_tool_call_and_a_constraint_of_ones_own_are_refused_together(llm):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="a+"))
+    with pytest.raises(ValueError, match="send only one of them"):
+        llm.chat([{"role": "user", "content": "x"}], params, tools=tools, tool_choice="required")
+    assert not llm.engine.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "book"}}])
 def test_forced_tools_whose_parameters_use_refs(llm, tool_choice):
     """Parameters as pydantic writes them (nested types under $defs, reached by $ref), two tools defining the same

@@ -133,6 +133,9 @@ def test_no_template(model_dir):
         ([{"role": "assistant", "content": None}], r"None only for an assistant message with tool_calls"),
         ([{"role": "user", "content": ["hi"]}], r"messages\[0\].content\[0\] = 'hi', expected a dict with a str"),
         ([{"role": "user", "content": "x", "meta": object()}], r"messages\[0\].meta is a object, expected JSON"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+         r"messages\[0\].content\[0\] is of type 'image_url': Kimi-Linear reads text only"),
+        ([{"role": "user", "content": [{"type": "text"}]}], r"messages\[0\].content\[0\] is of type 'text'"),
     ],
 )
 def test_bad_messages(tokenizer, messages, message):
