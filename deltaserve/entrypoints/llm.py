@@ -34,13 +34,16 @@ def engine_arguments(model: str | Path | None = None, dtype: str | None = None, 
                      **engine_options) -> tuple[str, EngineConfig]:
     """The model folder and EngineConfig that LLM(model, dtype=..., device=..., **engine_options) runs: the demo model
     when model is None, the machine's device, its dtype (float32 on the CPU, else bfloat16)."""
-    device = device or default_device()
-    dtype = dtype or ("float32" if device == "cpu" else "bfloat16")
+    if model is not None and not str(model):
+        raise ValueError("model '' is empty: pass a model folder, or leave it out for the bundled demo model")
+    device = device if device is not None else default_device()  # a falsy value given is refused, not replaced
+    dtype = dtype if dtype is not None else ("float32" if device == "cpu" else "bfloat16")
     if model is None and engine_options.get("threads") is None:
         # the demo model's ops are too small to gain from a second thread, and on a busy machine every op
         # waits for that thread to be scheduled: a hundred times slower
         engine_options["threads"] = 1
-    return str(model or BUNDLED_MODEL), EngineConfig(dtype=dtype, device=device, **engine_options)
+    return str(model if model is not None else BUNDLED_MODEL), EngineConfig(dtype=dtype, device=device,
+                                                                             **engine_options)
 
 
 class LLM:

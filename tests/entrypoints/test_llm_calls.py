@@ -106,3 +106,13 @@ def test_shutdown_ends_the_llm(make_llm):
     llm.shutdown()  # a second time: nothing
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate({"prompt_token_ids": [5]}, SHORT, use_tqdm=False)
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"device": 0}, "device = 0"), ({"dtype": []}, r"dtype = \[\]"), ({"model": ""}, "model '' is empty"),
+])
+def test_a_falsy_option_is_refused_not_replaced_by_the_default(options, words):
+    from deltaserve import LLM
+
+    with pytest.raises(ValueError, match=words):
+        LLM(**options)
