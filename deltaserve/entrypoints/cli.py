@@ -111,6 +111,17 @@ def _version() -> str:
         return "(not installed: pip install -e . in the source tree)"
 
 
+class _VersionAction(argparse.Action):
+    """--version: the package's metadata read only when asked (~30 ms: every command would pay it otherwise)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print deltaserve's version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"deltaserve {_version()}")
+        parser.exit()
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (DESIGN.md section 5): the error and where the usage is, not the usage block
     (23 lines for generate) above it. Subcommands' parsers are of this class too."""
@@ -121,7 +132,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="deltaserve", description="Kimi-Linear inference engine")
-    parser.add_argument("--version", action="version", version=f"deltaserve {_version()}")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for prompts")
     _engine_options(gen)
