@@ -303,6 +303,11 @@ KV_CACHE_DTYPES = ("auto", "fp8")  # the MLA latent cache's: "auto" the run dtyp
 MAX_DECODE_STEPS = 64
 
 
+def is_int(value) -> bool:
+    """An integer option's check: an int, and not a bool (which Python counts as one)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Options of the serving engine, shared by generate/chat/serve/bench; validated at construction."""
@@ -367,9 +372,6 @@ class EngineConfig:
     def __post_init__(self):
         def bad(name, value, expectation):
             raise ConfigError(f"engine option {name} = {value!r}: {expectation}")
-
-        def is_int(value) -> bool:  # not a bool, which Python counts as an int
-            return isinstance(value, int) and not isinstance(value, bool)
 
         if not is_int(self.num_decode_steps) or not 1 <= self.num_decode_steps <= MAX_DECODE_STEPS:
             bad("num_decode_steps", self.num_decode_steps, f"must be an integer in [1, {MAX_DECODE_STEPS}]")

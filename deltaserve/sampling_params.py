@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deltaserve.config import read_json_object
+from deltaserve.config import is_int, read_json_object
 
 MAX_LOGPROBS = 20
 # the fields of a model folder's generation_config.json that set sampling defaults (those vLLM reads too)
@@ -107,9 +107,6 @@ class SamplingParams:
         can be set after construction (a dataclass), and a bad value there failed deep in a step, or not at all."""
         def bad(name, expectation):
             raise ParamError(f"SamplingParams.{name} = {getattr(self, name)!r}: {expectation}", name)
-
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
 
         def is_num(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
