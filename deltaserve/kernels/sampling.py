@@ -74,7 +74,17 @@ class SamplerOutput:
 
 def row_seed(seed: int, num_output_tokens: int) -> int:
     """The generator seed, in [0, 2**64), of a seeded request's token number num_output_tokens (0-based)."""
-    return (seed * _SEED_STRIDE + num_output_tokens) % 2**64
+    return mix64(seed * _SEED_STRIDE + num_output_tokens)
+
+
+def mix64(seed: int) -> int:
+    """seed mod 2**64 through splitmix64's finaliser: a bijection of 64-bit words whose every output bit depends on
+    every input bit. Generators are seeded through it because torch's CPU generator (mt19937) keeps only a seed's low
+    32 bits: unmixed, seeds that differ by a multiple of 2**32 (0 and 2**32) would draw the same numbers there."""
+    z = seed % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
 
 
 def plain_greedy(params: list[SamplingParams]) -> bool:

@@ -25,6 +25,7 @@ from deltaserve.forward_batch import ForwardBatch
 from deltaserve.kernel_options import KernelOptions
 from deltaserve.kernels import cpu_gemv
 from deltaserve.kernels.cache_ops import copy_rows
+from deltaserve.kernels.sampling import mix64
 from deltaserve.kernels.tuning_cache import persist_tuning, restore_tuning
 from deltaserve.kernels.varlen import to_device
 from deltaserve.layers.linear import Linear
@@ -73,7 +74,7 @@ class ModelRunner:
         self.logits_processor = None
         self._last_sampled: tuple[list[str], torch.Tensor] | None = None  # the last step's last tokens, on the device
         self._unlaunched: PendingOutput | None = None  # a step whose sampling waits for the step before (_launch)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(mix64(seed))  # all 64 bits count on a CPU
         self.cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else None
         self.compiled_decode = None
         self._compiled_sizes: set[int] = set()  # the decode batch sizes compile_decode has run (said once each)

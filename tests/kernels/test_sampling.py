@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from deltaserve.kernels.sampling import _top_k_top_p, apply_penalties, build_sampling_metadata, sample
+from deltaserve.kernels.sampling import _top_k_top_p, apply_penalties, build_sampling_metadata, mix64, sample
 from deltaserve.kernels.sampling_naive import apply_penalties_naive, sample_naive
 from deltaserve.sampling_params import SamplingParams
 
@@ -140,6 +140,26 @@ def test_seeded_row_draws_fresh_noise_each_step():
     logits = torch.zeros(1, 1000)
     tokens = {_sample(logits, [request], outputs=[[0] * step]).token_ids.item() for step in range(10)}
     assert len(tokens) > 5
+
+
+@pytest.mark.parametrize("high", [2**32, 2**40, 2**63])
+def test_seeds_differing_only_in_high_bits_draw_differently(high):
+    # torch's CPU generator keeps a seed's low 32 bits: row_seed mixes all 64 into them
+    logits = torch.zeros(1, 1000)
+    draws = [
+        [_sample(logits, [SamplingParams(temperature=1.0, seed=seed)], outputs=[[0] * step]).token_ids.item()
+         for step in range(4)]
+        for seed in (7, 7 + high)
+    ]
+    assert draws[0] != draws[1]
+
+
+def test_mix64_is_a_bijection_that_spreads_every_bit():
+    assert len({mix64(x) for x in range(1 << 16)}) == 1 << 16
+    assert all(0 <= mix64(x) < 2**64 for x in (0, -1, 2**64, 2**70 + 5))
+    assert mix64(-1) == mix64(2**64 - 1)
+    low = {mix64(k << 32) % 2**32 for k in range(1, 1 << 12)}  # differ only above bit 31
+    assert len(low) > 4000
 
 
 def _chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
