@@ -72,13 +72,16 @@ def _sampling_defaults(model: str | None) -> dict:
 
 
 def bind_address(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port (its first address), not listening yet: connections are refused until the
-    server starts. So a port another server listens on, a host that does not resolve or is not this machine's, or a
-    privileged port fails at once, in one line, before the model loads (uvicorn binds only after: a GPU's start-up
-    spent first, then its multi-line log and exit code 3). Two servers starting together on one port both bind (Linux
-    lets sockets with SO_REUSEADDR share a port until one listens); the second fails when it listens."""
+    """A TCP socket bound to host:port, not listening yet: connections are refused until the server starts. The
+    family is uvicorn's choice: IPv6 when the host holds a colon, else IPv4 (`localhost` is 127.0.0.1 whichever
+    address the resolver lists first). So a port another server listens on, a host that does not resolve or is not
+    this machine's, or a privileged port fails at once, in one line, before the model loads (uvicorn binds only
+    after: a GPU's start-up spent first, then its multi-line log and exit code 3). Two servers starting together on
+    one port both bind (Linux lets sockets with SO_REUSEADDR share a port until one listens); the second fails when
+    it listens."""
     try:
-        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        address = socket.getaddrinfo(host or None, port, family, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)[0][4]
     except OSError as e:
         raise ValueError(f"--host {host}: cannot resolve it ({e.strerror or e}); pass an address of this machine, "
                          "e.g. 127.0.0.1 or 0.0.0.0 for every interface") from None

@@ -18,6 +18,7 @@ import pytest
 
 from deltaserve.entrypoints.cli import main
 from deltaserve.entrypoints.openai import api_server
+from deltaserve.entrypoints.openai.command import bind_address
 
 
 def free_port() -> int:
@@ -92,6 +93,25 @@ def test_serve_refuses_an_address_in_use_or_unknown_before_loading(capsys):
     assert main(["serve", "--model", "/nonexistent", "--host", "192.0.2.1"]) == 2  # TEST-NET-1: no machine's own
     [line] = capsys.readouterr().err.splitlines()
     assert "cannot listen on 192.0.2.1:8000" in line and "an address of this machine with --host" in line
+
+
+@pytest.mark.parametrize("host, family, address", [
+    ("localhost", socket.AF_INET, "127.0.0.1"), ("", socket.AF_INET, "0.0.0.0"), ("::1", socket.AF_INET6, "::1")])
+def test_bind_address_takes_uvicorns_family(monkeypatch, host, family, address):
+    """IPv4 unless the host holds a colon, whichever address the resolver lists first (as uvicorn binds)."""
+    real = socket.getaddrinfo
+
+    def ipv6_first(name, port, family=0, *args, **kwargs):  # lists ::1 first for localhost, as many resolvers do
+        found = real(name, port, family, *args, **kwargs)
+        if name == "localhost" and kwargs.get("family", family) == socket.AF_UNSPEC:
+            return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0))] + found
+        return found
+
+    monkeypatch.setattr(socket, "getaddrinfo", ipv6_first)
+    if family == socket.AF_INET6 and not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    with bind_address(host, 0) as sock:
+        assert sock.family == family and sock.getsockname()[0] == address
 
 
 def _wait_healthy(proc: subprocess.Popen, base: str, timeout: float = 120) -> None:
