@@ -5,9 +5,12 @@ ones. Checks that need the model (context length, tokenizer) are in the serving 
 
 from __future__ import annotations
 
+import functools
+import types
+import typing
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from deltaserve.sampling_params import MAX_LOGPROBS
 
@@ -32,6 +35,36 @@ Stop = str | ListOf(Annotated[str, Field(min_length=1)], max_length=MAX_STOP) | 
 
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data):
+        """A JSON null in a field that has a default but no None (`n`, `stream`, `echo`...) means the default, as
+        OpenAI's API marks these fields nullable and its SDK sends None as null; a required field stays required."""
+        if isinstance(data, dict):
+            fields = _defaulted_not_nullable(cls)
+            if any(data.get(key, 0) is None for key in fields):
+                data = {key: value for key, value in data.items() if not (value is None and key in fields)}
+        return data
+
+
+@functools.cache
+def _defaulted_not_nullable(model: type[BaseModel]) -> frozenset[str]:
+    """The body keys (aliases included) of model's fields that have a default and whose type does not take None."""
+    return frozenset(
+        field.alias or name for name, field in model.model_fields.items()
+        if not field.is_required() and not _takes_none(field.annotation)
+    )
+
+
+def _takes_none(annotation) -> bool:
+    if annotation is None or annotation is type(None):
+        return True
+    if typing.get_origin(annotation) is Annotated:
+        return _takes_none(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_takes_none(arg) for arg in typing.get_args(annotation))
+    return False
 
 
 class StreamOptions(_Request):

@@ -169,6 +169,20 @@ def test_unknown_route_is_404_in_openai_shape(http):
     assert response.status_code == 404 and "error" in response.json()
 
 
+@pytest.mark.parametrize("path, body", [
+    (COMPLETIONS, completion(n=None, stream=None, echo=None, ignore_eos=None, logprobs=None, temperature=0)),
+    (CHAT, chat(n=None, stream=None, logprobs=None, ignore_eos=None, stream_options=None, temperature=0))])
+def test_null_is_the_default(http, path, body):
+    """OpenAI's SDK sends a None argument as null, and its API takes null for these fields: the default, not a 400."""
+    response = http.post(path, json=body)
+    assert response.status_code == 200, response.text
+    [choice] = response.json()["choices"]
+    assert choice.get("logprobs") is None
+    assert CompletionRequest.model_validate(completion(n=None, echo=None)).n == 1
+    with pytest.raises(ValidationError, match="prompt"):  # a required field stays required
+        CompletionRequest.model_validate(completion(prompt=None))
+
+
 def test_normal_requests_succeed_after_bad_ones(http):
     for _, path, body, _, _ in CASES:
         http.post(path, **({"content": body} if isinstance(body, bytes) else {"json": body}))
