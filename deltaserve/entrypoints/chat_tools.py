@@ -58,11 +58,17 @@ def render_chat_prompt(tokenizer: Tokenizer, messages, tools=None, tool_choice=N
     if parse:
         _check_markers_survive_detokenization(tokenizer)
     try:
-        forced = forced_tools(tool_choice, tools, parallel_tool_calls)
+        forced = forced_tools(tool_choice, tools, parallel_tool_calls, _calls_before(messages))
     except ValueError as e:
         raise ToolRequestError(str(e), "tool_choice") from e
     text = tokenizer.apply_chat_template(messages, add_generation_prompt, tools)
     return ChatPrompt(text, parse, forced)
+
+
+def _calls_before(messages) -> int:
+    """How many tool calls the chat's assistant turns made: a forced call's id index goes on from there."""
+    return sum(len(m.get("tool_calls") or ()) for m in messages
+               if isinstance(m, Mapping) and isinstance(m.get("tool_calls"), list))
 
 
 class ChatOutputParser:

@@ -23,11 +23,14 @@ class ForcedTools:
 
     schema: dict  # the JSON schema the output is constrained to
     name: str | None = None
+    first_index: int = 0  # the id index of the first call: the calls before it in the chat (Kimi counts them all)
 
 
-def forced_tools(tool_choice, tools: list[dict], parallel_tool_calls: bool = True) -> ForcedTools | None:
+def forced_tools(tool_choice, tools: list[dict], parallel_tool_calls: bool = True,
+                 first_index: int = 0) -> ForcedTools | None:
     """The constraint for tool_choice "required" or {"type": "function", "function": {"name": ...}}; None for
-    the other choices. A named function must be among tools (ValueError names it otherwise)."""
+    the other choices. A named function must be among tools (ValueError names it otherwise). first_index: the tool
+    calls earlier in the chat, so the calls' ids (functions.NAME:INDEX) go on from theirs, as Kimi numbers them."""
     by_name = {tool["function"]["name"]: tool["function"].get("parameters") or _ANY_OBJECT for tool in tools}
     if tool_choice == "required":
         calls, defs = [], {}
@@ -36,7 +39,7 @@ def forced_tools(tool_choice, tools: list[dict], parallel_tool_calls: bool = Tru
             calls.append({"type": "object", "properties": {"name": {"const": name}, "parameters": params},
                           "required": ["name", "parameters"]})
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({"$defs": defs} if defs else {})}
-        return ForcedTools(schema if parallel_tool_calls else {**schema, "maxItems": 1})
+        return ForcedTools(schema if parallel_tool_calls else {**schema, "maxItems": 1}, None, first_index)
     if not isinstance(tool_choice, Mapping):
         return None
     function = tool_choice.get("function")
@@ -46,7 +49,7 @@ def forced_tools(tool_choice, tools: list[dict], parallel_tool_calls: bool = Tru
                          f"{{\"name\": ...}}}}")
     if name not in by_name:
         raise ValueError(f"tool_choice names function {name!r}, which is not among tools ({', '.join(by_name)})")
-    return ForcedTools(by_name[name], name)
+    return ForcedTools(by_name[name], name, first_index)
 
 
 def _relocated(params, i: int, defs: dict):
@@ -102,13 +105,14 @@ class ForcedToolCallParser:
 
     def _read(self, text: str) -> list[ToolCall]:
         """The calls of the output; none when it was cut off (max_tokens) before its JSON was complete."""
+        first = self.forced.first_index
         if self.forced.name is not None:
-            return [ToolCall(f"functions.{self.forced.name}:0", self.forced.name, text)] if _parses(text) else []
+            return [ToolCall(f"functions.{self.forced.name}:{first}", self.forced.name, text)] if _parses(text) else []
         try:
             items = json.loads(text)
         except json.JSONDecodeError:
             return []
-        return [ToolCall(f"functions.{item['name']}:{i}", item["name"], json.dumps(item["parameters"]))
+        return [ToolCall(f"functions.{item['name']}:{first + i}", item["name"], json.dumps(item["parameters"]))
                 for i, item in enumerate(items)]
 
 

@@ -116,6 +116,22 @@ def test_tool_choice_required_calls_a_tool(client):
     jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
 
 
+def test_forced_call_ids_go_on_from_the_calls_earlier_in_the_chat(client):
+    """Kimi numbers a chat's tool calls globally (functions.NAME:INDEX): a second turn's call must not reuse the
+    first's id, which the tool's reply names."""
+    kwargs = dict(model="tiny", max_tokens=40, temperature=0, tools=TOOLS,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [first] = client.chat.completions.create(messages=MESSAGES, **kwargs).choices[0].message.tool_calls
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [first.model_dump()]},
+               {"role": "tool", "tool_call_id": first.id, "content": "sunny"}, {"role": "user", "content": "And?"}]
+    [second] = client.chat.completions.create(messages=history, **kwargs).choices[0].message.tool_calls
+    required = client.chat.completions.create(messages=history, **{**kwargs, "tool_choice": "required",
+                                                                    "max_tokens": 60, "parallel_tool_calls": False})
+    [third] = required.choices[0].message.tool_calls
+    assert (first.id, second.id, third.id) == ("functions.get_weather:0", "functions.get_weather:1",
+                                               "functions.get_weather:1")
+
+
 WIDE = {"structured_outputs": {"regex": "é😀中"}}  # characters of 2, 4 and 3 bytes: the demo's tokens split them
 
 
