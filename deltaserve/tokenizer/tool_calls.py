@@ -77,7 +77,8 @@ class ToolCallStreamParser:
     ones carry argument text: {"tool_calls": [{"index": i, "function": {"arguments": "..."}}]}. Content comes
     as {"content": "..."}. Text that may be the start of a marker is held until the next piece tells. Joining
     the deltas gives exactly result(), whatever the pieces were. An output cut off inside a call (max_tokens)
-    keeps the arguments written so far; a call cut off before its id ended is dropped."""
+    keeps the arguments written so far (less a marker's cut-off start); a call cut off before its id ended is
+    dropped."""
 
     def __init__(self):
         self._state = _CONTENT
@@ -105,9 +106,11 @@ class ToolCallStreamParser:
         return self._take_deltas()
 
     def finish(self) -> list[dict]:
-        """The deltas of the held-back text; call once, after the last push."""
+        """The deltas of the held-back text; call once, after the last push. Inside the tool-call section that text
+        (the start of a marker, all that is held) is a marker cut off by max_tokens, not arguments: dropped."""
         if not self._finished:
-            self._read_text(self._pending)
+            if self._state == _CONTENT:
+                self._read_text(self._pending)
             self._pending = ""
             if self._state == _ARGUMENTS:
                 self._end_call()

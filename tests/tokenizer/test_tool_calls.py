@@ -76,6 +76,18 @@ def test_cut_off_output_keeps_what_was_written():
     assert parse_tool_calls(cut_in_id).tool_calls == EXPECTED.tool_calls[:1]
 
 
+@pytest.mark.parametrize("cut", range(1, len("<|tool_call_end|>")))
+def test_a_marker_cut_off_is_not_read_as_arguments(cut):
+    """max_tokens can end the output inside a marker (a tokenizer that spells it in pieces): the arguments stop
+    before it, streamed or whole; content that ends like a marker's start stays content."""
+    text = '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": 1}'
+    text += "<|tool_call_end|>"[:cut]
+    parser = ToolCallStreamParser()
+    deltas = [d for char in text for d in parser.push(char)] + parser.finish()
+    assert _joined(deltas) == parse_tool_calls(text) == ParsedOutput(None, [ToolCall("functions.f:0", "f", '{"a": 1}')])
+    assert parse_tool_calls("1 <|tool").content == "1 <|tool"
+
+
 def test_stream_deltas_are_shaped_like_openai():
     parser = ToolCallStreamParser()
     deltas = parser.push(OUTPUT[:OUTPUT.index("Paris")]) + parser.push(OUTPUT[OUTPUT.index("Paris"):])
