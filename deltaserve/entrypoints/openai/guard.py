@@ -3,12 +3,16 @@
 In order: the API key on /v1 routes (401), the body size, from Content-Length and again while reading a
 chunked body (413), and UTF-8 (400). The body it read is replayed to the app, and later receive() calls go
 to the server, so a handler still hears the client disconnect. A client that leaves before its body is whole gets
-nothing: its request never reaches the app (a cut JSON body may still parse, and would be queued and run)."""
+nothing: its request never reaches the app (a cut JSON body may still parse, and would be queued and run).
+Every response carries an `x-request-id` header, as OpenAI's do, to trace a request through proxies and clients'
+logs: the client's own X-Request-Id when it sent a plain one, else a new id."""
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
+import uuid
 
 from deltaserve.entrypoints.openai.errors import error_body
 
@@ -26,6 +30,7 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        send = _with_request_id(send, _request_id(headers.get("x-request-id")))
         if self.api_key is not None and scope["path"].startswith("/v1") and not self._authorized(headers):
             return await self._refuse(send, 401, "missing or wrong API key: send the header "
                                                  "'Authorization: Bearer <key>' with the server's --api-key",
@@ -76,6 +81,27 @@ class RequestGuard:
         headers += [(k.encode(), v.encode()) for k, v in (extra_headers or {}).items()]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
+
+
+_PLAIN_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # what a client's X-Request-Id may be to be echoed
+
+
+def _request_id(given: str | None) -> str:
+    """The client's X-Request-Id when it is plain (letters, digits, . _ : -; at most 128), else a new one."""
+    return given if given is not None and _PLAIN_ID.fullmatch(given) else f"req-{uuid.uuid4().hex}"
+
+
+def _with_request_id(send, request_id: str):
+    """send(), with x-request-id added to the response's headers (replacing any the app set)."""
+    header = (b"x-request-id", request_id.encode())
+
+    async def sending(message):
+        if message["type"] == "http.response.start":
+            kept = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"]
+            message = {**message, "headers": [*kept, header]}
+        await send(message)
+
+    return sending
 
 
 class _ClientLeft(Exception):

@@ -126,8 +126,10 @@ class ServingContext:
             raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
 
     def response_meta(self, request_id: str) -> dict:
-        """The id, created and model fields that every response and chunk of a request carries."""
-        return dict(id=request_id, created=int(time.time()), model=self.config.served_model_name)
+        """The id, created, model and system_fingerprint fields that every response and chunk of a request carries
+        (the fingerprint null: OpenAI's API lists the field; there is no backend configuration to fingerprint)."""
+        return dict(id=request_id, created=int(time.time()), model=self.config.served_model_name,
+                    system_fingerprint=None)
 
     def need_tokenizer(self, what: str):
         if self.tokenizer is None:

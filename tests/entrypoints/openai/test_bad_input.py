@@ -183,6 +183,21 @@ def test_null_is_the_default(http, path, body):
         CompletionRequest.model_validate(completion(prompt=None))
 
 
+def test_every_response_carries_a_request_id(http):
+    """x-request-id, as OpenAI's responses carry it: the client's own when plain, else a new one per request."""
+    ok = http.post(COMPLETIONS, json=completion(), headers={"x-request-id": "trace-7:a.b_c"})
+    assert ok.status_code == 200 and ok.headers["x-request-id"] == "trace-7:a.b_c"
+    assert ok.json()["system_fingerprint"] is None  # listed, as OpenAI lists it
+    fresh = [http.post(COMPLETIONS, json=completion()).headers["x-request-id"] for _ in range(2)]
+    assert all(rid.startswith("req-") for rid in fresh) and fresh[0] != fresh[1]
+    odd = http.post(COMPLETIONS, json=completion(), headers={"x-request-id": "a b\u00e9".encode()})
+    assert odd.headers["x-request-id"].startswith("req-")
+    refused = http.post(COMPLETIONS, content=b'{"prompt": "\xff"}', headers={"x-request-id": "r1"})
+    streamed = http.post(COMPLETIONS, json=completion(stream=True), headers={"x-request-id": "r2"})
+    assert (refused.status_code, refused.headers["x-request-id"]) == (400, "r1")
+    assert streamed.headers["x-request-id"] == "r2" and http.get("/health").headers["x-request-id"]
+
+
 def test_normal_requests_succeed_after_bad_ones(http):
     for _, path, body, _, _ in CASES:
         http.post(path, **({"content": body} if isinstance(body, bytes) else {"json": body}))
