@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from deltaserve.cache.manager import CacheOccupancy
 from deltaserve.core.outputs import CompletionOutput, RequestOutput, StepTotals
-from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
+from deltaserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from deltaserve.structured import errors
 from deltaserve.structured.schema_check import checked
 
@@ -174,14 +174,16 @@ class EngineHandle(Protocol):
 def rebuild_error(kind: str, message: str, param: str | None) -> BaseException:
     """An error the core sent as (kind, message, param) (engine_process.error_message), as the server maps it:
     structured outputs' own ValueErrors keep their class (a 400 naming the field, or a 429), other ValueErrors are
-    ValueErrors (a 400), anything else a RuntimeError."""
+    ValueErrors (a 400; a ParamError when a field is named), anything else a RuntimeError."""
     if kind == "GrammarError":
         return errors.GrammarError(message, param)
     if kind in ("StructuredOutputsUnavailable", "CompilesBusy"):
         error = getattr(errors, kind).__new__(getattr(errors, kind))
         ValueError.__init__(error, message)
         return error
-    return ValueError(message) if kind == "ValueError" else RuntimeError(message)
+    if kind == "ValueError":
+        return ValueError(message) if param is None else ParamError(message, param)
+    return RuntimeError(message)
 
 
 @dataclass

@@ -45,7 +45,7 @@ from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.runner.startup import ProgressBar, phase
 from deltaserve.runner.step_sampler import PendingOutput
 from deltaserve.runner_output import Logprobs
-from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
+from deltaserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 from deltaserve.scheduler_output import SchedulerOutput
 from deltaserve.structured import errors as structured_errors
 from deltaserve.structured import manager as structured_manager
@@ -478,10 +478,11 @@ class Engine:
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is out of range: ids must be integers in [0, {vocab})")
+            raise ParamError(f"prompt token id {bad!r} is out of range: ids must be integers in [0, {vocab})",
+                             "prompt")
         if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer and this model folder has none; "
-                             "use stop_token_ids instead")
+            raise ParamError("stop strings need a tokenizer and this model folder has none; "
+                             "use stop_token_ids instead", "stop")
 
     def _advance_grammar(self, req: Request, new_ids: list[int]) -> list[int]:
         """Move a constrained request's matcher over its new tokens; returns those it took. A token its grammar

@@ -23,7 +23,7 @@ from pathlib import Path
 from deltaserve.config import EngineConfig
 from deltaserve.core.async_engine import EngineInfo, EngineInput, EngineStats
 from deltaserve.core.outputs import RequestOutput
-from deltaserve.sampling_params import StructuredOutputsParams
+from deltaserve.sampling_params import ParamError, StructuredOutputsParams
 from deltaserve.structured import errors
 from deltaserve.tokenizer import load_tokenizer
 
@@ -87,6 +87,8 @@ def error_message(e: BaseException) -> tuple[str, str, str | None]:
     server's async_engine.rebuild_error makes them again)."""
     if isinstance(e, errors.StructuredOutputsUnavailable | errors.GrammarError | errors.CompilesBusy):
         return type(e).__name__, str(e), getattr(e, "param", None)
+    if isinstance(e, ParamError):
+        return "ValueError", str(e), e.field
     return "ValueError" if isinstance(e, ValueError) else "RuntimeError", str(e), None
 
 

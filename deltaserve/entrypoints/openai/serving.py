@@ -246,8 +246,8 @@ class ServingContext:
             raise OpenAIError(429, str(e), None, "queue_full", {"retry-after": "1"}) from e
         except EngineStoppedError as e:
             raise OpenAIError(503, str(e), None, "unavailable") from e
-        except ValueError as e:
-            raise bad_request(str(e)) from e
+        except ValueError as e:  # a ParamError names the request's field (a prompt's token id out of range: prompt)
+            raise bad_request(str(e), getattr(e, "field", None)) from e
         return stream, asyncio.get_running_loop().create_task(_abort_on_disconnect(request, stream))
 
     async def collect(self, stream: RequestStream, watcher: asyncio.Task) -> list[RequestOutput]:

@@ -117,7 +117,9 @@ def test_bad_request_gets_openai_error(http, path, body, status, words):
     (b'{"prompt": "hi", "repetition_penalty": Infinity}', "repetition_penalty", "repetition_penalty = inf: must be"),
     (completion(stop=list("abcdefghijklmnopq")), "stop", "a list of at most 16 non-empty strings"),
     (completion(max_tokens=10**400), "max_tokens", "'max_tokens' = 100000... (401 digits) must be less than"),
-], ids=["empty stop string", "repetition_penalty infinite", "17 stop strings", "a 401-digit max_tokens"])
+    (completion(prompt=[1, 999999]), "prompt", "prompt token id 999999 is out of range"),
+], ids=["empty stop string", "repetition_penalty infinite", "17 stop strings", "a 401-digit max_tokens",
+        "a token id past the vocabulary"])
 def test_a_bad_sampling_field_is_named_in_param(http, body, param, words):
     """The field SamplingParams refused is the error's param; a huge number is not echoed whole."""
     if isinstance(body, bytes):  # JSON's Infinity, which Python's json reads
