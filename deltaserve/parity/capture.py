@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from deltaserve.parity.backends import open_backend
 from deltaserve.parity.defaults import DEFAULT_TOPK
 from deltaserve.parity.golden import Golden, GoldenPrompt
@@ -12,7 +14,7 @@ def capture(model_dir: str, prompts: list[list[int]], max_tokens: int, reference
             device: str | None, vocab_size: int, topk: int = DEFAULT_TOPK, seed: int | None = None) -> Golden:
     max_model_len = max(len(p) for p in prompts) + max_tokens
     backend = open_backend(reference, model_dir, dtype, device, max_model_len, len(prompts))
-    return Golden(model=str(model_dir), reference=reference, dtype=dtype,
+    return Golden(model=str(Path(model_dir).resolve()), reference=reference, dtype=dtype,
                   prompts=capture_prompts(backend, prompts, max_tokens, topk), vocab_size=vocab_size,
                   device=device or str(next(backend.model.parameters()).device), seed=seed,
                   topk=min(topk, vocab_size))

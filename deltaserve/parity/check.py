@@ -6,12 +6,16 @@ greedy decode; tokens equal to the golden's up to each prompt's first divergence
 
 A divergence (a free-running first divergence, or a teacher-forced top-1 disagreement) is a near-tie when the
 reference's logit gap between its token and ours is under the tie margin: numerics of the size the regime
-allows can flip it. Otherwise it is real: something computes a different model."""
+allows can flip it. Otherwise it is real: something computes a different model.
+
+At a coarse regime's margin every divergence of a small model can be a near-tie, so a run also fails when the
+teacher-forced top-1 agreement is under a floor or the mean KL over a ceiling: no rounding makes a different model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from deltaserve.parity.defaults import DEFAULT_MAX_KL, DEFAULT_MIN_TOP1
 from deltaserve.parity.golden import Golden, GoldenPrompt
 from deltaserve.parity.logits import coarse_kl, logit_gap
 
@@ -42,6 +46,9 @@ class PromptResult:
 class CheckResult:
     prompts: list[PromptResult]
     tie_margin: float
+    min_top1: float = DEFAULT_MIN_TOP1  # the run fails under this teacher-forced top-1 agreement (a fraction)...
+    max_kl: float = DEFAULT_MAX_KL  # ...or over this mean KL(golden || ours)
+    tie_margin_from: str = ""  # what set the tie margin, for the report
 
     @property
     def divergences(self) -> list[Divergence]:
@@ -51,12 +58,38 @@ class CheckResult:
     def num_real(self) -> int:
         return sum(not d.near_tie for d in self.divergences)
 
+    @property
+    def top1_agreement(self) -> float:
+        return sum(p.tf_agree for p in self.prompts) / sum(p.num_tokens for p in self.prompts)
+
+    @property
+    def kl_mean(self) -> float | None:
+        """The mean over every generated position; None when the golden holds no reference log-probabilities."""
+        kls = [k for p in self.prompts if p.kl for k in p.kl]
+        return sum(kls) / len(kls) if kls else None
+
+    def failures(self, strict: bool) -> list[str]:
+        """Why the run fails, one phrase a reason; empty when it passes."""
+        reasons = []
+        if strict and self.divergences:
+            reasons.append(f"{len(self.divergences)} divergences with --strict")
+        elif self.num_real:
+            reasons.append(f"{self.num_real} real divergences (golden gap over the tie margin {self.tie_margin:g})")
+        if self.top1_agreement < self.min_top1:
+            reasons.append(f"teacher-forced top-1 agreement {100 * self.top1_agreement:.2f}% under the floor "
+                           f"{100 * self.min_top1:g}% (--min-top1)")
+        if self.kl_mean is not None and self.kl_mean > self.max_kl:
+            reasons.append(f"KL mean {self.kl_mean:.3e} over the ceiling {self.max_kl:g} (--max-kl)")
+        return reasons
+
     def exit_status(self, strict: bool) -> int:
-        """1 on any divergence with strict, else on any real one; 0 otherwise."""
-        return int(bool(self.divergences) if strict else self.num_real > 0)
+        """1 when the run fails (any divergence with strict, else any real one; agreement under the floor or KL
+        over the ceiling); 0 otherwise."""
+        return int(bool(self.failures(strict)))
 
 
-def check(golden: Golden, backend, tie_margin: float) -> CheckResult:
+def check(golden: Golden, backend, tie_margin: float, min_top1: float = DEFAULT_MIN_TOP1,
+          max_kl: float = DEFAULT_MAX_KL, tie_margin_from: str = "") -> CheckResult:
     """backend: a DeltaserveBackend (or anything with its greedy / teacher_forced)."""
     max_tokens = max(len(p.output_token_ids) for p in golden.prompts)
     free = backend.greedy([p.prompt_token_ids for p in golden.prompts], max_tokens)
@@ -64,7 +97,7 @@ def check(golden: Golden, backend, tie_margin: float) -> CheckResult:
     for i, (gp, ours) in enumerate(zip(golden.prompts, free)):
         logits = backend.teacher_forced(gp.prompt_token_ids, gp.output_token_ids)  # [M, V]
         results.append(_compare(i, gp, logits, ours, tie_margin))
-    return CheckResult(results, tie_margin)
+    return CheckResult(results, tie_margin, min_top1, max_kl, tie_margin_from)
 
 
 def _compare(index: int, gp: GoldenPrompt, logits, ours, tie_margin: float) -> PromptResult:

@@ -1,16 +1,18 @@
 """`deltaserve parity capture` and `deltaserve parity check` (DESIGN.md section 5).
 
-Errors are ValueErrors, printed by the CLI as one line with exit code 2; `check` returns 1 when it finds a
-divergence that fails the run (any with --strict, else any real one) and prints `match X/Y` last."""
+Errors are ValueErrors, printed by the CLI as one line with exit code 2, raised before any model runs (paths and
+lengths are checked up front); `check` returns 1 when the run fails (a real divergence, any with --strict, or
+teacher-forced agreement under its floor or KL over its ceiling), says why, and prints `match X/Y` last."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from deltaserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS
-from deltaserve.parity.defaults import DEFAULT_TIE_MARGINS, DEFAULT_TOPK, REFERENCES
+from deltaserve.parity.defaults import DEFAULT_MAX_KL, DEFAULT_MIN_TOP1, DEFAULT_TIE_MARGINS, DEFAULT_TOPK, REFERENCES
 
 REGIMES = ("float32", "bfloat16")
 
@@ -53,8 +55,13 @@ def add_parity_parser(sub) -> None:
     chk.add_argument("--strict", action="store_true", help="fail on any divergence, near-ties included")
     defaults = ", ".join(f"{k} {v:g}" for k, v in DEFAULT_TIE_MARGINS.items())
     chk.add_argument("--tie-margin", type=float, default=None,
-                     help=f"golden logit gaps under this are near-ties (default per --dtype: {defaults}; measured, "
+                     help=f"golden logit gaps under this are near-ties (default: the coarser of the golden's and this "
+                          f"run's regime, fp8 with --quantization or --kv-cache-dtype fp8: {defaults}; measured, "
                           "see BENCHMARKS.md)")
+    chk.add_argument("--min-top1", type=float, default=DEFAULT_MIN_TOP1,
+                     help=f"fail under this teacher-forced top-1 agreement, a fraction (default {DEFAULT_MIN_TOP1})")
+    chk.add_argument("--max-kl", type=float, default=DEFAULT_MAX_KL,
+                     help=f"fail over this mean KL(golden || ours) (default {DEFAULT_MAX_KL})")
     chk.add_argument("--plot", help="write a PNG of the golden's margins with the divergences marked")
     chk.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
                      help="check deltaserve with FP8 weights (quantized at load) against the golden")
@@ -70,11 +77,12 @@ def cmd_capture(args) -> int:
     from deltaserve.parity.capture import capture
     from deltaserve.parity.golden import save_golden
 
-    out_dir = Path(args.out).resolve().parent
-    if not out_dir.is_dir():  # before the capture, which may take minutes
-        raise ValueError(f"--out {args.out}: the folder {out_dir} does not exist; create it, or write elsewhere")
+    _output_file("--out", args.out)  # before the capture, which may take minutes
+    if args.prompts:
+        _input_file("--prompts", args.prompts, "a file with one prompt per line")
     model_dir, cfg = _model(args.model)
-    prompts = _prompts(args, model_dir, cfg.vocab_size)
+    prompts, source = _prompts(args, model_dir, cfg.vocab_size)
+    _check_length(max(len(p) for p in prompts), source, args.max_tokens, cfg.max_position_embeddings, model_dir)
     golden = capture(model_dir, prompts, args.max_tokens, args.reference, args.dtype, args.device, cfg.vocab_size,
                      args.topk, args.seed)
     save_golden(golden, args.out)
@@ -86,34 +94,100 @@ def cmd_capture(args) -> int:
 def cmd_check(args) -> int:
     from deltaserve.parity.backends import DeltaserveBackend
     from deltaserve.parity.check import check
-    from deltaserve.parity.golden import check_vocab, load_golden
     from deltaserve.parity.report import report_lines
 
-    tie_margin = DEFAULT_TIE_MARGINS[args.dtype] if args.tie_margin is None else args.tie_margin
-    if not tie_margin >= 0:
-        raise ValueError(f"--tie-margin {args.tie_margin}: must be a number >= 0")
+    _check_thresholds(args)
     if args.plot:
         from deltaserve.parity.plot import require_matplotlib
 
         require_matplotlib()
-    golden = load_golden(args.golden)
-    model_dir, cfg = _model(args.model)
-    check_vocab(golden, cfg.vocab_size, args.golden, model_dir)
+        _output_file("--plot", args.plot)
+    golden, model_dir = _golden_for(args)
+    tie_margin, margin_from = _tie_margin(args, golden)
     max_model_len = max(len(p.prompt_token_ids) + len(p.output_token_ids) for p in golden.prompts)
     backend = DeltaserveBackend(model_dir, args.dtype, args.device, max_model_len, len(golden.prompts),
                                 args.quantization, args.kv_cache_dtype)
-    result = check(golden, backend, tie_margin)
+    result = check(golden, backend, tie_margin, args.min_top1, args.max_kl, margin_from)
     device = next(backend.model.parameters()).device
     extras = [name for name, on in (("fp8 weights", backend.llm.engine.model_config.quantization),
                                     ("a float8 latent cache", args.kv_cache_dtype == "fp8")) if on]
     weights = f" with {' and '.join(extras)}" if extras else ""
-    for line in report_lines(golden, result, f"deltaserve {args.dtype}{weights} on {device}"):
+    for line in report_lines(golden, result, f"deltaserve {args.dtype}{weights} on {device}", args.strict):
         print(line, flush=True)
     if args.plot:
         from deltaserve.parity.plot import plot_margins
 
         plot_margins(golden, result, args.plot)
     return result.exit_status(args.strict)
+
+
+def _check_thresholds(args) -> None:
+    if args.tie_margin is not None and not args.tie_margin >= 0:
+        raise ValueError(f"--tie-margin {args.tie_margin}: must be a number >= 0")
+    if not 0 <= args.min_top1 <= 1:
+        raise ValueError(f"--min-top1 {args.min_top1}: must be a fraction in [0, 1]")
+    if not args.max_kl >= 0:
+        raise ValueError(f"--max-kl {args.max_kl}: must be a number >= 0")
+
+
+def _golden_for(args):
+    """The golden, checked against the model: vocabulary and length are errors, another model folder a warning."""
+    from deltaserve.parity.golden import GoldenError, check_vocab, load_golden
+
+    _input_file("--golden", args.golden, "the golden JSON that `parity capture --out` wrote")
+    golden = load_golden(args.golden)
+    model_dir, cfg = _model(args.model)
+    check_vocab(golden, cfg.vocab_size, args.golden, model_dir)
+    longest = max(len(p.prompt_token_ids) + len(p.output_token_ids) for p in golden.prompts)
+    if longest > cfg.max_position_embeddings:
+        raise GoldenError(f"golden file {args.golden} holds a sequence of {longest} tokens, over the max length "
+                          f"{cfg.max_position_embeddings} of model {model_dir}: capture with shorter prompts or "
+                          "--max-tokens")
+    if Path(golden.model).resolve() != Path(model_dir).resolve():
+        print(f"warning: golden file {args.golden} was captured from model {golden.model}; checking model "
+              f"{model_dir}", file=sys.stderr)
+    return golden, model_dir
+
+
+def _tie_margin(args, golden) -> tuple[float, str]:
+    """--tie-margin, else the default of the coarser of the golden's regime and this run's -> (margin, its source)."""
+    if args.tie_margin is not None:
+        return args.tie_margin, "--tie-margin"
+    regimes = list(DEFAULT_TIE_MARGINS)
+    if golden.dtype not in regimes:
+        raise ValueError(f"golden file {args.golden}: dtype {golden.dtype!r} has no default tie margin (known: "
+                         f"{', '.join(regimes)}); pass --tie-margin")
+    run = "fp8" if "fp8" in (args.quantization, args.kv_cache_dtype) else args.dtype
+    regime = max(golden.dtype, run, key=regimes.index)
+    if golden.dtype == run:
+        return DEFAULT_TIE_MARGINS[regime], f"the {regime} default: the golden's and this run's regime"
+    return DEFAULT_TIE_MARGINS[regime], (f"the {regime} default: the coarser of the golden's {golden.dtype} and "
+                                         f"this run's {run}")
+
+
+def _output_file(flag: str, path: str) -> None:
+    """A file the command will write: not a folder, in a folder that exists and is writable."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{flag} {path}: a folder; name a file in it to write")
+    folder = target.resolve().parent
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist; create it, or write elsewhere")
+    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise ValueError(f"{flag} {path}: not writable; write elsewhere")
+
+
+def _input_file(flag: str, path: str, what: str) -> None:
+    """A file the command reads: a folder is named as such (the readers say when it does not exist)."""
+    if Path(path).is_dir():
+        raise ValueError(f"{flag} {path}: a folder; pass {what}")
+
+
+def _check_length(longest: int, source: str, max_tokens: int, max_len: int, model_dir: str) -> None:
+    if longest + max_tokens > max_len:
+        raise ValueError(f"{source} ({longest} tokens) + --max-tokens {max_tokens} = {longest + max_tokens} tokens, "
+                         f"over the max length {max_len} of model {model_dir} (config.json): shorten the prompts "
+                         "or lower --max-tokens")
 
 
 def _model(model: str | None):
@@ -124,13 +198,14 @@ def _model(model: str | None):
     return model_dir, ModelConfig.from_file(model_dir)
 
 
-def _prompts(args, model_dir: str, vocab_size: int) -> list[list[int]]:
+def _prompts(args, model_dir: str, vocab_size: int) -> tuple[list[list[int]], str]:
+    """-> the prompts and where they came from, for messages."""
     from deltaserve.parity.prompts import random_prompts, read_prompts_file, text_prompts
     from deltaserve.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
     if args.prompts:
-        return read_prompts_file(args.prompts, tokenizer, vocab_size)
+        return read_prompts_file(args.prompts, tokenizer, vocab_size), "the longest prompt in --prompts"
     if args.num_prompts or tokenizer is None:
-        return random_prompts(args.num_prompts or 8, args.prompt_len, vocab_size, args.seed)
-    return text_prompts(tokenizer)
+        return random_prompts(args.num_prompts or 8, args.prompt_len, vocab_size, args.seed), "--prompt-len"
+    return text_prompts(tokenizer), "the longest built-in prompt"

@@ -1,20 +1,30 @@
-"""What `parity check` prints: a line per prompt, the teacher-forced totals, the divergences, and `match X/Y` last."""
+"""What `parity check` prints: a line per prompt with its divergences (the first MAX_LISTED of them), the totals,
+the verdict and why, and `match X/Y` last."""
 
 from __future__ import annotations
 
 from deltaserve.parity.check import CheckResult, Divergence
 from deltaserve.parity.golden import Golden
 
+MAX_LISTED = 20  # divergence lines; a different model has one or two a token, and the counts below keep them all
 
-def report_lines(golden: Golden, result: CheckResult, ours: str) -> list[str]:
+
+def report_lines(golden: Golden, result: CheckResult, ours: str, strict: bool = False) -> list[str]:
     lines = [f"golden: {golden.reference} {golden.dtype} greedy on {golden.model}, {len(golden.prompts)} prompts, "
              f"{golden.num_tokens} tokens; checking {ours}"]
+    listed = 0
     for i, p in enumerate(result.prompts):
         kl = f", KL mean {_mean(p.kl):.2e} max {max(p.kl):.2e}" if p.kl else ""
         lines.append(f"prompt {i}: match {p.match}/{p.num_tokens}; "
                      f"teacher-forced top-1 {p.tf_agree}/{p.num_tokens}{kl}")
-        lines += [f"  {_describe(d)}" for d in p.divergences]
+        shown = p.divergences[:max(MAX_LISTED - listed, 0)]
+        lines += [f"  {_describe(d)}" for d in shown]
+        listed += len(shown)
+    if len(result.divergences) > listed:
+        lines.append(f"... {len(result.divergences) - listed} more divergences (the first {listed} listed)")
     lines += _totals(golden, result)
+    failures = result.failures(strict)
+    lines.append(f"verdict: FAIL: {'; '.join(failures)}" if failures else "verdict: pass")
     lines.append(f"match {sum(p.match for p in result.prompts)}/{golden.num_tokens}")
     return lines
 
@@ -42,7 +52,8 @@ def _totals(golden: Golden, result: CheckResult) -> list[str]:
         lines[-1] += ", KL n/a (the golden holds no reference log-probabilities)"
     divergences = result.divergences
     lines.append(f"divergences: {len(divergences)} ({len(divergences) - result.num_real} near-tie, "
-                 f"{result.num_real} real) at tie margin {result.tie_margin:g}")
+                 f"{result.num_real} real) at tie margin {result.tie_margin:g}"
+                 + (f" ({result.tie_margin_from})" if result.tie_margin_from else ""))
     return lines
 
 

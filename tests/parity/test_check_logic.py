@@ -63,6 +63,22 @@ def test_a_token_outside_the_golden_top_k_is_real():
     assert result.exit_status(strict=False) == 1
 
 
+def test_another_model_fails_on_top1_agreement_even_when_every_divergence_is_a_near_tie():
+    ours = REF[:, [1, 0, 3, 2]]  # every argmax moves, and every gap is under the margin
+    result = check(golden_of(REF, 4), FakeBackend(ours, [1, 1, 0]), tie_margin=100.0, max_kl=1e9)
+    assert result.num_real == 0 and result.top1_agreement == 0
+    assert result.exit_status(strict=False) == 1
+    assert [r.split(" (")[-1] for r in result.failures(strict=False)] == ["--min-top1)"]
+
+
+def test_kl_over_the_ceiling_fails_with_every_top1_agreeing():
+    ours = REF * 4  # the same argmax everywhere, much sharper distributions
+    result = check(golden_of(REF, 4), FakeBackend(ours, [0, 0, 1]), tie_margin=0.05, max_kl=0.2)
+    assert result.top1_agreement == 1 and not result.divergences and result.kl_mean > 0.2
+    assert [r.split(" (")[-1] for r in result.failures(strict=False)] == ["--max-kl)"]
+    assert check(golden_of(REF, 4), FakeBackend(ours, [0, 0, 1]), 0.05, max_kl=10.0).exit_status(strict=False) == 0
+
+
 def test_coarse_kl_is_exact_with_the_whole_vocabulary_and_a_lower_bound_without():
     gen = torch.Generator().manual_seed(0)
     p_logits, q_logits = torch.randn(5, 50, generator=gen), torch.randn(5, 50, generator=gen)
