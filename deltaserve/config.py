@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,6 +39,11 @@ def _get(raw: dict, *names: str, default=None):
         if name in raw and raw[name] is not None:
             return raw[name]
     return default
+
+
+def _named(raw: dict, *names: str) -> str:
+    """Which of `names` _get reads (the first when none is present): the field an error names."""
+    return next((name for name in names if raw.get(name) is not None), names[0])
 
 
 QUANTIZATION_METHODS = ("fp8",)
@@ -161,7 +167,11 @@ class ModelConfig:
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json at {path}: pass a model folder that holds config.json")
-        cfg = cls.from_dict(read_json_object(path, "re-download or fix the file"))
+        raw = read_json_object(path, "re-download or fix the file")
+        if path.name != "config.json" and "model_type" not in raw:  # tokenizer.json, say, passed for the folder
+            raise ConfigError(f"{path} is not a model's config.json (it has no model_type): pass the model folder "
+                              "that holds config.json (or, with load_format dummy, a config.json)")
+        cfg = cls.from_dict(raw)
         if quantization is not None and cfg.quantization is None:
             cfg = replace(cfg, quantization=QuantConfig(method=quantization))
         return cfg
@@ -172,6 +182,8 @@ class ModelConfig:
         num_layers = _int(raw, "num_hidden_layers")
         lin = raw.get("linear_attn_config") or {}
         _require(isinstance(lin, dict), "linear_attn_config", lin, "must be an object")
+        layer_types = _layer_types(raw, lin, num_layers)
+        has_kda = KDA in layer_types
         eos = _get(raw, "eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         cfg = cls(
@@ -186,10 +198,8 @@ class ModelConfig:
             qk_nope_head_dim=_int(raw, "qk_nope_head_dim"),
             qk_rope_head_dim=_int(raw, "qk_rope_head_dim"),
             v_head_dim=_int(raw, "v_head_dim"),
-            kda_num_heads=_int(lin, "num_heads", default=_get(raw, "linear_num_heads", default=32),
-                               prefix="linear_attn_config."),
-            kda_head_dim=_int(lin, "head_dim", default=_get(raw, "linear_head_dim", default=128),
-                              prefix="linear_attn_config."),
+            kda_num_heads=_kda_size(raw, lin, "num_heads", "linear_num_heads", 32, has_kda),
+            kda_head_dim=_kda_size(raw, lin, "head_dim", "linear_head_dim", 128, has_kda),
             conv_kernel_size=_int(
                 lin, "short_conv_kernel_size", default=_get(raw, "linear_conv_kernel_dim", default=4),
                 prefix="linear_attn_config.",
@@ -199,15 +209,17 @@ class ModelConfig:
             num_shared_experts=_int(raw, "num_shared_experts", "n_shared_experts", default=1, minimum=0),
             num_expert_group=_int(raw, "num_expert_group", "n_group", default=1),
             topk_group=_int(raw, "topk_group", default=1),
-            moe_renormalize=bool(_get(raw, "moe_renormalize", "norm_topk_prob", default=True)),
+            moe_renormalize=_bool(raw, "moe_renormalize", "norm_topk_prob", default=True),
             routed_scaling_factor=_float(raw, "routed_scaling_factor", default=1.0),
-            layer_types=_layer_types(raw, lin, num_layers),
+            layer_types=layer_types,
             mlp_types=_mlp_types(raw, num_layers),
             bos_token_id=_get(raw, "bos_token_id"),
             eos_token_ids=eos_ids,
             pad_token_id=_get(raw, "pad_token_id"),
-            max_position_embeddings=_int(raw, "model_max_length", "max_position_embeddings", default=1 << 20),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            # >= 2: a prompt token and a generated one
+            max_position_embeddings=_int(raw, "model_max_length", "max_position_embeddings", default=1 << 20,
+                                         minimum=2),
+            tie_word_embeddings=_bool(raw, "tie_word_embeddings", default=False),
             quantization=_quantization(raw.get("quantization_config")),
         )
         cfg.validate()
@@ -229,8 +241,11 @@ class ModelConfig:
         _require(self.conv_kernel_size >= 2, "linear_attn_config.short_conv_kernel_size", self.conv_kernel_size,
                  "must be >= 2")
         for eid in self.eos_token_ids:
-            _require(isinstance(eid, int) and 0 <= eid < self.vocab_size, "eos_token_id", eid,
-                     f"must be a token id in [0, vocab_size={self.vocab_size})")
+            _require(is_int(eid) and 0 <= eid < self.vocab_size, "eos_token_id", eid,
+                     f"must be a token id (an integer, not a string or bool) in [0, vocab_size={self.vocab_size})")
+        for name in ("bos_token_id", "pad_token_id"):  # unused by the engine; transformers' defaults may lie outside
+            token_id = getattr(self, name)  # a small test model's vocabulary, so only the type is checked
+            _require(token_id is None or is_int(token_id), name, token_id, "must be an integer token id (or null)")
 
 
 def _check_supported(raw: dict) -> None:
@@ -249,18 +264,38 @@ def _check_supported(raw: dict) -> None:
 
 
 def _int(raw: dict, *names: str, default=None, minimum: int = 1, prefix: str = "") -> int:
-    value = _get(raw, *names, default=default)
-    _require(value is not None, prefix + names[0], value, "is required")
-    _require(isinstance(value, int) and not isinstance(value, bool) and value >= minimum, prefix + names[0], value,
-             f"must be an integer >= {minimum}")
+    value, name = _get(raw, *names, default=default), prefix + _named(raw, *names)
+    _require(value is not None, name, value, "is required")
+    _require(is_int(value) and value >= minimum, name, value, f"must be an integer >= {minimum}")
     return value
 
 
 def _float(raw: dict, name: str, default: float) -> float:
     value = raw.get(name, default)
-    _require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, name, value,
-             "must be a positive number")
+    # json.loads reads Infinity and NaN, which would make every logit NaN
+    _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
+             name, value, "must be a positive number, finite (not Infinity or NaN)")
     return float(value)
+
+
+def _bool(raw: dict, *names: str, default: bool) -> bool:
+    """A JSON true/false ("false", a string, is truthy: it would silently mean true)."""
+    value = _get(raw, *names, default=default)
+    _require(isinstance(value, bool), _named(raw, *names), value,
+             "must be true or false (a JSON boolean, not a string)")
+    return value
+
+
+_COPY_LINEAR = "copy linear_attn_config from the model's original config.json"
+
+
+def _kda_size(raw: dict, lin: dict, name: str, alias: str, default: int, has_kda: bool) -> int:
+    """A KDA size from linear_attn_config (Moonshot) or its top-level linear_* alias (transformers); required where
+    the model has KDA layers: a default (transformers' 32 heads of 128) would only be contradicted by the weights."""
+    value = _get(lin, name, default=_get(raw, alias))
+    _require(value is not None or not has_kda, f"linear_attn_config.{name}", value,
+             f"is required (transformers' name: {alias}): the size of the KDA layers; {_COPY_LINEAR}")
+    return _int({name: value}, name, default=default, prefix="linear_attn_config.")
 
 
 def _layer_types(raw: dict, lin: dict, num_layers: int) -> tuple[str, ...]:
@@ -268,8 +303,10 @@ def _layer_types(raw: dict, lin: dict, num_layers: int) -> tuple[str, ...]:
         kda, full = lin.get("kda_layers", []), lin.get("full_attn_layers", [])
         types: list[str | None] = [None] * num_layers
         for name, ids, kind in (("kda_layers", kda, KDA), ("full_attn_layers", full, MLA)):
+            _require(isinstance(ids, list), f"linear_attn_config.{name}", ids,
+                     "must be a list of 1-based layer numbers, e.g. [1, 2, 3]")
             for i in ids:
-                _require(isinstance(i, int) and 1 <= i <= num_layers, f"linear_attn_config.{name}", ids,
+                _require(is_int(i) and 1 <= i <= num_layers, f"linear_attn_config.{name}", ids,
                          f"layers are 1-based and must be in [1, num_hidden_layers={num_layers}]")
                 _require(types[i - 1] is None, f"linear_attn_config.{name}", ids, f"layer {i} is listed twice")
                 types[i - 1] = kind
@@ -278,8 +315,10 @@ def _layer_types(raw: dict, lin: dict, num_layers: int) -> tuple[str, ...]:
                  f"layers {missing} (1-based) are in neither kda_layers nor full_attn_layers")
         return tuple(types)
     named = raw.get("layer_types")
-    if named is None:
-        return tuple(MLA if i and i % 4 == 0 else KDA for i in range(num_layers))  # transformers' default
+    # transformers would place full attention every 4th layer; a checkpoint's config.json always says where it is
+    _require(named is not None, "linear_attn_config.kda_layers", None,
+             "is required with full_attn_layers (transformers' name: layer_types): which layers are KDA and which "
+             f"MLA; {_COPY_LINEAR}")
     names = {"linear_attention": KDA, "full_attention": MLA}
     _require(isinstance(named, list) and len(named) == num_layers and all(t in names for t in named), "layer_types",
              named, f"must list {num_layers} of 'linear_attention' / 'full_attention'")

@@ -104,19 +104,79 @@ def test_transformers_written_config_json_parses(tmp_path):
 
 
 @pytest.mark.parametrize("num_layers,first_dense", [(9, 1), (5, 2), (1, 0)])
-def test_defaults_follow_transformers(num_layers, first_dense):
-    """Without layer lists, layers follow transformers' defaults: full attention every 4th layer from index 4,
-    the first first_k_dense_replace layers dense."""
+def test_mlp_defaults_follow_transformers(num_layers, first_dense):
+    """Without mlp_layer_types, the first first_k_dense_replace layers are dense, as in transformers."""
     pytest.importorskip("transformers", minversion="5.23")
     from transformers import KimiLinearConfig
 
     ref = KimiLinearConfig(num_hidden_layers=num_layers, first_k_dense_replace=first_dense)
-    raw = raw_48b(num_hidden_layers=num_layers, first_k_dense_replace=first_dense)
-    del raw["linear_attn_config"]
+    raw = raw_48b(num_hidden_layers=num_layers, first_k_dense_replace=first_dense,
+                  linear_attn_config=dict(RAW_48B["linear_attn_config"], kda_layers=list(range(1, num_layers + 1)),
+                                          full_attn_layers=[]))
     cfg = ModelConfig.from_dict(raw)
-    names = {"kda": "linear_attention", "mla": "full_attention", "dense": "dense", "moe": "sparse"}
-    assert [names[t] for t in cfg.layer_types] == ref.layer_types
-    assert [names[t] for t in cfg.mlp_types] == ref.mlp_layer_types
+    assert [{"dense": "dense", "moe": "sparse"}[t] for t in cfg.mlp_types] == ref.mlp_layer_types
+
+
+@pytest.mark.parametrize("removed,field", [
+    (("linear_attn_config",), "linear_attn_config.kda_layers"),
+    (("kda_layers", "full_attn_layers"), "linear_attn_config.kda_layers"),
+    (("num_heads",), "linear_attn_config.num_heads"),
+    (("head_dim",), "linear_attn_config.head_dim"),
+])
+def test_missing_kda_fields_are_named_not_defaulted(removed, field):
+    """transformers' defaults (32 heads of 128, full attention every 4th layer) are not guessed: the error names
+    the missing field instead of a missing tensor later."""
+    raw = raw_48b()
+    for name in removed:
+        (raw if name == "linear_attn_config" else raw["linear_attn_config"]).pop(name)
+    message = rejected(raw)
+    assert f"'{field}'" in message and "is required" in message and "copy linear_attn_config" in message
+
+
+def test_kda_sizes_are_not_required_without_kda_layers():
+    lin = {"kda_layers": [], "full_attn_layers": list(range(1, 28))}
+    assert ModelConfig.from_dict(raw_48b(linear_attn_config=lin)).kda_layer_ids == []
+
+
+@pytest.mark.parametrize("field,value", [("kda_layers", 3), ("full_attn_layers", None), ("kda_layers", "1,2"),
+                                         ("kda_layers", [True, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21,
+                                                         22, 23, 25, 26])])
+def test_layer_lists_of_the_wrong_type_name_their_field(field, value):
+    message = rejected(with_linear(**{field: value}))
+    assert f"'linear_attn_config.{field}' = {value!r}" in message
+
+
+@pytest.mark.parametrize("field,value", [("moe_renormalize", "false"), ("tie_word_embeddings", "false"),
+                                         ("moe_renormalize", 0), ("tie_word_embeddings", 1)])
+def test_booleans_must_be_json_booleans(field, value):
+    message = rejected(raw_48b(**{field: value}))
+    assert f"'{field}' = {value!r}" in message and "true or false" in message
+
+
+def test_infinity_in_config_json_is_rejected(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(raw_48b(rms_norm_eps=float("inf"))))  # writes Infinity
+    with pytest.raises(ConfigError, match=r"'rms_norm_eps' = inf: must be a positive number, finite"):
+        ModelConfig.from_file(tmp_path)
+
+
+def test_norm_topk_prob_false_is_read():
+    raw = raw_48b(norm_topk_prob=False)
+    del raw["moe_renormalize"]
+    assert ModelConfig.from_dict(raw).moe_renormalize is False
+
+
+@pytest.mark.parametrize("field,value", [("eos_token_id", True), ("eos_token_id", [163586, False]),
+                                         ("bos_token_id", "163584"), ("pad_token_id", True)])
+def test_token_ids_must_be_integers_not_bools(field, value):
+    assert f"'{field}'" in rejected(raw_48b(**{field: value}))
+
+
+@pytest.mark.parametrize("field", ["model_max_length", "max_position_embeddings"])
+def test_model_length_of_one_names_the_field(field):
+    raw = raw_48b(**{field: 1})
+    raw.pop("model_max_length" if field == "max_position_embeddings" else "max_position_embeddings", None)
+    message = rejected(raw)
+    assert f"'{field}' = 1" in message and ">= 2" in message
 
 
 @pytest.mark.parametrize("field,value,expectation", [
@@ -161,7 +221,8 @@ def test_linear_attn_config_must_be_an_object():
 
 
 @pytest.mark.parametrize("field,value", [("rms_norm_eps", -1e-5), ("rms_norm_eps", "1e-5"),
-                                         ("routed_scaling_factor", 0)])
+                                         ("routed_scaling_factor", 0), ("rms_norm_eps", float("inf")),
+                                         ("routed_scaling_factor", float("inf")), ("rms_norm_eps", float("nan"))])
 def test_bad_numbers(field, value):
     message = rejected(raw_48b(**{field: value}))
     assert f"'{field}'" in message and "positive number" in message
@@ -199,7 +260,8 @@ def test_layers_in_neither_list():
 ])
 def test_bad_transformers_layer_lists(field, value):
     raw = raw_48b(**{field: value})
-    del raw["linear_attn_config"]
+    if field == "layer_types":
+        del raw["linear_attn_config"]
     message = rejected(raw)
     assert f"'{field}'" in message and "must list 27" in message
 
@@ -277,3 +339,16 @@ def test_compile_decode_is_a_bool_and_for_the_cpu():
         EngineConfig(compile_decode=True, device="cuda")
     with pytest.raises(ConfigError, match=r"compile_decode = True: runs one process's whole forward"):
         EngineConfig(compile_decode=True, tensor_parallel_size=2)
+
+
+def test_a_tokenizer_json_passed_for_the_model_folder(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"vocab": {}}}))
+    with pytest.raises(ConfigError, match=r"tokenizer.json is not a model's config.json \(it has no model_type\): "
+                                          r"pass the model folder"):
+        ModelConfig.from_file(tmp_path / "tokenizer.json")
+
+
+def test_a_config_file_of_another_name_parses(tmp_path):
+    """bench --config FILE --load-format dummy takes any file name."""
+    (tmp_path / "48b.json").write_text(json.dumps(RAW_48B))
+    assert ModelConfig.from_file(tmp_path / "48b.json") == ModelConfig.from_dict(RAW_48B)

@@ -118,6 +118,8 @@ class Engine:
         if Path(model).is_file() and engine_config.load_format != "dummy":
             raise ValueError(f"{model} is a file: pass a model folder, or a config.json with load_format 'dummy'")
         self.tokenizer = load_tokenizer(model) if Path(model).is_dir() else None
+        if self.tokenizer is not None:
+            self.tokenizer.check_model_vocab(self.model_config.vocab_size, model)
         self.max_model_len = self._max_model_len()
         weights = self._load(model, progress)
         budget = ModelRunner.cache_budget(engine_config, weights)

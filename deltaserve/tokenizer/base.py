@@ -70,6 +70,16 @@ class Tokenizer(ABC):
     def backend_special_ids(self) -> frozenset[int]:
         """Ids the vocabulary file itself marks special."""
 
+    def check_model_vocab(self, model_vocab_size: int, model_dir: str) -> None:
+        """Every id this tokenizer can produce must be a row of the model's embedding; the model's vocabulary may
+        be larger (Kimi pads it), never smaller."""
+        if self.vocab_size > model_vocab_size:
+            raise TokenizerError(
+                f"the tokenizer files in {model_dir} do not belong to this model (ids up to {self.vocab_size - 1}, "
+                f"model vocabulary {model_vocab_size}, config.json's vocab_size); put the model's own tokenizer "
+                f"files there, or remove them to run on token ids"
+            )
+
     @property
     def model_max_length(self) -> int | None:
         return self.config.model_max_length

@@ -64,7 +64,11 @@ def _token_string(raw: dict, name: str, path: Path) -> str | None:
 
 def _chat_template(raw: dict, config_path: Path, template_path: Path) -> tuple[str | None, str]:
     if template_path.is_file():
-        return read_text(template_path), str(template_path)
+        template = read_text(template_path)
+        if not template.strip():  # it wins over the config's template: an empty one would leave the model none
+            raise TokenizerError(f"{template_path} is empty; write the chat template into it, or delete it to use "
+                                 f"{config_path.name}'s chat_template")
+        return template, str(template_path)
     value = raw.get("chat_template")
     if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]: the "default" one; the list (an error) if none
         value = next((e.get("template") for e in value if isinstance(e, dict) and e.get("name") == "default"), value)
@@ -82,9 +86,10 @@ def _model_max_length(value, path: Path) -> int | None:
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if is_number and value >= _NO_LIMIT:
         return None
-    if not is_number or value < 1 or not float(value).is_integer():
+    if not is_number or value < 2 or not float(value).is_integer():
         raise TokenizerError(
-            f"{path}: model_max_length = {value!r}, expected a positive integer; fix the entry or remove it"
+            f"{path}: model_max_length = {value!r}, expected a positive integer (>= 2: a prompt token and a "
+            f"generated one); fix the entry or remove it"
         )
     return int(value)
 

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
 from helpers.checkpoints import SMALL_RAW_CONFIG, read_tensors, rewrite_tensors, shard, write_small_checkpoint
 
-from deltaserve.config import ModelConfig
+from deltaserve.config import ConfigError, ModelConfig
 from deltaserve.loader.checkpoint import CheckpointError
-from deltaserve.loader.model_loader import load_model
+from deltaserve.loader.model_loader import build_model, load_model
 
 KV_B = "model.layers.1.self_attn.kv_b_proj.weight"  # [H * (nope + v), kv_lora_rank] = [32, 16]
 O_PROJ = "model.layers.0.self_attn.o_proj.weight"  # [hidden, H * K] = [32, 16]
@@ -161,3 +162,111 @@ def test_config_that_swaps_kda_and_mla_layers(folder):
     rewrite_config(folder, linear_attn_config=lin)
     message = error_of(folder)
     assert re.search(r"missing tensor model\.layers\.[01]\.self_attn\.", message)
+
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.weight"  # a piece of the KDA in_proj
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int64, torch.bool, torch.float8_e5m2])
+def test_weight_of_a_non_float_dtype_names_it(folder, dtype):
+    tensors = read_tensors(folder)
+    tensors[Q_PROJ] = tensors[Q_PROJ].to(dtype)
+    rewrite_tensors(folder, tensors)
+    message = error_of(folder)
+    assert Q_PROJ in message and "model.safetensors" in message and "weights must be F16, BF16, F32 or F64" in message
+    assert "re-download" in message and "re-convert" in message
+
+
+def test_header_dtype_edited_to_an_integer_type(folder):
+    """F32 -> I32 in the header alone: same bytes, same shape, but copy_ would cast integers into the weights."""
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    header[Q_PROJ]["dtype"] = "I32"
+    edited = json.dumps(header, separators=(",", ":")).encode().ljust(size)  # padded with spaces, as allowed
+    path.write_bytes(data[:8] + edited + data[8 + size:])
+    message = error_of(folder)
+    assert Q_PROJ in message and "I32" in message
+
+
+def test_float64_weights_load(folder):
+    tensors = read_tensors(folder)
+    tensors[Q_PROJ] = tensors[Q_PROJ].double()
+    rewrite_tensors(folder, tensors)
+    load(folder)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("name", [Q_PROJ, KV_B, "model.layers.1.self_attn.kv_a_layernorm.weight"])
+def test_weight_holding_nan_or_inf_names_it(folder, bad, name):
+    tensors = read_tensors(folder)
+    tensors[name].view(-1)[3] = bad
+    rewrite_tensors(folder, tensors)
+    file = shard(folder, 2)[name]
+    message = error_of(folder)
+    assert name in message and file in message and "NaN or Inf" in message
+
+
+def test_finite_weights_beyond_the_run_dtype_are_named(folder):
+    tensors = read_tensors(folder)
+    tensors[Q_PROJ].view(-1)[0] = 1e30  # finite in float32, inf in float16
+    rewrite_tensors(folder, tensors)
+    with pytest.raises(CheckpointError, match=rf"{Q_PROJ} .* beyond the range of torch.float16"):
+        load_model(folder, ModelConfig.from_file(folder), torch.float16, "cpu")
+    load(folder)  # float32 holds it
+
+
+def test_config_far_too_large_is_a_shape_error_not_an_allocation_failure(folder):
+    """The weights are checked against config.json before the model takes memory."""
+    rewrite_config(folder, hidden_size=10**12)
+    message = error_of(folder)
+    assert "model.safetensors has shape" in message and "config.json does not match the weights" in message
+
+
+def test_model_too_large_to_allocate_says_how_large():
+    raw = dict(SMALL_RAW_CONFIG, hidden_size=10**12)
+    with pytest.raises(ConfigError, match=r"the model's weights need [\d,.]+ GB .* cannot allocate them"):
+        build_model(ModelConfig.from_dict(raw), torch.float32, "cpu")
+
+
+def test_dangling_symlink_is_named_as_one(folder):
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to(folder / "gone.safetensors")
+    message = error_of(folder)
+    assert "broken symlink" in message and "gone.safetensors" in message and "index" not in message
+
+
+def test_directory_named_like_the_weights(folder):
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").mkdir()
+    message = error_of(folder)
+    assert "not a regular file" in message and "index" not in message
+
+
+def test_two_copies_of_the_weights_without_an_index(folder):
+    shutil.copy(folder / "model.safetensors", folder / "model-copy.safetensors")
+    message = error_of(folder)
+    assert "is in both model-copy.safetensors and model.safetensors" in message
+    assert "remove the stray file" in message and "the index says" not in message
+
+
+@pytest.mark.parametrize("target", ["../outside.safetensors", "/tmp/outside.safetensors", "a/../../x.safetensors"])
+def test_index_naming_a_file_outside_the_folder(folder, target):
+    shard(folder, 2)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"][KV_B] = target
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    message = error_of(folder)
+    assert "outside the model folder" in message and repr(target) in message
+
+
+def test_index_may_name_files_that_link_out_of_the_folder(folder, tmp_path):
+    """The Hugging Face cache: a snapshot's shards are links to blobs elsewhere."""
+    weight_map = shard(folder, 2)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for file in set(weight_map.values()):
+        (folder / file).rename(blobs / file)
+        (folder / file).symlink_to(blobs / file)
+    load(folder)

@@ -110,6 +110,19 @@ def test_malformed_fp8_checkpoints_are_refused_naming_the_tensor(tmp_path):
         params(fp8)
 
 
+@pytest.mark.parametrize("suffix", ["", "_scale_inv"])
+def test_nan_in_fp8_values_or_scales_is_refused_naming_the_tensor(tmp_path, suffix):
+    fp8 = write_fp8_checkpoint(write_small_checkpoint(tmp_path / "bf16"), tmp_path / "fp8",
+                               QuantConfig(block_size=BLOCK))
+    tensors = read_tensors(fp8)
+    name = "model.layers.1.block_sparse_moe.experts.0.w1.weight" + suffix
+    bad = tensors[name].view(torch.uint8) if suffix == "" else tensors[name]
+    bad.view(-1)[0] = 0x7F if suffix == "" else float("nan")  # 0x7F: a NaN of float8_e4m3fn
+    rewrite_tensors(fp8, tensors)
+    with pytest.raises(CheckpointError, match=rf"tensor {name} in .*model.safetensors holds NaN or Inf"):
+        params(fp8)
+
+
 def test_dummy_fp8_weights_have_the_dense_models_spread(tmp_path):
     from deltaserve.loader.model_loader import build_model, init_dummy_weights
 

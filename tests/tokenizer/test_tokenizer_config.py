@@ -44,12 +44,23 @@ def test_chat_template_file_wins(tmp_path):
     assert config.chat_template_origin == str(tmp_path / "chat_template.jinja")
 
 
+@pytest.mark.parametrize("content", ["", " \n"])
+def test_empty_chat_template_file_is_named(tmp_path, content):
+    """chat_template.jinja wins over the config's template: an empty one would silently leave the model none."""
+    _write(tmp_path, {"chat_template": "from config"})
+    (tmp_path / "chat_template.jinja").write_text(content)
+    with pytest.raises(TokenizerError, match=r"chat_template.jinja is empty; write the chat template into it, or "
+                                             r"delete it to use tokenizer_config.json's chat_template"):
+        load_tokenizer_config(tmp_path)
+
+
 @pytest.mark.parametrize(
     "config, message",
     [
         ({"bos_token": 5}, r"bos_token = 5, expected a string or \{\"content\": string\}"),
         ({"eos_token": {"content": None}}, r"eos_token = \{'content': None\}, expected a string"),
         ({"model_max_length": -1}, r"model_max_length = -1, expected a positive integer"),
+        ({"model_max_length": 1}, r"model_max_length = 1, expected a positive integer \(>= 2"),
         ({"model_max_length": 1.5}, r"model_max_length = 1.5, expected a positive integer"),
         ({"model_max_length": "4096"}, r"model_max_length = '4096', expected a positive integer"),
         ({"model_max_length": True}, r"model_max_length = True, expected a positive integer"),
