@@ -1,17 +1,21 @@
 """Tensor and expert parallel over torch.distributed: who this process is, and the few collectives the model uses;
-and check_device, the device option checked against the machine (the ranks' GPUs among it).
+and check_device, the device option checked against the machine (the ranks' GPUs among it), and check_launcher.
 
 The rank and world size travel as an explicit ParallelConfig (passed to the layers, the loader and the engine);
 nothing here is a hidden global except torch.distributed's own default process group, set up once per process."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from deltaserve.config import ConfigError, ModelConfig
+
+GLOO_TIMEOUT = timedelta(days=365)  # init_process_group says why
 
 
 def check_device(device: str, count: int = 1) -> None:
@@ -84,9 +88,24 @@ def broadcast_object(obj, parallel: ParallelConfig):
     return box[0]
 
 
-def init_process_group(parallel: ParallelConfig, init_method: str, device: str) -> None:
-    """gloo on the CPU, NCCL on GPUs (each rank on cuda:rank)."""
+def init_process_group(parallel: ParallelConfig, rendezvous: str | dist.Store, device: str) -> None:
+    """gloo on the CPU, NCCL on GPUs (each rank on cuda:rank); rendezvous: torchrun's "env://" or the store rank 0
+    made (core/tensor_parallel.py). gloo's timeout bounds every collective, and a worker waits in one for rank 0's
+    next step as long as rank 0 is idle (a server between requests): the default 30 minutes ended idle workers,
+    so it is a year (a rank's death still fails its peers' collectives at once: its connections close)."""
     backend = "gloo" if device == "cpu" else "nccl"
     if backend == "nccl":
         torch.cuda.set_device(parallel.rank)
-    dist.init_process_group(backend, init_method=init_method, rank=parallel.rank, world_size=parallel.world_size)
+    where = {"store": rendezvous} if isinstance(rendezvous, dist.Store) else {"init_method": rendezvous}
+    timeout = {"timeout": GLOO_TIMEOUT} if backend == "gloo" else {}
+    dist.init_process_group(backend, rank=parallel.rank, world_size=parallel.world_size, **where, **timeout)
+
+
+def check_launcher(tensor_parallel_size: int) -> None:
+    """ValueError when a launcher (torchrun) started several processes but tensor parallel is off: each would run
+    the whole job, printing its output once a process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and tensor_parallel_size == 1:
+        raise ValueError(f"WORLD_SIZE = {world} (torchrun started {world} processes) but tensor_parallel_size = 1, "
+                         f"so each would run the whole job; pass --tensor-parallel-size {world}, or run without "
+                         "torchrun")

@@ -34,7 +34,7 @@ from deltaserve.cache.sizing import describe_plan, plan_cache
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.core.outputs import CompletionOutput, Logprob, RequestOutput, StepTotals
 from deltaserve.core.scheduler import Scheduler
-from deltaserve.distributed import SINGLE, ParallelConfig, broadcast_object, check_device
+from deltaserve.distributed import SINGLE, ParallelConfig, broadcast_object, check_device, check_launcher
 from deltaserve.kernels import compile_watch
 from deltaserve.kernels.compile_watch import CompileWatch
 from deltaserve.kernels.tuning_cache import TuningWatch
@@ -111,6 +111,7 @@ class Engine:
         loop): each step's SchedulerOutput is broadcast to them, and the cache plan once."""
         self.config, self.parallel = engine_config, parallel
         check_device(engine_config.device)
+        check_launcher(engine_config.tensor_parallel_size)
         if engine_config.tensor_parallel_size != parallel.world_size:
             raise ValueError(f"tensor_parallel_size = {engine_config.tensor_parallel_size} but this engine runs on "
                              f"{parallel.world_size} process(es); start tensor parallel through LLM(...) or the CLI")

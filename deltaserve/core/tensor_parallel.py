@@ -4,14 +4,22 @@ and runs the same forward pass. After the all-reduces every rank holds the same 
 tokens (same seeds), so only rank 0's outputs are used.
 
 Two ways in: `start_group` spawns ranks 1..N-1 from the calling process (rank 0), or under torchrun every process
-calls it and the ranks other than 0 run the worker loop and exit there."""
+calls it and the ranks other than 0 run the worker loop and exit there.
+
+Spawned workers leave their ending to rank 0: they ignore Ctrl-C (the terminal sends it to every process of the
+group), rank 0 watches them while the group forms and ends them when it stops, and a worker whose rank 0 went away
+exits without a word (rank 0 reports its own end)."""
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
-import socket
+import signal
 import sys
+import threading
+import time
+from multiprocessing.connection import wait
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -22,6 +30,14 @@ from deltaserve.distributed import ParallelConfig, broadcast_object, check_devic
 from deltaserve.loader.model_loader import DTYPES
 from deltaserve.runner.model_runner import ModelRunner
 
+STARTUP_TIMEOUT_S = 600.0  # a worker's spawn and imports on a loaded machine; it loads the model after it joins
+EXIT_WAIT_S = 2.0  # a dead rank's closed connection can reach rank 0 before its process can be reaped
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo's words when another rank's process ended
+
+
+class RankError(RuntimeError):
+    """A rank of the group exited, or never joined it: the CLI says it in one line (exit 1)."""
+
 
 def start_engine(model: str, config: EngineConfig, progress=None) -> tuple[Engine, list | None]:
     """The engine (rank 0 of config.tensor_parallel_size ranks) and the worker processes it started (None on one
@@ -31,16 +47,31 @@ def start_engine(model: str, config: EngineConfig, progress=None) -> tuple[Engin
     parallel, rank_config, workers = start_group(model, config)
     try:
         return Engine(model, rank_config, progress, parallel), workers
-    except BaseException:
-        stop_group(workers, timeout_s=0)  # they wait for rank 0's plan forever: end them
+    except BaseException as error:  # the workers wait for rank 0's plan forever: end them
+        abort_group(workers, error, "during start-up")
         raise
 
 
 def stop_engine(engine: Engine, workers: list | None) -> None:
-    """Tell the other ranks to stop, leave the group and reap the workers (a no-op on one process)."""
-    if workers is not None:
+    """Tell the other ranks to stop, leave the group and reap the workers (a no-op on one process).
+
+    Called while an exception propagates (LLM.shutdown in a `finally`, Ctrl-C among them), rank 0 may have left
+    a step half-done, and a broadcast to a worker inside another collective would wait forever: the group is
+    ended at once instead (RankError if a worker's death caused the exception)."""
+    if workers is None:
+        return
+    error = sys.exc_info()[1]
+    if error is None:
         engine.shutdown()
         stop_group(workers)
+        return
+    try:
+        abort_group(workers, error, "while running")
+    finally:
+        try:
+            engine.shutdown()  # rank 0's own part (the group is gone: its broadcast fails at once)
+        except (RuntimeError, ValueError):
+            pass
 
 
 def start_group(model: str, config: EngineConfig) -> tuple[ParallelConfig, EngineConfig, list]:
@@ -53,14 +84,15 @@ def start_group(model: str, config: EngineConfig) -> tuple[ParallelConfig, Engin
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         return _join_torchrun(model, config), _rank_config(config, 0), []
-    init_method = f"tcp://127.0.0.1:{_free_port()}"
-    ctx = mp.get_context("spawn")
-    workers = [ctx.Process(target=_spawned_worker, args=(rank, model, config, init_method), daemon=True)
-               for rank in range(1, world)]
-    for worker in workers:
-        worker.start()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # port 0: the system picks one
+    workers = _spawn_workers(model, config, store.port)
     parallel = ParallelConfig(0, world, config.enable_expert_parallel)
-    init_process_group(parallel, init_method, config.device)
+    try:
+        _wait_for_workers(store, workers)
+        init_process_group(parallel, store, config.device)
+    except BaseException as error:
+        abort_group(workers, error, "during start-up")
+        raise
     return parallel, _rank_config(config, 0), workers
 
 
@@ -74,6 +106,18 @@ def stop_group(workers: list, timeout_s: float = 30.0) -> None:
             worker.terminate()
 
 
+def abort_group(workers: list, error: BaseException, when: str) -> None:
+    """End the workers at once and leave the group, after `error` on rank 0; raises RankError from it when a worker
+    had exited by itself (then rank 0's collectives fail with gloo's "Connection closed by peer")."""
+    exited = _exited_worker(workers, EXIT_WAIT_S if isinstance(error, RuntimeError) else 0.0)
+    for worker in workers:
+        worker.terminate()
+    stop_group(workers, timeout_s=EXIT_WAIT_S)
+    if exited is not None and not isinstance(error, RankError):
+        rank, code = exited
+        raise RankError(f"rank {rank} exited with code {_exit_code(code)} {when}") from error
+
+
 def worker_loop(model: str, config: EngineConfig, parallel: ParallelConfig) -> None:
     """A rank other than 0: load this rank's shard, then run every step rank 0 broadcasts until it sends None."""
     cfg = ModelConfig.from_file(model, config.quantization)
@@ -84,14 +128,63 @@ def worker_loop(model: str, config: EngineConfig, parallel: ParallelConfig) -> N
         runner.execute(sched)
 
 
-def _spawned_worker(rank: int, model: str, config: EngineConfig, init_method: str) -> None:
+def _spawn_workers(model: str, config: EngineConfig, port: int) -> list:
+    """Ranks 1..N-1, started with Ctrl-C ignored (from their first instruction on: Python keeps an inherited
+    SIG_IGN), since rank 0 ends them."""
+    ctx = mp.get_context("spawn")
+    workers = [ctx.Process(target=_spawned_worker, args=(rank, model, config, port), daemon=True)
+               for rank in range(1, config.tensor_parallel_size)]
+    in_main_thread = threading.current_thread() is threading.main_thread()  # only it may set a signal's handler
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+    try:
+        for worker in workers:
+            worker.start()
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous)
+    return workers
+
+
+def _wait_for_workers(store: dist.TCPStore, workers: list) -> None:
+    """Until every worker has reached rank 0's store (the group then forms at once), watching them: gloo's own
+    rendezvous would wait its whole timeout for a rank that died."""
+    keys = [_joined_key(rank) for rank in range(1, len(workers) + 1)]
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not store.check(keys):
+        exited = _exited_worker(workers, 0.0)
+        if exited is not None:
+            raise RankError(f"rank {exited[0]} exited with code {_exit_code(exited[1])} during start-up")
+        if time.monotonic() > deadline:
+            missing = [rank for rank, key in enumerate(keys, 1) if not store.check([key])]
+            raise RankError(f"rank(s) {', '.join(map(str, missing))} did not join the group within "
+                            f"{STARTUP_TIMEOUT_S:.0f} s of start-up")
+        wait([worker.sentinel for worker in workers], timeout=0.05)
+
+
+def _spawned_worker(rank: int, model: str, config: EngineConfig, port: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # again: a rank 0 outside the main thread could not set it for us
     parallel = ParallelConfig(rank, config.tensor_parallel_size, config.enable_expert_parallel)
     config = _rank_config(config, rank)
-    init_process_group(parallel, init_method, config.device)
     try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+        store.set(_joined_key(rank), "")
+        init_process_group(parallel, store, config.device)
         worker_loop(model, config, parallel)
+    except Exception as error:
+        _exit_worker(rank, error)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _exit_worker(rank: int, error: Exception) -> None:
+    """A worker's end on an error: quiet when rank 0 went away (it says why itself), else the error in one line
+    before rank 0 reports this rank's exit."""
+    if not any(words in str(error) for words in PEER_GONE):
+        message = " ".join(str(error).split()) or "(no message)"
+        print(f"error: rank {rank}: {type(error).__name__}: {message}", file=sys.stderr, flush=True)
+    sys.exit(1)
 
 
 def _join_torchrun(model: str, config: EngineConfig) -> ParallelConfig:
@@ -102,10 +195,38 @@ def _join_torchrun(model: str, config: EngineConfig) -> ParallelConfig:
     parallel = ParallelConfig(rank, world, config.enable_expert_parallel)
     init_process_group(parallel, "env://", config.device)
     if rank != 0:  # only rank 0 talks to clients: the others serve its steps, then end the process
-        worker_loop(model, _rank_config(config, rank), parallel)
-        dist.destroy_process_group()
+        try:
+            worker_loop(model, _rank_config(config, rank), parallel)
+        except Exception as error:
+            _exit_worker(rank, error)
+        finally:
+            dist.destroy_process_group()
         sys.exit(0)
     return parallel
+
+
+def _exited_worker(workers: list, wait_s: float) -> tuple[int, int] | None:
+    """(rank, exit code) of the first worker that has exited, waiting up to wait_s for one."""
+    ended = wait([worker.sentinel for worker in workers], timeout=wait_s) if workers else []
+    for rank, worker in enumerate(workers, 1):
+        if worker.sentinel in ended:
+            worker.join()  # its sentinel closes a moment before the process can be reaped (and its code read)
+            return rank, worker.exitcode
+    return None
+
+
+def _exit_code(code: int) -> str:
+    """-9 as '-9 (SIGKILL)': multiprocessing gives a signal's death as its negative number."""
+    if code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return str(code)
+
+
+def _joined_key(rank: int) -> str:
+    return f"deltaserve/joined/{rank}"
 
 
 def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
@@ -116,10 +237,3 @@ def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     if config.threads is None:
         return dataclasses.replace(config, threads=max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
     return config
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-

@@ -1,5 +1,6 @@
 """The `deltaserve` command (DESIGN.md section 5). Errors: one line on stderr, exit code 2 for a bad input (a
-ValueError or OSError), 1 for anything else; DELTASERVE_DEBUG=1 prints the traceback instead.
+ValueError or OSError), 1 for anything else (a tensor-parallel rank's death among them), 130 for Ctrl-C;
+DELTASERVE_DEBUG=1 prints the traceback instead.
 
 Arguments are parsed before torch or the engine is imported, so --help and a mistyped option answer at once."""
 
@@ -278,6 +279,13 @@ COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "make-tiny": cmd_make_
 DEBUG_ENV = "DELTASERVE_DEBUG"
 
 
+def _rank_error(e: Exception) -> bool:
+    """e is core/tensor_parallel.py's RankError; looked up among the loaded modules (only a run that started ranks
+    has it), so that an error's report never imports torch."""
+    module = sys.modules.get("deltaserve.core.tensor_parallel")
+    return module is not None and isinstance(e, module.RankError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
@@ -292,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, (ValueError, OSError)):  # a bad input: the message says what to do
             print(f"error: {e}", file=sys.stderr)
             return 2
+        if _rank_error(e):  # a tensor-parallel rank died: which one, and how, is all there is to say
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         message = " ".join(str(e).split()) or "(no message)"
         print(f"error: {type(e).__name__}: {message} (an internal error; {DEBUG_ENV}=1 shows the traceback)",
               file=sys.stderr)

@@ -1,0 +1,126 @@
+"""Tensor parallel on the CPU when a process ends early: `deltaserve generate --tensor-parallel-size 2` is run in a
+session of its own, its spawned worker is killed (or the whole group gets Ctrl-C), and the command must end at
+once with one line on stderr, never a traceback nor a wait for gloo's timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from deltaserve.entrypoints.llm import LLM
+
+WAIT_S = 60  # far above the seconds each run takes: reaching it means a hang
+
+
+def _start(model: Path, max_tokens: int) -> subprocess.Popen:
+    argv = ["deltaserve", "generate", "--model", str(model), "--prompt", "And he said", "--max-tokens",
+            str(max_tokens), "--ignore-eos", "--tensor-parallel-size", "2", "--threads", "1", "--max-model-len", "4096"]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _worker_pid(rank0: subprocess.Popen) -> int:
+    """The process rank 0 spawned for rank 1 (multiprocessing's spawn_main), once it exists."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline and rank0.poll() is None:
+        children = Path(f"/proc/{rank0.pid}/task/{rank0.pid}/children").read_text().split()
+        for pid in children:
+            try:
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return int(pid)
+            except FileNotFoundError:
+                continue
+        time.sleep(0.02)
+    raise AssertionError(f"rank 0 spawned no worker (exit code {rank0.poll()})")
+
+
+def _wait_for_line(rank0: subprocess.Popen, text: str) -> None:
+    """Reads rank 0's stderr until a line holding text (rank 0 has then built its engine)."""
+    for line in rank0.stderr:
+        if text in line:
+            return
+    raise AssertionError(f"rank 0 ended (exit code {rank0.wait()}) before printing {text!r}")
+
+
+def _finish(rank0: subprocess.Popen) -> tuple[int, str]:
+    try:
+        _, err = rank0.communicate(timeout=WAIT_S)
+    finally:
+        if rank0.poll() is None:
+            os.killpg(rank0.pid, signal.SIGKILL)
+    assert "Traceback" not in err, err
+    return rank0.returncode, err
+
+
+def _gone(pid: int) -> bool:
+    """The worker has exited (reaped by rank 0, or a zombie left to init)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_worker_killed_during_start_up_ends_rank_0_with_one_line(tiny_model):
+    rank0 = _start(tiny_model, 8)
+    os.kill(_worker_pid(rank0), signal.SIGKILL)  # it is still importing torch: the group has not formed yet
+    code, err = _finish(rank0)
+    assert code == 1
+    assert err.strip().splitlines()[-1] == "error: rank 1 exited with code -9 (SIGKILL) during start-up"
+
+
+def test_a_worker_killed_while_running_is_named(tiny_model):
+    rank0 = _start(tiny_model, 3000)
+    worker = _worker_pid(rank0)
+    _wait_for_line(rank0, "start-up: cache allocation")
+    os.kill(worker, signal.SIGKILL)
+    code, err = _finish(rank0)
+    assert code == 1
+    assert err.strip().splitlines()[-1] == "error: rank 1 exited with code -9 (SIGKILL) while running"
+
+
+@pytest.mark.parametrize("when", ["start-up", "running"])
+def test_ctrl_c_to_the_group_exits_130_quietly_and_ends_the_worker(tiny_model, when):
+    rank0 = _start(tiny_model, 3000)
+    worker = _worker_pid(rank0)
+    if when == "running":
+        _wait_for_line(rank0, "start-up: cache allocation")
+    os.killpg(rank0.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: every process of the group gets it
+    code, err = _finish(rank0)
+    assert code == 130
+    assert "error" not in err and "KeyboardInterrupt" not in err, err
+    assert _gone(worker)
+
+
+def test_sigterm_to_rank_0_ends_the_worker_quietly(tiny_model):
+    rank0 = _start(tiny_model, 3000)
+    worker = _worker_pid(rank0)
+    _wait_for_line(rank0, "start-up: cache allocation")
+    rank0.send_signal(signal.SIGTERM)
+    code, err = _finish(rank0)
+    assert code == -signal.SIGTERM
+    deadline = time.monotonic() + WAIT_S
+    while not _gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(worker)
+    assert "error" not in err, err  # the worker's stderr is rank 0's: its gloo error would be here
+
+
+def test_several_launched_processes_without_tensor_parallel_are_refused(tiny_model, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun --nproc-per-node 2 sets it: each would run the whole job
+    with pytest.raises(ValueError, match="pass --tensor-parallel-size 2"):
+        LLM(tiny_model, threads=1)
+
+
+def test_a_worker_says_its_own_error_in_one_line_and_nothing_when_rank_0_went_away(capsys):
+    from deltaserve.core.tensor_parallel import _exit_worker
+
+    for error, said in [(RuntimeError("shard\nmissing"), "error: rank 1: RuntimeError: shard missing\n"),
+                        (RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1"), "")]:
+        with pytest.raises(SystemExit) as exited:
+            _exit_worker(1, error)
+        assert exited.value.code == 1
+        assert capsys.readouterr().err == said
