@@ -130,7 +130,8 @@ def worker_loop(model: str, config: EngineConfig, parallel: ParallelConfig) -> N
 
 def _spawn_workers(model: str, config: EngineConfig, port: int) -> list:
     """Ranks 1..N-1, started with Ctrl-C ignored (from their first instruction on: Python keeps an inherited
-    SIG_IGN), since rank 0 ends them."""
+    SIG_IGN), since rank 0 ends them. Rank 0 ignores it too while it starts them, a few milliseconds (a blocked
+    signal would wait for it instead, but a spawned process starts with no signal blocked)."""
     ctx = mp.get_context("spawn")
     workers = [ctx.Process(target=_spawned_worker, args=(rank, model, config, port), daemon=True)
                for rank in range(1, config.tensor_parallel_size)]

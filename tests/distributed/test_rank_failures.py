@@ -88,6 +88,8 @@ def test_ctrl_c_to_the_group_exits_130_quietly_and_ends_the_worker(tiny_model, w
     worker = _worker_pid(rank0)
     if when == "running":
         _wait_for_line(rank0, "start-up: cache allocation")
+    else:  # past the milliseconds in which rank 0 ignores Ctrl-C while it starts the worker (_spawn_workers)
+        time.sleep(0.3)
     os.killpg(rank0.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: every process of the group gets it
     code, err = _finish(rank0)
     assert code == 130
