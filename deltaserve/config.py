@@ -166,6 +166,8 @@ class ModelConfig:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
+            if path.suffix == ".json" and path.name != "config.json" and not path.exists():
+                raise ConfigError(f"{path} does not exist: pass the path of a config.json, or a model folder")
             raise ConfigError(f"no config.json at {path}: pass a model folder that holds config.json")
         raw = read_json_object(path, "re-download or fix the file")
         if path.name != "config.json" and "model_type" not in raw:  # tokenizer.json, say, passed for the folder

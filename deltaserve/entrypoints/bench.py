@@ -206,8 +206,9 @@ def _bench(engine: Engine, batch_sizes: list[int], prompt_len: int, output_len: 
         row["alloc_retries"] = allocator_retries(device) - retries if device != "cpu" else None
         # a single token's k experts are k distinct ones: batch 1 needs no second run (nor a long prompt's prefill)
         routing = measure_routing(engine, batch, prompt, output, seed=batch + prompt) if batch > 1 else None
-        row.update(floor_fields(cfg, row, routing, prompt + output // 2, dtype_bytes, bandwidth * world,
-                                latent_bytes))
+        # each GPU reads its own memory; CPU ranks share one memory bus, so there the bandwidth is the machine's
+        ranks_bandwidth = bandwidth * world if device != "cpu" else bandwidth
+        row.update(floor_fields(cfg, row, routing, prompt + output // 2, dtype_bytes, ranks_bandwidth, latent_bytes))
         rows.append(row)
         peak = max(peak, row["peak_memory_GiB"] or 0)
         print(f"row {json.dumps(row)}", file=sys.stderr, flush=True)  # kept if a later row runs past a time limit
@@ -275,9 +276,14 @@ def print_report(result: dict) -> None:
     pdl = ", programmatic dependent launch" if result.get("programmatic_dependent_launch") else ""
     ahead = ", asynchronous scheduling" if result.get("async_scheduling") else ""
     ahead += ", float8 latent cache" if result.get("kv_cache_dtype") == "float8_e4m3fn" else ""
-    print(f"device {result['device']}, {result['dtype']}{weights}{pdl}{ahead}, copy {result['copy_GBps']:.0f} GB/s, "
-          f"peak memory {result['peak_memory_GiB'] or 0:.1f} GiB, prompt {result['prompt_len']}, "
-          f"output {result['output_len']}")
+    ranks = result.get("tensor_parallel_size") or 1
+    ranks = f", {ranks} ranks" + (" (expert parallel)" if result.get("expert_parallel") else "") if ranks > 1 else ""
+    peak = result["peak_memory_GiB"]
+    peak = "" if peak is None else f", peak memory {peak:.1f} GiB"  # None on a CPU
+    long = f" (long prompts: {LONG_OUTPUT_LEN})" if any(r["prompt_len"] != result["prompt_len"]
+                                                        for r in result["rows"]) else ""
+    print(f"device {result['device']}{ranks}, {result['dtype']}{weights}{pdl}{ahead}, copy "
+          f"{result['copy_GBps']:.0f} GB/s{peak}, prompt {result['prompt_len']}, output {result['output_len']}{long}")
     capacity = result["capacity"]
     size = format_bytes(capacity["cache_bytes"]) if "cache_bytes" in capacity else f"{capacity['cache_GiB']:.1f} GiB"
     pages = f" ({capacity['page_tokens']} tokens of MLA pages)" if "page_tokens" in capacity else ""

@@ -17,7 +17,7 @@ from deltaserve.config import KV_CACHE_DTYPES, QUANTIZATION_METHODS, EngineConfi
 from deltaserve.entrypoints.chat import add_chat_options, cmd_chat
 from deltaserve.entrypoints.openai.command import add_serve_options, cmd_serve
 from deltaserve.entrypoints.sampling_options import add_sampling_options, sampling_defaults
-from deltaserve.parity.commands import add_parity_parser, cmd_parity
+from deltaserve.parity.commands import add_parity_parser, cmd_parity, output_file
 from deltaserve.sampling_params import SamplingParams
 
 DEFAULT_PROMPT = "Once upon a time"
@@ -92,14 +92,21 @@ def _engine_fields(args, **overrides) -> dict:
     return {**{name: getattr(args, name) for name in _ENGINE_FIELDS}, **serving, **overrides}
 
 
-def _token_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1,2,3") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("empty token id list; expected e.g. 1,2,3")
-    return ids
+def _int_list(what: str, example: str):
+    """An argparse type: comma-separated integers; its errors name `what` and show `example`."""
+    def parse(text: str) -> list[int]:
+        try:
+            ids = [int(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. {example}") from None
+        if not ids:
+            raise argparse.ArgumentTypeError(f"empty {what}; expected e.g. {example}")
+        return ids
+
+    return parse
+
+
+_token_ids = _int_list("token id list", "1,2,3")
 
 
 def _version() -> str:
@@ -148,10 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure TTFT, TPOT, throughput and the bandwidth floor")
     _engine_options(bench)
     bench.add_argument("--config", default=None, help="a config.json (with --load-format dummy) instead of --model")
-    bench.add_argument("--batch-sizes", type=_token_ids, default=[1, 16, 64], help="e.g. 1,16,64")
+    bench.set_defaults(max_num_seqs=None)  # each row runs its batch at once: max(--batch-sizes) unless given
+    bench.add_argument("--batch-sizes", type=_int_list("list of batch sizes", "1,16,64"), default=[1, 16, 64],
+                       help="e.g. 1,16,64")
     bench.add_argument("--prompt-len", type=int, default=512)
     bench.add_argument("--output-len", type=int, default=64)
-    bench.add_argument("--long-prompt-len", type=_token_ids, default=[],
+    bench.add_argument("--long-prompt-len", type=_int_list("list of lengths", "8192,262144"), default=[],
                        help="also time one prompt of each of these lengths alone (its prefill, then decode at that "
                             "context, 64 tokens), e.g. 8192 or 8192,262144")
     bench.add_argument("--json-out", default=None, help="also write the JSON result to this file")
@@ -224,14 +233,21 @@ def cmd_bench(args) -> None:
     from deltaserve.entrypoints.bench import LONG_OUTPUT_LEN, bench, print_report
     from deltaserve.entrypoints.llm import BUNDLED_MODEL, default_device
 
+    if args.config and args.model:
+        raise ValueError("--config and --model both name the model; pass one (--config with --load-format dummy)")
     if args.config and args.load_format != "dummy":
         raise ValueError("--config FILE has no weights: add --load-format dummy (or pass --model DIR)")
+    if args.json_out:
+        output_file("--json-out", args.json_out)
     model = args.config or args.model or str(BUNDLED_MODEL)
     longest = _bench_longest(args, model, LONG_OUTPUT_LEN)
+    if args.max_num_seqs is not None and args.max_num_seqs < max(args.batch_sizes):
+        raise ValueError(f"--max-num-seqs {args.max_num_seqs} is below --batch-sizes' largest "
+                         f"({max(args.batch_sizes)}), which each row runs at once; raise it or leave it out")
     device = args.device or default_device()
     engine = EngineConfig(dtype=args.dtype or ("float32" if device == "cpu" else "bfloat16"), device=device,
                           **_engine_fields(args, max_model_len=args.max_model_len or longest,
-                                           max_num_seqs=max(args.batch_sizes)))
+                                           max_num_seqs=args.max_num_seqs or max(args.batch_sizes)))
     result = bench(model, engine, args.batch_sizes, args.prompt_len, args.output_len, args.long_prompt_len)
     print_report(result)
     if args.json_out:

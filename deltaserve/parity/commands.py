@@ -77,7 +77,7 @@ def cmd_capture(args) -> int:
     from deltaserve.parity.capture import capture
     from deltaserve.parity.golden import save_golden
 
-    _output_file("--out", args.out)  # before the capture, which may take minutes
+    output_file("--out", args.out)  # before the capture, which may take minutes
     if args.prompts:
         _input_file("--prompts", args.prompts, "a file with one prompt per line")
     model_dir, cfg = _model(args.model)
@@ -101,7 +101,7 @@ def cmd_check(args) -> int:
         from deltaserve.parity.plot import require_matplotlib
 
         require_matplotlib()
-        _output_file("--plot", args.plot)
+        output_file("--plot", args.plot)
     golden, model_dir = _golden_for(args)
     tie_margin, margin_from = _tie_margin(args, golden)
     max_model_len = max(len(p.prompt_token_ids) + len(p.output_token_ids) for p in golden.prompts)
@@ -165,7 +165,7 @@ def _tie_margin(args, golden) -> tuple[float, str]:
                                          f"this run's {run}")
 
 
-def _output_file(flag: str, path: str) -> None:
+def output_file(flag: str, path: str) -> None:
     """A file the command will write: not a folder, in a folder that exists and is writable."""
     target = Path(path)
     if target.is_dir():

@@ -61,6 +61,10 @@ def test_bench_rejects_a_long_prompt_past_max_model_len(tiny_model, capsys):
     # bench sets max_model_len to its longest request: past the model's own limit, the error names bench's flags
     (["--prompt-len", "5000"], "--prompt-len 5000 + --output-len 64 = 5064 tokens exceeds the model's limit (4096"),
     (["--max-model-len", "100"], "--prompt-len 512 + --output-len 64 = 576 tokens exceeds --max-model-len 100"),
+    # checked before any row runs (before: the report printed, then the file failed)
+    (["--json-out", "/nonexistent/b.json"], "--json-out /nonexistent/b.json: the folder /nonexistent does not exist"),
+    (["--max-num-seqs", "2", "--batch-sizes", "1,4"], "--max-num-seqs 2 is below --batch-sizes' largest (4)"),
+    (["--config", "c.json", "--load-format", "dummy"], "--config and --model both name the model; pass one"),
 ])
 def test_bench_names_the_flag_a_bad_value_came_in(tiny_model, capsys, flags, error):
     """Each bad flag gets one line naming it (before: a negative batch size crashed in min() of an empty list, and
@@ -68,6 +72,19 @@ def test_bench_names_the_flag_a_bad_value_came_in(tiny_model, capsys, flags, err
     assert main(["bench", "--model", str(tiny_model), *flags]) == 2
     err = capsys.readouterr().err
     assert error in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag, words", [("--batch-sizes", "empty list of batch sizes; expected e.g. 1,16,64"),
+                                         ("--long-prompt-len", "empty list of lengths; expected e.g. 8192,262144")])
+def test_an_empty_list_is_named_for_what_it_lists(capsys, flag, words):
+    with pytest.raises(SystemExit) as info:
+        main(["bench", flag, ","])
+    assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_a_config_that_does_not_exist_is_named_as_a_file(capsys):
+    assert main(["bench", "--config", "nofile.json", "--load-format", "dummy"]) == 2
+    assert "nofile.json does not exist: pass the path of a config.json" in capsys.readouterr().err
 
 
 def test_gpu_memory_utilization_out_of_range_is_refused(tiny_model, capsys):
