@@ -2,7 +2,8 @@
 and check_device, the device option checked against the machine (the ranks' GPUs among it), and check_launcher.
 
 The rank and world size travel as an explicit ParallelConfig (passed to the layers, the loader and the engine);
-nothing here is a hidden global except torch.distributed's own default process group, set up once per process."""
+nothing here is a hidden global except torch.distributed's own default process group and the gloo group that
+broadcast_object uses beside it, set up together once per process."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from deltaserve.config import ConfigError, ModelConfig
 
 GLOO_TIMEOUT = timedelta(days=365)  # init_process_group says why
+_objects_group = None  # gloo, whatever the default group's backend: broadcast_object's (init_process_group says why)
 
 
 def check_device(device: str, count: int = 1) -> None:
@@ -84,21 +86,27 @@ def broadcast_object(obj, parallel: ParallelConfig):
     if parallel.world_size == 1:
         return obj
     box = [obj if parallel.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=_objects_group)
     return box[0]
 
 
 def init_process_group(parallel: ParallelConfig, rendezvous: str | dist.Store, device: str) -> None:
     """gloo on the CPU, NCCL on GPUs (each rank on cuda:rank); rendezvous: torchrun's "env://" or the store rank 0
-    made (core/tensor_parallel.py). gloo's timeout bounds every collective, and a worker waits in one for rank 0's
-    next step as long as rank 0 is idle (a server between requests): the default 30 minutes ended idle workers,
-    so it is a year (a rank's death still fails its peers' collectives at once: its connections close)."""
+    made (core/tensor_parallel.py).
+
+    Workers wait for rank 0's next step inside broadcast_object for as long as rank 0 is idle (a server between
+    requests), and a collective's timeout ends the wait: NCCL's watchdog aborts the process after 10 minutes, gloo's
+    default after 30. So the steps travel over a gloo group of their own, on GPUs too (the objects are pickled on
+    the host either way), whose timeout is a year: a rank's death still fails its peers' gloo collectives at once,
+    as its connections close."""
+    global _objects_group
     backend = "gloo" if device == "cpu" else "nccl"
     if backend == "nccl":
         torch.cuda.set_device(parallel.rank)
     where = {"store": rendezvous} if isinstance(rendezvous, dist.Store) else {"init_method": rendezvous}
     timeout = {"timeout": GLOO_TIMEOUT} if backend == "gloo" else {}
     dist.init_process_group(backend, rank=parallel.rank, world_size=parallel.world_size, **where, **timeout)
+    _objects_group = dist.new_group(backend="gloo", timeout=GLOO_TIMEOUT)
 
 
 def check_launcher(tensor_parallel_size: int) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from deltaserve.distributed import ParallelConfig
 from deltaserve.entrypoints.llm import LLM
 
 WAIT_S = 60  # far above the seconds each run takes: reaching it means a hang
@@ -126,3 +127,20 @@ def test_a_worker_says_its_own_error_in_one_line_and_nothing_when_rank_0_went_aw
             _exit_worker(1, error)
         assert exited.value.code == 1
         assert capsys.readouterr().err == said
+
+
+def test_steps_travel_over_a_gloo_group_of_their_own_with_a_long_timeout():
+    """An idle server's workers wait in broadcast_object for the next step: on GPUs NCCL's watchdog would end that
+    wait after 10 minutes, so the objects go over gloo whatever the default group's backend."""
+    import torch.distributed as dist
+
+    from deltaserve import distributed
+
+    distributed.init_process_group(ParallelConfig(0, 1), dist.HashStore(), "cpu")
+    try:
+        group = distributed._objects_group
+        assert group is not None and group is not dist.group.WORLD
+        assert dist.get_backend(group) == "gloo"
+        assert distributed.broadcast_object({"step": 1}, ParallelConfig(0, 2)) == {"step": 1}  # rank 0's own
+    finally:
+        dist.destroy_process_group()
