@@ -7,7 +7,6 @@ broadcast_object uses beside it, set up together once per process."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -108,12 +107,3 @@ def init_process_group(parallel: ParallelConfig, rendezvous: str | dist.Store, d
     dist.init_process_group(backend, rank=parallel.rank, world_size=parallel.world_size, **where, **timeout)
     _objects_group = dist.new_group(backend="gloo", timeout=GLOO_TIMEOUT)
 
-
-def check_launcher(tensor_parallel_size: int) -> None:
-    """ValueError when a launcher (torchrun) started several processes but tensor parallel is off: each would run
-    the whole job, printing its output once a process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and tensor_parallel_size == 1:
-        raise ValueError(f"WORLD_SIZE = {world} (torchrun started {world} processes) but tensor_parallel_size = 1, "
-                         f"so each would run the whole job; pass --tensor-parallel-size {world}, or run without "
-                         "torchrun")

@@ -34,7 +34,7 @@ from deltaserve.cache.sizing import describe_plan, plan_cache
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.core.outputs import CompletionOutput, Logprob, RequestOutput, StepTotals
 from deltaserve.core.scheduler import Scheduler
-from deltaserve.distributed import SINGLE, ParallelConfig, broadcast_object, check_device, check_launcher
+from deltaserve.distributed import SINGLE, ParallelConfig, broadcast_object, check_device
 from deltaserve.kernels import compile_watch
 from deltaserve.kernels.compile_watch import CompileWatch
 from deltaserve.kernels.tuning_cache import TuningWatch
@@ -110,8 +110,8 @@ class Engine:
         """parallel: rank 0 of a tensor-parallel group (whose other ranks run core/tensor_parallel.py's worker
         loop): each step's SchedulerOutput is broadcast to them, and the cache plan once."""
         self.config, self.parallel = engine_config, parallel
+        self.mid_step = False  # a step's broadcast sent and its submit not returned (_submit)
         check_device(engine_config.device)
-        check_launcher(engine_config.tensor_parallel_size)
         if engine_config.tensor_parallel_size != parallel.world_size:
             raise ValueError(f"tensor_parallel_size = {engine_config.tensor_parallel_size} but this engine runs on "
                              f"{parallel.world_size} process(es); start tensor parallel through LLM(...) or the CLI")
@@ -339,10 +339,15 @@ class Engine:
             self._inflight = submitted
 
     def _submit(self, sched: SchedulerOutput) -> _Submitted:
+        # mid_step stays True if an exception (Ctrl-C) ends the step here: the other ranks may then wait inside one
+        # of its collectives, and tensor_parallel.stop_engine ends them instead of sending a stop they cannot hear
+        self.mid_step = True
         broadcast_object(sched, self.parallel)  # the other ranks run the same step on their shards
         tracked = {req_id: self._tracked.get(req_id) for req_id in sched.num_scheduled_tokens}
         start = time.monotonic()  # before submit: on the CPU the step runs inside it
-        return _Submitted(sched, self.runner.submit(sched), tracked, start)
+        submitted = _Submitted(sched, self.runner.submit(sched), tracked, start)
+        self.mid_step = False
+        return submitted
 
     def _apply(self, step: _Submitted) -> list[RequestOutput]:
         """Wait for a step's tokens, update the scheduler and build the outputs of the requests that progressed (those

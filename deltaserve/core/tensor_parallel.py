@@ -55,16 +55,16 @@ def start_engine(model: str, config: EngineConfig, progress=None) -> tuple[Engin
 def stop_engine(engine: Engine, workers: list | None) -> None:
     """Tell the other ranks to stop, leave the group and reap the workers (a no-op on one process).
 
-    Called while an exception propagates (LLM.shutdown in a `finally`, Ctrl-C among them), rank 0 may have left
-    a step half-done, and a broadcast to a worker inside another collective would wait forever: the group is
-    ended at once instead (RankError if a worker's death caused the exception)."""
+    When a step was cut off on rank 0 (engine.mid_step: Ctrl-C inside it) the workers may wait inside one of its
+    collectives, where a stop broadcast would never reach them, and when a worker has died there is no one to tell:
+    then the group is ended at once instead (RankError when a worker died by itself)."""
     if workers is None:
         return
-    error = sys.exc_info()[1]
-    if error is None:
+    if not engine.mid_step and _exited_worker(workers, 0.0) is None:
         engine.shutdown()
         stop_group(workers)
         return
+    error = sys.exc_info()[1]
     try:
         abort_group(workers, error, "while running")
     finally:
@@ -106,14 +106,18 @@ def stop_group(workers: list, timeout_s: float = 30.0) -> None:
             worker.terminate()
 
 
-def abort_group(workers: list, error: BaseException, when: str) -> None:
-    """End the workers at once and leave the group, after `error` on rank 0; raises RankError from it when a worker
-    had exited by itself (then rank 0's collectives fail with gloo's "Connection closed by peer")."""
-    exited = _exited_worker(workers, EXIT_WAIT_S if isinstance(error, RuntimeError) else 0.0)
+def abort_group(workers: list, error: BaseException | None, when: str) -> None:
+    """End the workers at once and leave the group, after `error` on rank 0 (None: none); raises RankError when a
+    worker had exited by itself and rank 0's error is what that does to it (its collectives fail with gloo's
+    "Connection closed by peer") or there is none. Rank 0's own errors (a bad checkpoint, which every rank reads
+    and fails on at about the same time; Ctrl-C) stay what they are."""
+    communication = error is None or isinstance(error, dist.DistError) or any(
+        words in str(error) for words in PEER_GONE)
+    exited = _exited_worker(workers, EXIT_WAIT_S if communication else 0.0)
     for worker in workers:
         worker.terminate()
     stop_group(workers, timeout_s=EXIT_WAIT_S)
-    if exited is not None and not isinstance(error, RankError):
+    if exited is not None and communication and not isinstance(error, RankError):
         rank, code = exited
         raise RankError(f"rank {rank} exited with code {_exit_code(code)} {when}") from error
 

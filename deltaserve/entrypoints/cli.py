@@ -302,11 +302,23 @@ def _rank_error(e: Exception) -> bool:
     return module is not None and isinstance(e, module.RankError)
 
 
+def _check_launcher(args) -> None:
+    """A launcher (torchrun) that started several processes of a command without tensor parallel: each would run the
+    whole job and print its output. (The Python API leaves WORLD_SIZE alone: data-parallel jobs build one LLM a
+    rank.)"""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if getattr(args, "tensor_parallel_size", None) == 1 and world.isdigit() and int(world) > 1:
+        raise ValueError(f"WORLD_SIZE = {world} (torchrun started {world} processes) but --tensor-parallel-size is "
+                         f"1, so each would run the whole job; pass --tensor-parallel-size {world}, or run without "
+                         "torchrun")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     debug = os.environ.get(DEBUG_ENV, "0") not in ("", "0")
     try:
+        _check_launcher(args)
         status = COMMANDS[args.command](args)  # a command returns None (success) or its exit code
     except KeyboardInterrupt:
         return 130

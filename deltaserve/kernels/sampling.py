@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from deltaserve.kernels.varlen import to_device
 from deltaserve.sampling_params import SamplingParams
 
-_SEED_STRIDE = 1_000_003  # a prime: (seed, step) pairs stay distinct for runs shorter than a million tokens
+_SEED_STRIDE = 1_000_003  # a prime: (seed, step) pairs map to distinct 64-bit seeds for runs under a million tokens
 _NOISE_FLOOR = torch.finfo(torch.float32).tiny  # Exponential(1) may round to 0: keep p / q finite, never nan
 
 

@@ -106,8 +106,8 @@ def all_finite(tensor: torch.Tensor) -> bool:
         return True
     if tensor.dtype == torch.float8_e4m3fn:
         return bool((tensor.view(torch.uint8) & 0x7F).amax() != 0x7F)
-    low, high = torch.aminmax(tensor)
-    return math.isfinite(low.item()) and math.isfinite(high.item())
+    low, high = torch.stack(torch.aminmax(tensor)).tolist()  # one copy to the host (a GPU's: one sync)
+    return math.isfinite(low) and math.isfinite(high)
 
 
 def _index(folder: Path) -> tuple[dict[str, str], list[str], bool]:

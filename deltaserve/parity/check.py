@@ -60,7 +60,8 @@ class CheckResult:
 
     @property
     def top1_agreement(self) -> float:
-        return sum(p.tf_agree for p in self.prompts) / sum(p.num_tokens for p in self.prompts)
+        tokens = sum(p.num_tokens for p in self.prompts)
+        return sum(p.tf_agree for p in self.prompts) / tokens if tokens else 1.0  # no token: nothing disagreed
 
     @property
     def kl_mean(self) -> float | None:

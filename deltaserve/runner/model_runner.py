@@ -74,7 +74,8 @@ class ModelRunner:
         self.logits_processor = None
         self._last_sampled: tuple[list[str], torch.Tensor] | None = None  # the last step's last tokens, on the device
         self._unlaunched: PendingOutput | None = None  # a step whose sampling waits for the step before (_launch)
-        self.generator = torch.Generator(device=self.device).manual_seed(mix64(seed))  # all 64 bits count on a CPU
+        # mixed: every bit of the seed reaches the low 32 bits, all that a CPU generator keeps
+        self.generator = torch.Generator(device=self.device).manual_seed(mix64(seed))
         self.cpu_threads = torch.get_num_threads() if self.device.type == "cpu" else None
         self.compiled_decode = None
         self._compiled_sizes: set[int] = set()  # the decode batch sizes compile_decode has run (said once each)

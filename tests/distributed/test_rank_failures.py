@@ -73,6 +73,24 @@ def test_a_worker_killed_during_start_up_ends_rank_0_with_one_line(tiny_model):
     assert err.strip().splitlines()[-1] == "error: rank 1 exited with code -9 (SIGKILL) during start-up"
 
 
+def test_a_bad_checkpoint_under_tensor_parallel_is_rank_0s_own_error(tiny_model, tmp_path):
+    """Every rank reads the checkpoint and fails on it: rank 0's error (exit 2) is told, not "rank 1 exited"."""
+    import json
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_model, bad)
+    path = next(bad.glob("*.safetensors"))
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    name = next(n for n, entry in header.items() if n != "__metadata__" and entry["dtype"] == "F32")
+    header[name]["dtype"] = "I32"  # same bytes and shape: only the dtype check refuses it
+    path.write_bytes(data[:8] + json.dumps(header, separators=(",", ":")).encode().ljust(size) + data[8 + size:])
+    code, err = _finish(_start(bad, 2))
+    assert code == 2 and err.strip().splitlines()[-1].startswith("error: ") and "I32" in err.splitlines()[-1]
+
+
 def test_a_worker_killed_while_running_is_named(tiny_model):
     rank0 = _start(tiny_model, 3000)
     worker = _worker_pid(rank0)
@@ -112,10 +130,16 @@ def test_sigterm_to_rank_0_ends_the_worker_quietly(tiny_model):
     assert "error" not in err, err  # the worker's stderr is rank 0's: its gloo error would be here
 
 
-def test_several_launched_processes_without_tensor_parallel_are_refused(tiny_model, monkeypatch):
+def test_several_launched_processes_without_tensor_parallel_are_refused(tiny_model, monkeypatch, capsys):
+    """By the command line, where each process would print the whole job's output; the Python API lets a
+    data-parallel job (WORLD_SIZE ranks, each its own LLM) be."""
+    from deltaserve.entrypoints.cli import main
+
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun --nproc-per-node 2 sets it: each would run the whole job
-    with pytest.raises(ValueError, match="pass --tensor-parallel-size 2"):
-        LLM(tiny_model, threads=1)
+    assert main(["generate", "--model", str(tiny_model), "--max-tokens", "2", "--threads", "1"]) == 2
+    assert "pass --tensor-parallel-size 2" in capsys.readouterr().err
+    with LLM(tiny_model, threads=1) as llm:
+        assert llm.generate([{"prompt_token_ids": [1, 2]}], use_tqdm=False)[0].outputs
 
 
 def test_a_worker_says_its_own_error_in_one_line_and_nothing_when_rank_0_went_away(capsys):
@@ -144,3 +168,4 @@ def test_steps_travel_over_a_gloo_group_of_their_own_with_a_long_timeout():
         assert distributed.broadcast_object({"step": 1}, ParallelConfig(0, 2)) == {"step": 1}  # rank 0's own
     finally:
         dist.destroy_process_group()
+        distributed._objects_group = None
