@@ -1,7 +1,7 @@
 """The parity commands' choices and defaults, in a module without torch: the CLI builds its parser from them."""
 
 REFERENCES = ("transformers", "deltaserve")
-DEFAULT_TOPK = 256  # reference log-probabilities kept per output token: the whole vocabulary of small test models
+DEFAULT_TOPK = 256  # reference log-probabilities kept per output token (all 128 of the tests' small models)
 # Per regime, 3x the 99th percentile of its per-position max |logit error| against the float32 reference, measured
 # on small random models (BENCHMARKS.md, "Parity"; reproduce with benchmarks/parity_tie_margin.py). fp8 (FP8
 # weights or a float8 latent cache): 3x FP8 weights' p99 on make-tiny seeds 0 and 1 (2.85, 2.59; teacher-forced path).
