@@ -1,9 +1,12 @@
 """Our check of JSON schemas: what xgrammar would ignore is refused, naming the keyword and where it is."""
 
+import json
+
 import pytest
 
+from deltaserve.sampling_params import StructuredOutputsParams
 from deltaserve.structured import GrammarError
-from deltaserve.structured.schema_check import parse_schema
+from deltaserve.structured.schema_check import checked, parse_schema
 
 
 @pytest.mark.parametrize("schema, message", [
@@ -22,11 +25,31 @@ from deltaserve.structured.schema_check import parse_schema
     ("[1, 2]", r"must be a JSON object \(a JSON schema\), got list"),
     ("{not json", r"json is not valid JSON"),
     ("[" * 100000, r"json nests deeper than JSON text can be read"),  # json.loads: a RecursionError, not a 500
+    # what xgrammar would ignore with a warning only, so that output could break the schema
+    ({"type": "string", "pattern": "^(?!a)[ab]{3}$"}, r"the lookahead at character 1 of '/pattern'"),
+    ({"type": "string", "pattern": "a^b"}, r"the anchor '\^' at character 1 of '/pattern' is inside the pattern"),
+    ({"oneOf": [{"type": "integer", "maximum": 9}, {"type": "integer", "minimum": 5}]}, r"'oneOf' at '/oneOf' is "
+     "enforced as anyOf"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["a", "b"]}, r"'/required' names 'b', not among"),
+    ({"type": "object", "required": ["b"]}, r"'/required' names 'b'"),
 ])
 def test_refused(schema, message):
     with pytest.raises(GrammarError, match=message) as err:
         parse_schema(schema, "json")
     assert err.value.param == "json"
+
+
+@pytest.mark.parametrize("pattern", ["^ab$", "(^a|^b)", "(?:^a|b$)", "[$^]x", "[]^]", r"a\^b", r"\$x", "ab$",
+                                     "^(a|b)$"])
+def test_anchors_at_an_end_and_escaped_or_in_a_class_pass(pattern):
+    parse_schema({"type": "string", "pattern": pattern}, "json")
+    checked(StructuredOutputsParams(regex=pattern))
+
+
+def test_a_regex_constraint_is_checked_as_a_pattern_is():
+    with pytest.raises(GrammarError, match="the anchor '\\$' at character 1 of 'regex'") as err:
+        checked(StructuredOutputsParams(regex="a$b"))
+    assert err.value.param == "regex"
 
 
 def test_nesting_is_bounded_where_it_enters():
@@ -71,3 +94,24 @@ def test_a_pydantic_schema_passes():
 
     schema = Order.model_json_schema()
     assert parse_schema(schema, "json") is schema
+
+
+def test_a_pydantic_discriminated_union_passes():
+    """pydantic writes a discriminated union as oneOf with a discriminator: its branches cannot overlap."""
+    from typing import Literal
+
+    pydantic = pytest.importorskip("pydantic")
+
+    class Cat(pydantic.BaseModel):
+        kind: Literal["cat"]
+        lives: int
+
+    class Dog(pydantic.BaseModel):
+        kind: Literal["dog"]
+        good: bool
+
+    class Pet(pydantic.BaseModel):
+        pet: Cat | Dog = pydantic.Field(discriminator="kind")
+
+    schema = Pet.model_json_schema()
+    assert "oneOf" in json.dumps(schema) and parse_schema(schema, "json") is schema

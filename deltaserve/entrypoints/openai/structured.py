@@ -50,15 +50,25 @@ def _response_format(fmt) -> StructuredOutputsParams:
     return StructuredOutputsParams(json=fmt.json_schema.schema_)
 
 
+# How long a handler waits for its constraint's compile. The compile itself is stopped at COMPILE_TIMEOUT_S (its
+# future then fails with CompileTimeout: a 400 to simplify the constraint); past this wait it is still queued behind
+# other constraints' compiles, which is no fault of its own (a 429 to retry; it compiles on, into the cache).
+QUEUE_WAIT_FACTOR = 2
+
+
 async def compile_constraint(async_engine: EngineClient, spec: StructuredOutputsParams, param: str) -> None:
     """Compile spec on the engine's grammar pool (cached) and wait for it here, off the engine's step; a 400 naming
-    the field when the constraint cannot be used, takes longer than COMPILE_TIMEOUT_S to compile, or xgrammar is not
-    installed."""
+    the field when the constraint cannot be used, its compile took longer than COMPILE_TIMEOUT_S, or xgrammar is not
+    installed; a 429 when it waited behind other compiles past QUEUE_WAIT_FACTOR times that."""
+    waited = QUEUE_WAIT_FACTOR * errors.COMPILE_TIMEOUT_S
     try:  # shielded: a timeout leaves the compile running, for the cache
         future = async_engine.compile(spec)  # what needs no xgrammar may be refused at once
-        await asyncio.wait_for(asyncio.shield(future), errors.COMPILE_TIMEOUT_S)
+        await asyncio.wait_for(asyncio.shield(future), waited)
     except TimeoutError:
-        raise bad_request(str(errors.CompileTimeout()), param) from None
+        future.add_done_callback(_retrieve)  # its end is the cache's; its error, if any, read so none is logged
+        raise OpenAIError(429, f"the constraint has waited {waited:g} s behind other constraints' compiles; retry "
+                               "shortly (it compiles on, and a compiled constraint is cached)", param,
+                          "compiles_busy", {"retry-after": "5"}) from None
     except errors.CompilesBusy as e:
         raise OpenAIError(429, str(e), param, "compiles_busy", {"retry-after": "1"}) from e
     except EngineStoppedError as e:
@@ -70,3 +80,8 @@ async def compile_constraint(async_engine: EngineClient, spec: StructuredOutputs
         raise bad_request(f"{where}: {str(e).removeprefix(e.param + ': ')}", where) from e
     except ValueError as e:
         raise bad_request(str(e), param) from e
+
+
+def _retrieve(future) -> None:
+    if not future.cancelled():
+        future.exception()
