@@ -50,6 +50,12 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ParamError(f"StructuredOutputsParams.json is {type(self.json).__name__}: pass a JSON schema as a "
                              "dict or as JSON text", "json")
+        if isinstance(self.json, dict):
+            try:
+                json.dumps(self.json)  # the cache key (key), and what the grammar compiler reads
+            except (TypeError, ValueError, RecursionError) as e:
+                raise ParamError(f"StructuredOutputsParams.json is not JSON: {e}; pass a schema of dicts, lists, "
+                                 "strings, numbers, booleans and None", "json") from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

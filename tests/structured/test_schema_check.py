@@ -115,3 +115,18 @@ def test_a_pydantic_discriminated_union_passes():
 
     schema = Pet.model_json_schema()
     assert "oneOf" in json.dumps(schema) and parse_schema(schema, "json") is schema
+
+
+@pytest.mark.parametrize("schema, words", [({"enum": {1, 2}}, "Object of type set is not JSON serializable"),
+                                           ({"const": float("nan")}, None)])
+def test_a_schema_that_is_not_json_is_a_param_error(schema, words):
+    """A dict holding what JSON cannot hold is refused where it enters, naming the field (was a TypeError from the
+    cache key). NaN is JSON to Python's json, so it passes here (the compiler judges it)."""
+    from deltaserve.sampling_params import ParamError
+
+    if words is None:
+        StructuredOutputsParams(json=schema)
+        return
+    with pytest.raises(ParamError, match=words) as err:
+        StructuredOutputsParams(json=schema)
+    assert err.value.field == "json"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import types
 import typing
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -117,6 +117,14 @@ class SamplingFields(_Request):
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None
+    # vLLM's old names of structured_outputs' fields: read only to be refused (ignored, the output would be free)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class CompletionRequest(SamplingFields):

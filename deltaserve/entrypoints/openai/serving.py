@@ -20,7 +20,7 @@ from deltaserve.core.async_engine import EngineClient, EngineInput, EngineStoppe
 from deltaserve.core.outputs import RequestOutput
 from deltaserve.entrypoints.chat_tools import ChatPrompt, ToolRequestError, render_chat_prompt
 from deltaserve.entrypoints.openai.errors import OpenAIError, bad_request, error_body
-from deltaserve.entrypoints.openai.protocol import SamplingFields
+from deltaserve.entrypoints.openai.protocol import GUIDED_FIELDS, SamplingFields
 from deltaserve.entrypoints.openai.request_body import read_body
 from deltaserve.sampling_params import GENERATION_CONFIG_FIELDS, ParamError, SamplingParams, StructuredOutputsParams
 from deltaserve.tokenizer import ChatTemplateError
@@ -124,6 +124,10 @@ class ServingContext:
             raise bad_request("'logit_bias' is not supported by this server; leave it out", "logit_bias")
         if body.stream_options is not None and not body.stream:
             raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        for name, kind in GUIDED_FIELDS.items():
+            if getattr(body, name) is not None:
+                raise bad_request(f"'{name}' is vLLM's old name, which this server does not read; send "
+                                  f"\"structured_outputs\": {{\"{kind}\": ...}} instead", name)
 
     def response_meta(self, request_id: str) -> dict:
         """The id, created, model and system_fingerprint fields that every response and chunk of a request carries
