@@ -52,7 +52,7 @@ class StructuredOutputsParams:
                              "dict or as JSON text", "json")
         if isinstance(self.json, dict):
             try:
-                json.dumps(self.json)  # the cache key (key), and what the grammar compiler reads
+                self.key  # the schema's JSON text: the cache key, and what the grammar compiler reads
             except (TypeError, ValueError, RecursionError) as e:
                 raise ParamError(f"StructuredOutputsParams.json is not JSON: {e}; pass a schema of dicts, lists, "
                                  "strings, numbers, booleans and None", "json") from None
