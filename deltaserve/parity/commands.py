@@ -102,9 +102,8 @@ def cmd_check(args) -> int:
 
         require_matplotlib()
         output_file("--plot", args.plot)
-    golden, model_dir = _golden_for(args)
+    golden, model_dir, max_model_len = _golden_for(args)
     tie_margin, margin_from = _tie_margin(args, golden)
-    max_model_len = max(len(p.prompt_token_ids) + len(p.output_token_ids) for p in golden.prompts)
     backend = DeltaserveBackend(model_dir, args.dtype, args.device, max_model_len, len(golden.prompts),
                                 args.quantization, args.kv_cache_dtype)
     result = check(golden, backend, tie_margin, args.min_top1, args.max_kl, margin_from)
@@ -131,7 +130,8 @@ def _check_thresholds(args) -> None:
 
 
 def _golden_for(args):
-    """The golden, checked against the model: vocabulary and length are errors, another model folder a warning."""
+    """(golden, model folder, the golden's longest sequence), the golden checked against the model: vocabulary and
+    length are errors, another model folder a warning."""
     from deltaserve.parity.golden import GoldenError, check_vocab, load_golden
 
     _input_file("--golden", args.golden, "the golden JSON that `parity capture --out` wrote")
@@ -146,7 +146,7 @@ def _golden_for(args):
     if Path(golden.model).resolve() != Path(model_dir).resolve():
         print(f"warning: golden file {args.golden} was captured from model {golden.model}; checking model "
               f"{model_dir}", file=sys.stderr)
-    return golden, model_dir
+    return golden, model_dir, longest
 
 
 def _tie_margin(args, golden) -> tuple[float, str]:
