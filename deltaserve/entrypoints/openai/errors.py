@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from deltaserve.entrypoints.openai.protocol import MAX_STOP
+from deltaserve.entrypoints.openai.protocol import MAX_STOP, STRUCTURED_CONSTRAINTS
 
 log = logging.getLogger("deltaserve")
 
@@ -25,6 +25,10 @@ UNION_HINTS = {"prompt": "must be a string, a list of strings, a list of token i
                "stop": f"must be a non-empty string or a list of at most {MAX_STOP} non-empty strings",
                "content": "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
                "tool_choice": "must be a string or an object"}
+# objects that refuse unknown keys (an ignored key would leave the output free of what it asked for): what they take
+EXTRA_HINTS = {"structured_outputs": f"; the output would not follow it. structured_outputs takes one of "
+                                     f"{', '.join(STRUCTURED_CONSTRAINTS)} and vLLM's options "
+                                     "disable_any_whitespace, disable_additional_properties and disable_fallback"}
 
 
 class OpenAIError(Exception):
@@ -98,6 +102,8 @@ def describe_validation(errors) -> tuple[str, str | None]:
         return f"'{param}' {UNION_HINTS[union_field]}", param
     if error.get("type") == "missing":
         return f"'{param}' is required", param
+    if error.get("type") == "extra_forbidden":
+        return f"'{param}' is not a field this server reads{EXTRA_HINTS.get(fields[0], '')}", param
     return f"'{param}': {error['msg']}{_got(error)}", param
 
 

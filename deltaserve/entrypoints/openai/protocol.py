@@ -85,14 +85,33 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
 
+STRUCTURED_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 class StructuredOutputsFields(_Request):
-    """vLLM's `structured_outputs` extra: exactly one of these (checked with the request)."""
+    """vLLM's `structured_outputs` extra: exactly one constraint (checked with the request) and vLLM's options.
+
+    An unknown key is refused, not ignored: vLLM's `structural_tag` or `whitespace_pattern` ignored would leave the
+    output free of what the client asked for."""
+
+    model_config = ConfigDict(extra="forbid")
 
     json_: dict | str | None = Field(None, alias="json")  # `json` would shadow pydantic's method
     regex: str | None = None
     choice: ListOf(str) | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # vLLM's options, read and met either way: JSON is always compiled without free whitespace and without
+    # properties the schema does not name (structured/backend.py), which either setting allows; there is no other
+    # backend to fall back from
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    disable_fallback: bool | None = None
+
+    def constraint(self) -> dict:
+        """The constraint's fields that were given, by their body names (StructuredOutputsParams' arguments)."""
+        fields = self.model_dump(exclude_none=True, by_alias=True)
+        return {name: fields[name] for name in STRUCTURED_CONSTRAINTS if name in fields}
 
 
 class SamplingFields(_Request):

@@ -32,9 +32,8 @@ def structured_spec(body: SamplingFields, forced: ForcedTools | None = None) -> 
     if fmt is not None:
         return _response_format(fmt), "response_format"
     if body.structured_outputs is not None:
-        fields = body.structured_outputs.model_dump(exclude_none=True, by_alias=True)
         try:
-            return StructuredOutputsParams(**fields), "structured_outputs"
+            return StructuredOutputsParams(**body.structured_outputs.constraint()), "structured_outputs"
         except ParamError as e:
             where = "structured_outputs" + (f".{e.field}" if e.field else "")
             raise bad_request("structured_outputs" + str(e).removeprefix("StructuredOutputsParams"), where) from e

@@ -40,6 +40,8 @@ CASES = [
      "'guided_json' is vLLM's old name, which this server does not read; send \"structured_outputs\": {\"json\""),
     ("vLLM's old guided_choice", COMPLETIONS, completion(guided_choice=["a"]), 400,
      "\"structured_outputs\": {\"choice\""),
+    ("structured_outputs' unknown key", CHAT, chat(structured_outputs={"choice": ["a"], "structural_tag": {}}), 400,
+     "'structured_outputs.structural_tag' is not a field this server reads; the output would not follow it"),
     ("negative max_tokens", COMPLETIONS, completion(max_tokens=-1), 400, "greater than or equal to 0"),
     ("huge max_tokens", COMPLETIONS, completion(max_tokens=10**12), 400, "maximum context length"),
     ("huge max_completion_tokens", CHAT, chat(max_completion_tokens=100_000), 400, "maximum context length"),
