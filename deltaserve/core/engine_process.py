@@ -159,6 +159,8 @@ class _Core:
         try:
             outputs = self.engine.step()
         except Exception as e:  # fail the requests it held; the next ones are served
+            if self.engine.group_error is not None:  # a rank of the group is gone: no step can run again
+                raise
             log.exception("engine step failed; aborting every request the engine holds")
             for req_id in self.sent:
                 self.engine.abort(req_id)
@@ -205,6 +207,9 @@ def _serve(core: _Core) -> None:
     except (BrokenPipeError, EOFError):
         pass  # the server is gone
     except BaseException:
+        if core.engine.group_error is not None:  # said in one line: the traceback is the step's, not the cause
+            log.error("the engine's loop ended: %s; restart the server", core.engine.group_error)
+            return
         log.exception("the engine's loop died")
         raise
     finally:
@@ -291,7 +296,9 @@ class EngineThread:
         self._thread.start()
 
     def is_alive(self) -> bool:
-        return self._thread.is_alive()
+        """The loop runs and can step: not when a rank of its tensor-parallel group has exited (the server's /health
+        then answers 503 and new requests are refused at once, before one fails a step)."""
+        return self._thread.is_alive() and self.engine.group_error is None
 
     def close(self, timeout: float = 30.0) -> None:
         """Ask the loop to stop and wait for it (a step in progress finishes first)."""

@@ -31,6 +31,7 @@ from deltaserve.loader.model_loader import DTYPES
 from deltaserve.runner.model_runner import ModelRunner
 
 STARTUP_TIMEOUT_S = 600.0  # a worker's spawn and imports on a loaded machine; it loads the model after it joins
+STUCK_STEP_S = 30.0  # after a worker's death, how long rank 0 may stay inside a step before the process is ended
 EXIT_WAIT_S = 2.0  # a dead rank's closed connection can reach rank 0 before its process can be reaped
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo's words when another rank's process ended
 
@@ -46,10 +47,36 @@ def start_engine(model: str, config: EngineConfig, progress=None) -> tuple[Engin
         return Engine(model, config, progress), None
     parallel, rank_config, workers = start_group(model, config)
     try:
-        return Engine(model, rank_config, progress, parallel), workers
+        engine = Engine(model, rank_config, progress, parallel)
     except BaseException as error:  # the workers wait for rank 0's plan forever: end them
         abort_group(workers, error, "during start-up")
         raise
+    if workers:  # torchrun's own agent ends the group when one of its processes fails
+        threading.Thread(target=watch_workers, args=(engine, workers), name="deltaserve-rank-watch",
+                         daemon=True).start()
+    return engine, workers
+
+
+def watch_workers(engine: Engine, workers: list, stuck_s: float = STUCK_STEP_S, end_process=os._exit) -> None:
+    """Rank 0's watch over the workers it spawned, while the engine runs (a thread): when one exits before
+    engine.shutdown, every later step raises RankError (engine.group_error), and a step that stays in progress for
+    stuck_s after it ends the process with that line (exit 1). Over gloo a dead peer's collective fails within
+    milliseconds, but an NCCL collective waits for it until NCCL's watchdog ends the process, ten minutes later."""
+    wait([worker.sentinel for worker in workers])
+    if engine.closed:
+        return
+    rank, code = _exited_worker(workers, EXIT_WAIT_S)
+    engine.group_error = RankError(f"rank {rank} exited with code {_exit_code(code)} while running")
+    deadline = time.monotonic() + stuck_s
+    while engine.stepping and not engine.closed:
+        if time.monotonic() > deadline:
+            print(f"error: {engine.group_error}; rank 0 waited {stuck_s:.0f} s inside a step for it, so this process "
+                  "ends", file=sys.stderr, flush=True)
+            for worker in workers:
+                worker.kill()
+            end_process(1)
+            return
+        time.sleep(0.1)
 
 
 def stop_engine(engine: Engine, workers: list | None) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -169,3 +171,99 @@ def test_steps_travel_over_a_gloo_group_of_their_own_with_a_long_timeout():
     finally:
         dist.destroy_process_group()
         distributed._objects_group = None
+
+
+class _Engine:  # what watch_workers reads of the engine
+    def __init__(self, stepping: bool, closed: bool = False):
+        self.stepping, self.closed, self.group_error = stepping, closed, None
+
+
+def _sleepers(count: int) -> list:
+    import multiprocessing
+
+    workers = [multiprocessing.get_context("fork").Process(target=time.sleep, args=(WAIT_S,), daemon=True)
+               for _ in range(count)]
+    for worker in workers:
+        worker.start()
+    return workers
+
+
+@pytest.mark.parametrize("stepping", [True, False])
+def test_a_worker_that_exits_while_running_fails_every_later_step_and_a_stuck_step_ends_the_process(stepping,
+                                                                                                        capsys):
+    """NCCL's collective would wait for the dead rank until its watchdog, ten minutes: a step still in progress
+    stuck_s after the death ends the process in one line; an idle engine's next step raises the RankError."""
+    from deltaserve.core.tensor_parallel import RankError, watch_workers
+
+    engine, workers, ended = _Engine(stepping), _sleepers(2), []
+    watch = threading.Thread(target=watch_workers, args=(engine, workers, 0.3, ended.append))
+    watch.start()
+    os.kill(workers[1].pid, signal.SIGKILL)
+    watch.join(WAIT_S)
+    assert not watch.is_alive()
+    assert isinstance(engine.group_error, RankError)
+    assert str(engine.group_error) == "rank 2 exited with code -9 (SIGKILL) while running"
+    if stepping:
+        assert ended == [1]
+        assert capsys.readouterr().err == ("error: rank 2 exited with code -9 (SIGKILL) while running; rank 0 waited "
+                                           "0 s inside a step for it, so this process ends\n")
+        workers[0].join(WAIT_S)
+        assert workers[0].exitcode == -signal.SIGKILL  # the other workers end with it
+    else:
+        assert ended == [] and capsys.readouterr().err == ""
+        workers[0].kill()
+
+
+def test_workers_that_exit_after_shutdown_are_not_an_error():
+    from deltaserve.core.tensor_parallel import watch_workers
+
+    engine, [worker] = _Engine(stepping=False, closed=True), _sleepers(1)
+    worker.kill()
+    watch_workers(engine, [worker], 0.3, pytest.fail)
+    assert engine.group_error is None
+
+
+@pytest.mark.slow
+def test_a_server_whose_worker_died_answers_503_at_once(tiny_model, tmp_path):
+    """Idle when the worker dies: /health turns 503 and a request is refused, without a step sent to the dead rank."""
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(tmp_path / "serve.log", "w")
+    server = subprocess.Popen(
+        ["deltaserve", "serve", "--model", str(tiny_model), "--port", str(port), "--served-model-name", "tiny",
+         "--tensor-parallel-size", "2", "--threads", "1", "--max-model-len", "512"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        worker = _worker_pid(server)
+        deadline = time.monotonic() + WAIT_S
+        while _status(f"{base}/health") != 200:
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.2)
+        body = {"model": "tiny", "prompt": "Once", "max_tokens": 4}
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=WAIT_S).status_code == 200
+        os.kill(worker, signal.SIGKILL)
+        while _status(f"{base}/health") != 503:
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.1)
+        response = httpx.post(f"{base}/v1/completions", json=body, timeout=WAIT_S)
+        assert response.status_code == 503, response.text
+        server.send_signal(signal.SIGTERM)
+        server.wait(WAIT_S)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
+def _status(url: str) -> int | None:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.TransportError:
+        return None
