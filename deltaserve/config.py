@@ -151,10 +151,6 @@ class ModelConfig:
     def kda_layer_ids(self) -> list[int]:
         return [i for i, t in enumerate(self.layer_types) if t == KDA]
 
-    @property
-    def mla_layer_ids(self) -> list[int]:
-        return [i for i, t in enumerate(self.layer_types) if t == MLA]
-
     @classmethod
     def from_file(cls, path: str | os.PathLike, quantization: str | None = None) -> "ModelConfig":
         """quantization: the engine option; "fp8" quantizes a high-precision checkpoint at load (128 x 128

@@ -1,5 +1,5 @@
 """Tensor and expert parallel over torch.distributed: who this process is, and the few collectives the model uses;
-and check_device, the device option checked against the machine (the ranks' GPUs among it), and check_launcher.
+and check_device, the device option checked against the machine (the ranks' GPUs among it).
 
 The rank and world size travel as an explicit ParallelConfig (passed to the layers, the loader and the engine);
 nothing here is a hidden global except torch.distributed's own default process group and the gloo group that

@@ -44,7 +44,7 @@ def test_test_copy_of_the_48b_config_is_the_shared_one():
 def test_48b_config_parses():
     cfg = ModelConfig.from_file(CONFIG_48B)
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (163840, 2304, 27)
-    assert [i + 1 for i in cfg.mla_layer_ids] == [4, 8, 12, 16, 20, 24, 27]  # full_attn_layers are 1-based
+    assert [i + 1 for i, t in enumerate(cfg.layer_types) if t == "mla"] == [4, 8, 12, 16, 20, 24, 27]  # 1-based
     assert [i + 1 for i in cfg.kda_layer_ids] == KDA_LAYERS_48B
     assert cfg.mlp_types == ("dense",) + ("moe",) * 26
     assert (cfg.kda_num_heads, cfg.kda_head_dim, cfg.conv_kernel_size) == (32, 128, 4)

@@ -48,9 +48,9 @@ def _mla_specs(cfg: ModelConfig, p: ParallelConfig) -> dict[str, Shard]:
             "o_proj.weight": (1, [_part(p, H * cfg.v_head_dim)])}
 
 
-def _swiglu_specs(inter: int, p: ParallelConfig, prefix: str = "", dim: int = 0) -> dict[str, Shard]:
-    return {prefix + "gate_up_proj.weight": (dim, [_part(p, inter), _part(p, inter, inter)]),
-            prefix + "down_proj.weight": (dim + 1, [_part(p, inter)])}
+def _swiglu_specs(inter: int, p: ParallelConfig, prefix: str = "") -> dict[str, Shard]:
+    return {prefix + "gate_up_proj.weight": (0, [_part(p, inter), _part(p, inter, inter)]),
+            prefix + "down_proj.weight": (1, [_part(p, inter)])}
 
 
 def _moe_specs(cfg: ModelConfig, p: ParallelConfig) -> dict[str, Shard]:

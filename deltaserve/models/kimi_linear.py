@@ -82,12 +82,3 @@ class KimiLinearForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [M, D] -> logits [M, V] float32."""
         return self.lm_head(hidden).float()
-
-
-def parameter_counts(model: KimiLinearForCausalLM) -> tuple[int, int]:
-    """(total parameters, parameters active per token: all but the routed experts a token does not use)."""
-    cfg = model.cfg
-    total = sum(p.numel() for p in model.parameters())
-    per_expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-    num_moe = sum(t == MOE for t in cfg.mlp_types)
-    return total, total - num_moe * (cfg.num_experts - cfg.num_experts_per_token) * per_expert

@@ -2,7 +2,7 @@
 each sequence's pooled state, updated in place. A decode step is one launch per layer instead of ~15; a short
 prefill (kda_recurrent_varlen) walks each sequence's tokens in one launch.
 
-Twin: l2norm + KimiDeltaAttention.log_decay + sigmoid + fused_recurrent_kda (the torch path), tested against it."""
+Twin: l2norm + kda_gate + sigmoid + fused_recurrent_kda (the torch path), tested against it."""
 
 import torch
 import triton
