@@ -7,7 +7,8 @@ Order of processing, per row:
    a negative one multiplied), then frequency and presence (OpenAI: over output tokens only,
    logit - frequency * count - presence * (count > 0));
 3. greedy rows (temperature 0) take the argmax, ties to the lowest token id; the other rows go on:
-4. divide by the temperature;
+4. subtract the row's largest logit, then divide by the temperature (the same distribution, and a tiny
+   temperature sends the other logits to -inf instead of overflowing every positive one to +inf);
 5. top-k: keep the k largest logits, ties to the lowest token id (0 = off);
 6. top-p: on the top-k distribution renormalised, keep the smallest set of most likely tokens whose
    probability sums to >= top_p; always at least one token (1 = off);
@@ -168,7 +169,8 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
 def _random_sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Steps 4-8 for every row (greedy rows get temperature 1 and are overridden): logits [B, V] -> [B]."""
     temperature = meta.temperature.masked_fill(meta.temperature == 0, 1.0)
-    logits = logits / temperature[:, None]
+    # logits / 1e-40 would be +inf for every positive logit: a softmax of nan, and token 0 drawn every time
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature[:, None]
     if not (meta.no_top_k and meta.no_top_p):
         logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
     if not meta.no_min_p:

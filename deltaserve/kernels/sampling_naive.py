@@ -57,7 +57,7 @@ def _sample_row(
     logits = apply_penalties_naive(logits, params, prompt, output)
     if params.greedy:
         return int(logits.argmax())
-    logits = logits / _f32(params.temperature)
+    logits = (logits - logits.max()) / _f32(params.temperature)  # shifted first: a tiny temperature cannot overflow
     logits = _keep_only(logits, _top_k_tokens(logits, params.top_k))
     logits = _keep_only(logits, _top_p_tokens(logits, params.top_p))
     logits = _keep_only(logits, _min_p_tokens(logits, params.min_p))

@@ -85,6 +85,17 @@ def test_filters_that_leave_one_token_are_greedy(params, batch_size):
     assert torch.equal(_sample(logits, [params] * batch_size).token_ids, logits.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-45, 1e-30])
+@pytest.mark.parametrize("seeded", [False, True])
+def test_a_tiny_temperature_takes_the_argmax(temperature, seeded):
+    # logits / 1e-40 overflowed to +inf for every positive logit: a softmax of nan, and token 0 every time
+    logits = torch.tensor([[1.0, 30.0, 2.0, -1.0, 29.9, 0.5, -3.0, 0.1]]).expand(8, -1).contiguous()
+    params = [SamplingParams(temperature=temperature, seed=row if seeded else None) for row in range(8)]
+    assert _sample(logits, params).token_ids.tolist() == [1] * 8
+    empty = [[] for _ in params]
+    assert sample_naive(logits, params, empty, empty, torch.Generator().manual_seed(0)).token_ids.tolist() == [1] * 8
+
+
 def test_penalties_match_a_hand_computation():
     logits = torch.tensor([2.0, -1.0, 0.5, -0.5, 1.0, 3.0, -2.0]).repeat(4, 1)
     prompt, output = [0, 1], [1, 2, 2, 4]  # seen: 0 1 2 4; output counts: 1 once, 2 twice, 4 once
