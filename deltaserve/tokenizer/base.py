@@ -42,6 +42,14 @@ class Tokenizer(ABC):
             raise TokenizerError(
                 f"encode takes a str, got {type(text).__name__}; pass text, or token ids to the engine"
             )
+        if not text.isascii():
+            try:  # the tokenizers back end failed with "TextInputSequence must be str", tiktoken made it U+FFFD
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise TokenizerError(
+                    f"text holds an unpaired UTF-16 surrogate ({text[e.start]!r}) at character {e.start}, which is "
+                    f"not Unicode text; join surrogate pairs into characters, or replace the lone one"
+                ) from None
         return self._encode(text, add_special_tokens)
 
     @abstractmethod

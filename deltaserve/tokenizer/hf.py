@@ -39,7 +39,13 @@ class HFTokenizer(Tokenizer):
         return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        token_ids = list(token_ids)
+        try:
+            return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        except OverflowError:  # a negative id or one past 2**32, which tokenizers cannot take: skipped, as it skips
+            # the other ids outside the vocabulary (and id_to_bytes gives b"" for all of them)
+            inside = [i for i in token_ids if 0 <= i < self._vocab_size]
+            return self._tokenizer.decode(inside, skip_special_tokens=skip_special_tokens)
 
     def id_to_bytes(self, token_id: int) -> bytes:
         return self._token_bytes[token_id] if 0 <= token_id < self._vocab_size else b""

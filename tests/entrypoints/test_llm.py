@@ -200,7 +200,9 @@ GOOD = {"prompt_token_ids": [5, 6, 7]}
     ([GOOD, {"prompt_token_ids": [-1]}], None, r"token id -1 is out of range"),
     ([GOOD, GOOD, GOOD], [SamplingParams()] * 2, "3 prompts but 2 SamplingParams"),
     ([GOOD, {"prompt_token_ids": [5] * 64}], None, "prompt of 64 tokens must be shorter than max_model_len=64"),
-], ids=["empty-ids", "empty-text", "id-too-large", "id-negative", "params-mismatch", "longer-than-max-model-len"])
+    ([GOOD, "a\ud800b"], None, "unpaired UTF-16 surrogate"),  # was tokenizers' TypeError "TextInputSequence..."
+], ids=["empty-ids", "empty-text", "id-too-large", "id-negative", "params-mismatch", "longer-than-max-model-len",
+        "unpaired-surrogate"])
 def test_input_errors_raise_value_error_and_queue_nothing(make_llm, prompts, params, message):
     llm = make_llm(max_model_len=64)
     for call in (lambda: llm.generate(prompts, params, use_tqdm=False), lambda: llm.stream(prompts, params)):

@@ -61,6 +61,20 @@ def test_id_to_bytes_joins_to_decode(tokenizer):
     assert tokenizer.id_to_bytes(tokenizer.vocab_size) == b"" and tokenizer.id_to_bytes(-1) == b""
 
 
+def test_decode_skips_ids_outside_the_vocabulary(tokenizer):
+    # tokenizers skips ids past the vocabulary but raised OverflowError for a negative one or one past 2**32
+    h = tokenizer.encode("H")
+    for outside in (tokenizer.vocab_size, -1, 2**32, 2**70):
+        assert tokenizer.decode([outside, *h]) == "H", outside
+
+
+def test_encode_refuses_unpaired_surrogates(tokenizer):
+    # tokenizers raised TypeError("TextInputSequence must be str"), which named neither the text nor the fix
+    with pytest.raises(TokenizerError, match=r"unpaired UTF-16 surrogate \('\\ud800'\) at character 3"):
+        tokenizer.encode("ab😀\ud800c", add_special_tokens=True)
+    assert tokenizer.decode(tokenizer.encode("ab\U0001f600c")) == "ab😀c"
+
+
 def test_properties(tokenizer, trained):
     ids = trained[1]
     assert tokenizer.vocab_size == ids.vocab_size

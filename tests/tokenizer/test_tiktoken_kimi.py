@@ -167,6 +167,13 @@ def test_id_to_bytes_outside_the_vocabulary(kimi):
     assert kimi.decode([kimi.vocab_size, 72]) == "H"
 
 
+def test_encode_refuses_unpaired_surrogates(kimi):
+    # tiktoken had made the surrogate U+FFFD silently, where the tokenizers back end raised
+    for add_special_tokens in (False, True):
+        with pytest.raises(TokenizerError, match="unpaired UTF-16 surrogate"):
+            kimi.encode("a\udfffb", add_special_tokens=add_special_tokens)
+
+
 def test_token_to_id_of_vocabulary_tokens(kimi):
     token_id = kimi.encode(" the")[0]
     assert kimi.token_to_id(kimi.decode([token_id])) == token_id
