@@ -18,6 +18,7 @@ manager's thread pool, so a slow schema never stalls other steps; the runner mas
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
@@ -111,10 +112,9 @@ class Engine:
         loop): each step's SchedulerOutput is broadcast to them, and the cache plan once."""
         self.config, self.parallel = engine_config, parallel
         self.mid_step = False  # a step's broadcast sent and its submit not returned (_submit)
-        self.stepping = False  # inside step(): on a tensor-parallel group, where rank 0 may wait on the other ranks
-        self.closed = False  # shutdown() began: the other ranks were told to stop, so their exits are expected
-        # a rank of the group that exited while it ran (set by tensor_parallel's watch): every later step raises it
-        self.group_error: BaseException | None = None
+        # rank 0 of a group of spawned workers: tensor_parallel's GroupWatch, the context every step runs in (it
+        # raises a dead rank's RankError first, and ends the process when a step waits on that rank too long)
+        self.group_watch = None
         check_device(engine_config.device)
         if engine_config.tensor_parallel_size != parallel.world_size:
             raise ValueError(f"tensor_parallel_size = {engine_config.tensor_parallel_size} but this engine runs on "
@@ -306,15 +306,10 @@ class Engine:
         return self.scheduler.has_unfinished_requests() or bool(self._compiling) or self._inflight is not None
 
     def step(self) -> list[RequestOutput]:
-        if self.group_error is not None:  # before any broadcast: one to a dead rank could wait forever
-            raise self.group_error
-        self.stepping = True
-        try:
+        with contextlib.nullcontext() if self.group_watch is None else self.group_watch.waiting():
             failed = self._admit_compiled() if self._compiling else []
             busy = self.scheduler.has_unfinished_requests() or self._inflight is not None
             return failed + self._step() if busy else failed
-        finally:
-            self.stepping = False
 
     def _step(self) -> list[RequestOutput]:
         if self._inflight is not None:
@@ -399,7 +394,6 @@ class Engine:
     def shutdown(self) -> None:
         """Tell the other ranks of a tensor-parallel group to stop (a no-op on one process); stop the grammar pool;
         save what kernels tuned since the watch last looked (save_tuning)."""
-        self.closed = True
         try:
             self.save_tuning()
         finally:

@@ -30,6 +30,7 @@ from deltaserve.tokenizer import load_tokenizer
 log = logging.getLogger("deltaserve")
 
 STARTUP_TIMEOUT_S = 3600.0  # loading, compiling and capturing a large model on a cold machine
+GROUP_FAILURE_WAIT_S = 2.0  # after a failed step of a tensor-parallel group: time for its watch to see a dead rank
 
 
 class EngineStartError(RuntimeError):
@@ -159,8 +160,9 @@ class _Core:
         try:
             outputs = self.engine.step()
         except Exception as e:  # fail the requests it held; the next ones are served
-            if self.engine.group_error is not None:  # a rank of the group is gone: no step can run again
-                raise
+            watch = self.engine.group_watch  # over gloo a dead rank's step fails before the watch has reaped it
+            if watch is not None and watch.failed.wait(GROUP_FAILURE_WAIT_S):
+                raise watch.error from e  # a rank of the group is gone: no step can run again
             log.exception("engine step failed; aborting every request the engine holds")
             for req_id in self.sent:
                 self.engine.abort(req_id)
@@ -207,8 +209,9 @@ def _serve(core: _Core) -> None:
     except (BrokenPipeError, EOFError):
         pass  # the server is gone
     except BaseException:
-        if core.engine.group_error is not None:  # said in one line: the traceback is the step's, not the cause
-            log.error("the engine's loop ended: %s; restart the server", core.engine.group_error)
+        watch = core.engine.group_watch
+        if watch is not None and watch.failed.is_set():  # one line: the traceback is the step's, not the cause
+            log.error("the engine's loop ended: %s; restart the server", watch.error)
             return
         log.exception("the engine's loop died")
         raise
@@ -298,7 +301,8 @@ class EngineThread:
     def is_alive(self) -> bool:
         """The loop runs and can step: not when a rank of its tensor-parallel group has exited (the server's /health
         then answers 503 and new requests are refused at once, before one fails a step)."""
-        return self._thread.is_alive() and self.engine.group_error is None
+        watch = self.engine.group_watch
+        return self._thread.is_alive() and not (watch is not None and watch.failed.is_set())
 
     def close(self, timeout: float = 30.0) -> None:
         """Ask the loop to stop and wait for it (a step in progress finishes first)."""

@@ -12,6 +12,7 @@ exits without a word (rank 0 reports its own end)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -33,6 +34,7 @@ from deltaserve.runner.model_runner import ModelRunner
 STARTUP_TIMEOUT_S = 600.0  # a worker's spawn and imports on a loaded machine; it loads the model after it joins
 STUCK_STEP_S = 30.0  # after a worker's death, how long rank 0 may stay inside a step before the process is ended
 EXIT_WAIT_S = 2.0  # a dead rank's closed connection can reach rank 0 before its process can be reaped
+_REAPING = threading.Lock()  # one thread at a time joins a worker (GroupWatch's and the main thread's reaps)
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo's words when another rank's process ended
 
 
@@ -52,31 +54,71 @@ def start_engine(model: str, config: EngineConfig, progress=None) -> tuple[Engin
         abort_group(workers, error, "during start-up")
         raise
     if workers:  # torchrun's own agent ends the group when one of its processes fails
-        threading.Thread(target=watch_workers, args=(engine, workers), name="deltaserve-rank-watch",
-                         daemon=True).start()
+        engine.group_watch = GroupWatch(workers)
     return engine, workers
 
 
-def watch_workers(engine: Engine, workers: list, stuck_s: float = STUCK_STEP_S, end_process=os._exit) -> None:
-    """Rank 0's watch over the workers it spawned, while the engine runs (a thread): when one exits before
-    engine.shutdown, every later step raises RankError (engine.group_error), and a step that stays in progress for
-    stuck_s after it ends the process with that line (exit 1). Over gloo a dead peer's collective fails within
-    milliseconds, but an NCCL collective waits for it until NCCL's watchdog ends the process, ten minutes later."""
-    wait([worker.sentinel for worker in workers])
-    if engine.closed:
-        return
-    rank, code = _exited_worker(workers, EXIT_WAIT_S)
-    engine.group_error = RankError(f"rank {rank} exited with code {_exit_code(code)} while running")
-    deadline = time.monotonic() + stuck_s
-    while engine.stepping and not engine.closed:
-        if time.monotonic() > deadline:
-            print(f"error: {engine.group_error}; rank 0 waited {stuck_s:.0f} s inside a step for it, so this process "
-                  "ends", file=sys.stderr, flush=True)
-            for worker in workers:
-                worker.kill()
-            end_process(1)
+class GroupWatch:
+    """Rank 0's watch over the workers it spawned (a daemon thread from start to stop_engine).
+
+    When a worker exits before rank 0 ends the group, `error` holds a RankError naming it (`failed` is set), every
+    later step raises it before sending anything, and a wait on the group (`waiting`: a step, or the group's
+    teardown) that lasts stuck_s past the exit ends the process with that line (exit 1): over gloo a dead peer's
+    collective fails within milliseconds, but an NCCL collective waits for it until NCCL's watchdog ends the
+    process, ten minutes later. An engine between steps is left alone (a server then answers 503; the offline
+    API's next call raises the error). The workers are reaped under _REAPING, which the main thread's reaps take too
+    (two threads joining one process could both miss its exit code)."""
+
+    def __init__(self, workers: list, stuck_s: float = STUCK_STEP_S, end_process=os._exit):
+        self.workers, self.stuck_s, self._end_process = workers, stuck_s, end_process
+        self.error: RankError | None = None
+        self.failed = threading.Event()
+        self._expected = False  # rank 0 is ending the group: its workers' exits are its own doing
+        self._stopped = threading.Event()
+        self._waiting_since: float | None = None
+        self._thread = threading.Thread(target=self._watch, name="deltaserve-rank-watch", daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def waiting(self, check: bool = True):
+        """Rank 0 may wait on the other ranks inside (check: raise the group's error first)."""
+        if check and self.error is not None:
+            raise self.error
+        self._waiting_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._waiting_since = None
+
+    def expect_exits(self) -> None:
+        """From here rank 0 ends the workers: their exits are not an error."""
+        self._expected = True
+
+    def stop(self) -> None:
+        """The group is gone (stop_engine): stop watching."""
+        self._expected = True
+        self._stopped.set()
+
+    def _watch(self) -> None:
+        sentinels = [worker.sentinel for worker in self.workers]
+        while not wait(sentinels, timeout=1.0):
+            if self._stopped.is_set():
+                return
+        if self._expected:
             return
-        time.sleep(0.1)
+        rank, code = _exited_worker(self.workers, EXIT_WAIT_S)
+        self.error = RankError(f"rank {rank} exited with code {_exit_code(code)} while running")
+        died = time.monotonic()
+        self.failed.set()
+        while not self._stopped.wait(0.1):
+            since = self._waiting_since
+            if since is not None and time.monotonic() - max(since, died) > self.stuck_s:
+                print(f"error: {self.error}; rank 0 waited {self.stuck_s:.0f} s on the group for it, so this process "
+                      "ends", file=sys.stderr, flush=True)
+                for worker in self.workers:
+                    worker.kill()
+                self._end_process(1)
+                return
 
 
 def stop_engine(engine: Engine, workers: list | None) -> None:
@@ -87,18 +129,28 @@ def stop_engine(engine: Engine, workers: list | None) -> None:
     then the group is ended at once instead (RankError when a worker died by itself)."""
     if workers is None:
         return
-    if not engine.mid_step and _exited_worker(workers, 0.0) is None:
-        engine.shutdown()
-        stop_group(workers)
-        return
-    error = sys.exc_info()[1]
+    watch = engine.group_watch
+    if watch is not None:
+        watch.expect_exits()
     try:
-        abort_group(workers, error, "while running")
+        if not engine.mid_step and not (watch is not None and watch.failed.is_set()) \
+                and _exited_worker(workers, 0.0) is None:
+            engine.shutdown()
+            stop_group(workers)
+            return
+        error = sys.exc_info()[1]
+        # the teardown may wait on a collective a dead rank never joins: the watch ends the process then
+        with contextlib.nullcontext() if watch is None else watch.waiting(check=False):
+            try:
+                abort_group(workers, error, "while running")
+            finally:
+                try:
+                    engine.shutdown()  # rank 0's own part (the group is gone: its broadcast fails at once)
+                except (RuntimeError, ValueError):
+                    pass
     finally:
-        try:
-            engine.shutdown()  # rank 0's own part (the group is gone: its broadcast fails at once)
-        except (RuntimeError, ValueError):
-            pass
+        if watch is not None:
+            watch.stop()
 
 
 def start_group(model: str, config: EngineConfig) -> tuple[ParallelConfig, EngineConfig, list]:
@@ -128,7 +180,8 @@ def stop_group(workers: list, timeout_s: float = 30.0) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     for worker in workers:
-        worker.join(timeout_s)
+        with _REAPING:
+            worker.join(timeout_s)
         if worker.is_alive():
             worker.terminate()
 
@@ -242,13 +295,16 @@ def _exited_worker(workers: list, wait_s: float) -> tuple[int, int] | None:
     ended = wait([worker.sentinel for worker in workers], timeout=wait_s) if workers else []
     for rank, worker in enumerate(workers, 1):
         if worker.sentinel in ended:
-            worker.join()  # its sentinel closes a moment before the process can be reaped (and its code read)
+            with _REAPING:
+                worker.join()  # its sentinel closes a moment before the process can be reaped (and its code read)
             return rank, worker.exitcode
     return None
 
 
-def _exit_code(code: int) -> str:
+def _exit_code(code: int | None) -> str:
     """-9 as '-9 (SIGKILL)': multiprocessing gives a signal's death as its negative number."""
+    if code is None:  # reaped by something other than multiprocessing
+        return "unknown"
     if code < 0:
         try:
             return f"{code} ({signal.Signals(-code).name})"

@@ -173,11 +173,6 @@ def test_steps_travel_over_a_gloo_group_of_their_own_with_a_long_timeout():
         distributed._objects_group = None
 
 
-class _Engine:  # what watch_workers reads of the engine
-    def __init__(self, stepping: bool, closed: bool = False):
-        self.stepping, self.closed, self.group_error = stepping, closed, None
-
-
 def _sleepers(count: int) -> list:
     import multiprocessing
 
@@ -188,44 +183,80 @@ def _sleepers(count: int) -> list:
     return workers
 
 
-@pytest.mark.parametrize("stepping", [True, False])
-def test_a_worker_that_exits_while_running_fails_every_later_step_and_a_stuck_step_ends_the_process(stepping,
-                                                                                                        capsys):
-    """NCCL's collective would wait for the dead rank until its watchdog, ten minutes: a step still in progress
-    stuck_s after the death ends the process in one line; an idle engine's next step raises the RankError."""
-    from deltaserve.core.tensor_parallel import RankError, watch_workers
-
-    engine, workers, ended = _Engine(stepping), _sleepers(2), []
-    watch = threading.Thread(target=watch_workers, args=(engine, workers, 0.3, ended.append))
-    watch.start()
-    os.kill(workers[1].pid, signal.SIGKILL)
-    watch.join(WAIT_S)
-    assert not watch.is_alive()
-    assert isinstance(engine.group_error, RankError)
-    assert str(engine.group_error) == "rank 2 exited with code -9 (SIGKILL) while running"
-    if stepping:
-        assert ended == [1]
-        assert capsys.readouterr().err == ("error: rank 2 exited with code -9 (SIGKILL) while running; rank 0 waited "
-                                           "0 s inside a step for it, so this process ends\n")
-        workers[0].join(WAIT_S)
-        assert workers[0].exitcode == -signal.SIGKILL  # the other workers end with it
-    else:
-        assert ended == [] and capsys.readouterr().err == ""
-        workers[0].kill()
+def _until(condition) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
 
 
-def test_workers_that_exit_after_shutdown_are_not_an_error():
-    from deltaserve.core.tensor_parallel import watch_workers
+def test_a_step_that_waits_on_a_dead_rank_ends_the_process(capsys):
+    """NCCL's collective would wait for the dead rank until its watchdog, ten minutes: a wait on the group still
+    going stuck_s after the death ends the process in one line, and the other workers with it."""
+    from deltaserve.core.tensor_parallel import GroupWatch
 
-    engine, [worker] = _Engine(stepping=False, closed=True), _sleepers(1)
+    workers, ended = _sleepers(2), []
+    watch = GroupWatch(workers, stuck_s=0.3, end_process=ended.append)
+    with watch.waiting():  # a step stuck in a collective
+        os.kill(workers[1].pid, signal.SIGKILL)
+        _until(lambda: ended)
+    assert ended == [1]
+    assert capsys.readouterr().err == ("error: rank 2 exited with code -9 (SIGKILL) while running; rank 0 waited 0 s "
+                                       "on the group for it, so this process ends\n")
+    workers[0].join(WAIT_S)
+    assert workers[0].exitcode == -signal.SIGKILL
+    watch.stop()
+
+
+def test_a_dead_rank_fails_the_next_step_and_leaves_an_idle_engine_running(capsys):
+    from deltaserve.core.tensor_parallel import GroupWatch, RankError
+
+    workers, ended = _sleepers(2), []
+    watch = GroupWatch(workers, stuck_s=0.2, end_process=ended.append)
+    os.kill(workers[0].pid, signal.SIGKILL)
+    assert watch.failed.wait(WAIT_S)
+    with pytest.raises(RankError, match=r"^rank 1 exited with code -9 \(SIGKILL\) while running$"):
+        with watch.waiting():
+            pytest.fail("a step ran on a group with a dead rank")
+    time.sleep(0.5)  # past stuck_s: no step waits, so the process goes on
+    assert ended == [] and capsys.readouterr().err == ""
+    watch.stop()
+    workers[1].kill()
+    workers[1].join(WAIT_S)
+
+
+def test_exits_rank_0_causes_are_not_an_error():
+    from deltaserve.core.tensor_parallel import GroupWatch
+
+    [worker] = _sleepers(1)
+    watch = GroupWatch([worker], stuck_s=0.2, end_process=pytest.fail)
+    watch.expect_exits()
     worker.kill()
-    watch_workers(engine, [worker], 0.3, pytest.fail)
-    assert engine.group_error is None
+    worker.join(WAIT_S)
+    assert not watch.failed.wait(0.5) and watch.error is None
+    watch.stop()
+
+
+def test_the_watch_and_rank_0_reap_a_dead_worker_together_without_losing_its_exit_code():
+    """Two threads joining one process could both miss its exit code (a TypeError in place of the RankError)."""
+    from deltaserve.core.tensor_parallel import GroupWatch, RankError, abort_group
+
+    for _ in range(20):
+        workers = _sleepers(2)
+        watch = GroupWatch(workers, stuck_s=WAIT_S, end_process=pytest.fail)
+        os.kill(workers[1].pid, signal.SIGKILL)
+        with pytest.raises(RankError, match=r"^rank 2 exited with code -9 \(SIGKILL\) while running$"):
+            abort_group(workers, None, "while running")
+        _until(lambda: watch.failed.is_set() or not watch._thread.is_alive())
+        assert watch.error is None or str(watch.error) == "rank 2 exited with code -9 (SIGKILL) while running"
+        watch.stop()
 
 
 @pytest.mark.slow
-def test_a_server_whose_worker_died_answers_503_at_once(tiny_model, tmp_path):
-    """Idle when the worker dies: /health turns 503 and a request is refused, without a step sent to the dead rank."""
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_server_whose_worker_died_answers_503(tiny_model, tmp_path, busy):
+    """Idle when the worker dies: /health turns 503 and a request is refused, without a step sent to the dead rank;
+    busy: the request in flight fails with 503 too, and the log says why in one line."""
     import httpx
 
     with socket.socket() as sock:
@@ -245,7 +276,17 @@ def test_a_server_whose_worker_died_answers_503_at_once(tiny_model, tmp_path):
             time.sleep(0.2)
         body = {"model": "tiny", "prompt": "Once", "max_tokens": 4}
         assert httpx.post(f"{base}/v1/completions", json=body, timeout=WAIT_S).status_code == 200
+        in_flight = []
+        if busy:
+            long = {**body, "max_tokens": 400, "ignore_eos": True}
+            thread = threading.Thread(target=lambda: in_flight.append(
+                httpx.post(f"{base}/v1/completions", json=long, timeout=WAIT_S).status_code))
+            thread.start()
+            time.sleep(1.0)
         os.kill(worker, signal.SIGKILL)
+        if busy:
+            thread.join(WAIT_S)
+            assert in_flight == [503]
         while _status(f"{base}/health") != 503:
             assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
             time.sleep(0.1)
@@ -257,7 +298,10 @@ def test_a_server_whose_worker_died_answers_503_at_once(tiny_model, tmp_path):
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
         log.close()
-    assert "Traceback" not in (tmp_path / "serve.log").read_text()
+    text = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in text, text
+    if busy:
+        assert "the engine's loop ended: rank 1 exited with code -9 (SIGKILL) while running" in text, text
 
 
 def _status(url: str) -> int | None:

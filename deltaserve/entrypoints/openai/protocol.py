@@ -108,6 +108,15 @@ class StructuredOutputsFields(_Request):
     disable_additional_properties: bool | None = None
     disable_fallback: bool | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_is_absent(cls, data):
+        """A null key asks for nothing (a client that dumps vLLM's dataclass whole sends `"structural_tag": null`),
+        nor do vLLM's internal `_backend` fields: dropped before unknown keys are refused."""
+        if isinstance(data, dict):
+            data = {key: value for key, value in data.items() if value is not None and not key.startswith("_backend")}
+        return data
+
     def constraint(self) -> dict:
         """The constraint's fields that were given, by their body names (StructuredOutputsParams' arguments)."""
         fields = self.model_dump(exclude_none=True, by_alias=True)
