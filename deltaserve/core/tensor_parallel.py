@@ -34,7 +34,7 @@ from deltaserve.runner.model_runner import ModelRunner
 STARTUP_TIMEOUT_S = 600.0  # a worker's spawn and imports on a loaded machine; it loads the model after it joins
 STUCK_STEP_S = 30.0  # after a worker's death, how long rank 0 may stay inside a step before the process is ended
 EXIT_WAIT_S = 2.0  # a dead rank's closed connection can reach rank 0 before its process can be reaped
-_REAPING = threading.Lock()  # one thread at a time joins a worker (GroupWatch's and the main thread's reaps)
+_REAPING = threading.Lock()  # one thread at a time reaps a worker (GroupWatch's and the main thread's)
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo's words when another rank's process ended
 
 
@@ -180,10 +180,10 @@ def stop_group(workers: list, timeout_s: float = 30.0) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     for worker in workers:
-        with _REAPING:
+        with _REAPING:  # is_alive reaps too
             worker.join(timeout_s)
-        if worker.is_alive():
-            worker.terminate()
+            if worker.is_alive():
+                worker.terminate()
 
 
 def abort_group(workers: list, error: BaseException | None, when: str) -> None:
@@ -295,9 +295,9 @@ def _exited_worker(workers: list, wait_s: float) -> tuple[int, int] | None:
     ended = wait([worker.sentinel for worker in workers], timeout=wait_s) if workers else []
     for rank, worker in enumerate(workers, 1):
         if worker.sentinel in ended:
-            with _REAPING:
+            with _REAPING:  # reading exitcode reaps too
                 worker.join()  # its sentinel closes a moment before the process can be reaped (and its code read)
-            return rank, worker.exitcode
+                return rank, worker.exitcode
     return None
 
 
