@@ -38,6 +38,11 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # vLLM's options, taken and met either way: JSON is always compiled without free whitespace and without properties
+    # the schema does not name (structured/backend.py), which either setting allows; there is no backend to fall back to
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
 
     def __post_init__(self):
         if isinstance(self.choice, list):

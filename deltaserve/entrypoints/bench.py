@@ -287,8 +287,9 @@ def print_report(result: dict) -> None:
     capacity = result["capacity"]
     size = format_bytes(capacity["cache_bytes"]) if "cache_bytes" in capacity else f"{capacity['cache_GiB']:.1f} GiB"
     pages = f" ({capacity['page_tokens']} tokens of MLA pages)" if "page_tokens" in capacity else ""
+    at_4k = capacity["batch_at_4k"]
     print(f"cache {size}{pages}; spent on pages and slots for them, its bytes would hold one request of up to "
-          f"{capacity['max_context_batch1']} tokens, or {capacity['batch_at_4k']} requests of 4k tokens")
+          f"{capacity['max_context_batch1']} tokens, or {at_4k} request{'' if at_4k == 1 else 's'} of 4k tokens")
     print("".join(f"{c:>17}" for c in cols))
     for row in result["rows"]:
         cells = (row.get(c) for c in cols)  # None (no GPU memory on a CPU, no MoE layer) prints as "-"

@@ -56,6 +56,17 @@ def test_whitespace_is_bounded(backend, tokenizer):
     assert not any(tokenizer.id_to_bytes(t).startswith(b" ") for t in after_colon)
 
 
+@pytest.mark.parametrize("value", [False, True])
+def test_vllms_options_are_taken_and_change_nothing(backend, value):
+    """disable_any_whitespace, disable_additional_properties, disable_fallback: what is compiled meets either."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    spec = StructuredOutputsParams(json=schema, disable_any_whitespace=value, disable_additional_properties=value,
+                                   disable_fallback=value)
+    assert spec.key == StructuredOutputsParams(json=schema).key
+    assert allowed_after(backend, spec, '{"a": 1') == allowed_after(backend, StructuredOutputsParams(json=schema),
+                                                                     '{"a": 1')
+
+
 @pytest.mark.parametrize("spec, message", [
     (StructuredOutputsParams(regex="a(b"), r"^regex: Regex parsing error at position 4: The parenthesis is not closed"),
     (StructuredOutputsParams(grammar="root ::= foo"), r'^grammar: EBNF parser error .*Rule "foo" is not defined'),

@@ -101,9 +101,7 @@ class StructuredOutputsFields(_Request):
     choice: ListOf(str) | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    # vLLM's options, read and met either way: JSON is always compiled without free whitespace and without
-    # properties the schema does not name (structured/backend.py), which either setting allows; there is no other
-    # backend to fall back from
+    # vLLM's options, met either way (StructuredOutputsParams)
     disable_any_whitespace: bool | None = None
     disable_additional_properties: bool | None = None
     disable_fallback: bool | None = None
