@@ -196,9 +196,8 @@ def _engine_arguments(args):
 
 def cmd_generate(args) -> None:
     prompts = list(args.prompt) + [{"prompt_token_ids": ids} for ids in args.prompt_token_ids]
-    if not prompts:
-        print(f"no --prompt given: generating from {DEFAULT_PROMPT!r}", file=sys.stderr)
-        prompts = [DEFAULT_PROMPT]
+    default_prompt = not prompts
+    prompts = prompts or [DEFAULT_PROMPT]
     params = SamplingParams(max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos,
                             **sampling_defaults(args, GENERATE_SAMPLING))
     # the prompts are all there is to run: no more KDA slots to allocate, nor CUDA graphs to capture, than them
@@ -208,6 +207,8 @@ def cmd_generate(args) -> None:
         if llm.tokenizer is None and any(isinstance(p, str) for p in prompts):  # --prompt, or the default one
             raise ValueError(f"{args.model} has no tokenizer, so a text prompt cannot be encoded; pass the prompt as "
                              "token ids instead: --prompt-token-ids 1,2,3")
+        if default_prompt:  # said once the model loaded: an error (a bad --model) is then stderr's only line
+            print(f"no --prompt given: generating from {DEFAULT_PROMPT!r}", file=sys.stderr)
         if args.max_tokens >= llm.engine.max_model_len:  # the engine stops a request there (finish_reason "length")
             print(f"note: --max-tokens {args.max_tokens} is past the model's length, {llm.engine.max_model_len} tokens "
                   f"with the prompt's: each output ends there at the latest", file=sys.stderr)

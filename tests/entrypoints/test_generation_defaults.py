@@ -67,3 +67,10 @@ def test_the_demo_model_samples_by_default_and_says_which_prompt_it_used(capsys)
     assert main(["generate", "--max-tokens", "4", *FAST]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["prompt_token_ids"] and "no --prompt given: generating from 'Once upon a time'" in err
+
+
+def test_a_bad_model_without_a_prompt_is_one_line(capsys, tmp_path):
+    """The default prompt's notice comes once the model loaded: a bad --model's error is stderr's only line."""
+    assert main(["generate", "--model", str(tmp_path / "missing"), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
