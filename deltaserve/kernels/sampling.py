@@ -7,8 +7,8 @@ Order of processing, per row:
    a negative one multiplied), then frequency and presence (OpenAI: over output tokens only,
    logit - frequency * count - presence * (count > 0));
 3. greedy rows (temperature 0) take the argmax, ties to the lowest token id; the other rows go on:
-4. subtract the row's largest logit, then divide by the temperature (the same distribution, and a tiny
-   temperature sends the other logits to -inf instead of overflowing every positive one to +inf);
+4. divide by the temperature, at least MIN_TEMPERATURE (a tiny one overflowed every positive logit to +inf: a
+   softmax of NaN, token 0 drawn every time; at MIN_TEMPERATURE the draw is already the argmax's);
 5. top-k: keep the k largest logits, ties to the lowest token id (0 = off);
 6. top-p: on the top-k distribution renormalised, keep the smallest set of most likely tokens whose
    probability sums to >= top_p; always at least one token (1 = off);
@@ -31,6 +31,9 @@ from deltaserve.kernels.varlen import to_device
 from deltaserve.sampling_params import SamplingParams
 
 _SEED_STRIDE = 1_000_003  # a prime: (seed, step) pairs map to distinct 64-bit seeds for runs under a million tokens
+# the smallest temperature divided by: logits of magnitude up to 3e8 stay finite (float32's max is 3.4e38), and any
+# logit gap over 1e-28 is a factor past e^100 (the draw is the argmax's, as temperature -> 0)
+MIN_TEMPERATURE = 1e-30
 _NOISE_FLOOR = torch.finfo(torch.float32).tiny  # Exponential(1) may round to 0: keep p / q finite, never nan
 
 
@@ -168,9 +171,8 @@ def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tenso
 
 def _random_sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Steps 4-8 for every row (greedy rows get temperature 1 and are overridden): logits [B, V] -> [B]."""
-    temperature = meta.temperature.masked_fill(meta.temperature == 0, 1.0)
-    # logits / 1e-40 would be +inf for every positive logit: a softmax of nan, and token 0 drawn every time
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature[:, None]
+    temperature = meta.temperature.masked_fill(meta.temperature == 0, 1.0).clamp_min(MIN_TEMPERATURE)
+    logits = logits / temperature[:, None]
     if not (meta.no_top_k and meta.no_top_p):
         logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
     if not meta.no_min_p:

@@ -9,7 +9,7 @@ from collections import Counter
 
 import torch
 
-from deltaserve.kernels.sampling import SampledLogprobs, SamplerOutput, row_seed
+from deltaserve.kernels.sampling import MIN_TEMPERATURE, SampledLogprobs, SamplerOutput, row_seed
 from deltaserve.sampling_params import SamplingParams
 
 _NOISE_FLOOR = torch.finfo(torch.float32).tiny
@@ -57,7 +57,7 @@ def _sample_row(
     logits = apply_penalties_naive(logits, params, prompt, output)
     if params.greedy:
         return int(logits.argmax())
-    logits = (logits - logits.max()) / _f32(params.temperature)  # shifted first: a tiny temperature cannot overflow
+    logits = logits / _f32(max(params.temperature, MIN_TEMPERATURE))  # a tiny one overflowed to +inf: NaN
     logits = _keep_only(logits, _top_k_tokens(logits, params.top_k))
     logits = _keep_only(logits, _top_p_tokens(logits, params.top_p))
     logits = _keep_only(logits, _min_p_tokens(logits, params.min_p))
