@@ -381,7 +381,8 @@ class EngineClient:
             stream._put(output)
 
     def _on_core_gone(self) -> None:
-        log.error("the engine's loop ended (exit code %s); failing every request", self.handle.exitcode)
+        code = self.handle.exitcode  # None for a loop in a thread (its end was logged there)
+        log.error("the engine's loop ended%s; failing every request", "" if code is None else f" (exit code {code})")
         self._stopped = True
         self._fail_all(EngineStoppedError("the engine stopped; the server must be restarted"))
 
