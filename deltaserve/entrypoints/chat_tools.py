@@ -1,7 +1,7 @@
 """Chats with tools, as LLM.chat and the OpenAI server both serve them.
 
     prompt = render_chat_prompt(tokenizer, messages, tools, tool_choice)     # checks tools and tool_choice
-    token_ids = tokenizer.encode(prompt.text, add_special_tokens=True)
+    token_ids = tokenizer.encode_prompt(prompt.text)                          # a ChatText: no BOS added
     parser = ChatOutputParser(prompt.parse_tool_calls)                       # one per choice
     ... for each new piece of output text:  deltas = parser.push(piece)      # OpenAI `delta` dicts
     ... when the request finishes:          deltas = parser.finish()

@@ -245,7 +245,7 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer, so text prompts cannot be encoded; "
                              "pass {'prompt_token_ids': [...]} instead")
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = self.tokenizer.encode_prompt(prompt)  # a rendered chat (LLM.chat, the chat command) gets no BOS added
         if not ids:
             raise ValueError(f"prompt {prompt!r} encodes to no tokens; pass a non-empty prompt")
         return prompt, ids

@@ -13,6 +13,13 @@ from deltaserve.tokenizer.tokenizer_config import SPECIAL_TOKEN_FIELDS, Tokenize
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
 
 
+class ChatText(str):
+    """A chat template's rendered text (what apply_chat_template returns): encode_prompt adds nothing to it, since
+    the template wrote what the prompt needs, a BOS included. An edit of it (a + b) is a plain str again."""
+
+    __slots__ = ()
+
+
 class Tokenizer(ABC):
     """A back end (tokenizer.json, tiktoken.model) plus its tokenizer_config.json.
 
@@ -20,7 +27,8 @@ class Tokenizer(ABC):
     and sets bos_token_id, eos_token_ids (eos_token plus the chat template's end-of-turn tokens),
     all_special_ids and chat_template (None when the folder has none).
     Special-token strings in encoded text become their ids (the Kimi tiktoken back end: only with
-    add_special_tokens=True, which the engine passes for prompts): the chat template's output relies on it."""
+    add_special_tokens=True; encode_prompt, which the engine uses for prompts, asks for it): the chat template's
+    output relies on it."""
 
     def __init__(self, config: TokenizerConfig, config_origin: str):
         self.config = config
@@ -51,6 +59,17 @@ class Tokenizer(ABC):
                     f"not Unicode text; join surrogate pairs into characters, or replace the lone one"
                 ) from None
         return self._encode(text, add_special_tokens)
+
+    # add_special_tokens=True also runs the back end's post-processor (a BOS, say); False: only special strings
+    # become their ids, which a rendered chat needs (False on the Kimi back end: no special strings parsed)
+    SPECIAL_FLAG_ADDS_TOKENS = True
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt's token ids: special-token strings become their ids; what the post-processor adds (a BOS) is
+        added to plain text, not to a rendered chat (ChatText), whose template wrote it already. So a template that
+        writes `{{ bos_token }}` gets one BOS, not two, as vLLM encodes chat prompts."""
+        chat = isinstance(text, ChatText) and self.SPECIAL_FLAG_ADDS_TOKENS
+        return self.encode(text, add_special_tokens=not chat)
 
     @abstractmethod
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -92,14 +111,15 @@ class Tokenizer(ABC):
     def model_max_length(self) -> int | None:
         return self.config.model_max_length
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
-        """The prompt text for a chat; encode it to get the prompt's token ids."""
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> ChatText:
+        """The prompt text for a chat; encode_prompt gives its token ids."""
         if self.chat_template is None:
             raise ChatTemplateError(
                 f"the tokenizer in {self._config_origin} has no chat template; send a prompt or token ids, "
                 f"or add a chat_template to tokenizer_config.json"
             )
-        return self.chat_template.render(messages, add_generation_prompt, tools, **self.config.special_token_strings())
+        return ChatText(self.chat_template.render(messages, add_generation_prompt, tools,
+                                                  **self.config.special_token_strings()))
 
     def _eos_token_ids(self, eos_token_id: int | None) -> tuple[int, ...]:
         """The config's eos_token plus the end-of-turn tokens that the chat template uses."""

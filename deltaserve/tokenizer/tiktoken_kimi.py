@@ -13,7 +13,7 @@ from pathlib import Path
 
 import tiktoken
 
-from deltaserve.tokenizer.base import Tokenizer
+from deltaserve.tokenizer.base import ChatText, Tokenizer
 from deltaserve.tokenizer.errors import TokenizerError
 from deltaserve.tokenizer.tiktoken_file import TIKTOKEN_FILE, read_mergeable_ranks
 from deltaserve.tokenizer.tokenizer_config import CONFIG_FILE, TokenizerConfig, load_tokenizer_config
@@ -62,6 +62,8 @@ class KimiTokenizer(Tokenizer):
         self._special_ids = frozenset(self._special.values()) - kept_in_text
         super().__init__(config, str(config_path))
 
+    SPECIAL_FLAG_ADDS_TOKENS = False  # the flag only lets special strings become their ids
+
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         allowed = "all" if add_special_tokens else set()
         return [
@@ -90,7 +92,7 @@ class KimiTokenizer(Tokenizer):
     def backend_special_ids(self) -> frozenset[int]:
         return self._special_ids
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> str:
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tools=None) -> ChatText:
         # tokenization_kimi.py sorts every dict in tools by key before rendering: the model saw tools that way
         return super().apply_chat_template(messages, add_generation_prompt, _sorted_keys(tools))
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.engine import as_inputs, assert_idle, random_prompts, token_ids, without_tokenizer
+from helpers.engine import as_inputs, assert_idle, random_prompts, token_ids, with_bos, without_tokenizer
 from helpers.hand_runner import prefill_logits
 
-from deltaserve import SamplingParams
+from deltaserve import LLM, SamplingParams
 from deltaserve.scheduler_output import SchedulerOutput
 
 LOGPROB_ATOL = 1e-4  # the engine's batched step vs one plain prefill: same float32 math, other shapes
@@ -220,3 +220,18 @@ def test_text_prompt_without_tokenizer_raises(make_llm, tiny_model, tmp_path):
     assert_idle(llm)
     out = llm.generate(GOOD, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 3 and out.outputs[0].text == ""
+
+
+def test_a_chat_whose_template_writes_the_bos_gets_one(tiny_model, tmp_path):
+    """A tokenizer that adds a BOS to text, a chat template that writes one: plain prompts get the tokenizer's,
+    chats only the template's (as vLLM encodes them), through LLM.chat and the chat command's LLM.stream."""
+    with LLM(str(with_bos(tiny_model, tmp_path / "bos")), max_model_len=128, threads=1) as llm:
+        bos = llm.tokenizer.bos_token_id
+        params = SamplingParams(max_tokens=1)
+        plain = llm.generate("hi", params, use_tqdm=False)[0].prompt_token_ids
+        assert plain[0] == bos and plain.count(bos) == 1
+        chat = llm.chat([{"role": "user", "content": "hi"}], params).prompt_token_ids
+        assert chat[0] == bos and chat.count(bos) == 1
+        rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+        assert list(llm.stream(rendered, params))[-1].prompt_token_ids == chat
+        assert llm.tokenizer.encode_prompt(str(rendered)) == [bos, *chat]  # an edited chat is plain text again

@@ -6,6 +6,7 @@ slows small steps a hundredfold.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -158,3 +159,24 @@ def assert_same_up_to_near_ties(got, expected, TIE=0.1):
     took = got.token_ids[i]
     ranked = sorted(scores.items(), key=lambda kv: -kv[1])
     assert took in scores and ranked[0][1] - scores[took] < TIE, (i, took, ranked)
+
+
+def with_bos(model_dir: Path, out: Path) -> Path:
+    """A copy of model_dir whose tokenizer.json adds a BOS to encoded text (a TemplateProcessing post-processor, as
+    Llama's does) and whose chat template writes `{{ bos_token }}` first: a chat prompt must get one BOS, not two."""
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    bos = config["bos_token"]
+    tokenizer = json.loads((out / "tokenizer.json").read_text())
+    bos_id = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == bos)
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+    }
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config["chat_template"] = "{{ bos_token }}" + config["chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out

@@ -150,3 +150,13 @@ def test_added_tokens_outside_the_byte_alphabet(model_dir):
     ids = tokenizer.encode("x a b é y ĀĠ")
     assert [tokenizer.id_to_bytes(i) for i in ids[-1:]] == [b"\x00 "]
     assert b"".join(map(tokenizer.id_to_bytes, ids)).decode() == tokenizer.decode(ids) == "x a b é y \x00 "
+
+
+def test_encode_prompt_adds_the_post_processors_bos_to_text_but_not_to_a_rendered_chat(model_dir, tmp_path_factory):
+    from helpers.engine import with_bos
+
+    tokenizer = load_tokenizer(with_bos(model_dir, tmp_path_factory.mktemp("bos") / "tokenizer"))
+    bos = tokenizer.bos_token_id
+    assert tokenizer.encode_prompt("hi")[0] == bos
+    chat = tokenizer.encode_prompt(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]))
+    assert chat[0] == bos and chat.count(bos) == 1

@@ -154,10 +154,9 @@ class ServingContext:
         if min_tokens >= self.max_model_len:
             raise bad_request(f"'{param}' is {num_bytes} bytes, at least {min_tokens} tokens, and this model's "
                               f"maximum context length is {self.max_model_len} tokens; shorten it", param)
-        if len(text) < OFF_LOOP_CHARS:
-            return tokenizer.encode(text, add_special_tokens=True)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, functools.partial(tokenizer.encode, text, add_special_tokens=True))
+        if len(text) < OFF_LOOP_CHARS:  # a rendered chat (ChatText) gets no BOS added: its template wrote it
+            return tokenizer.encode_prompt(text)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, tokenizer.encode_prompt, text)
 
     async def render_chat(self, messages: list, as_dict, tools: list[dict] | None, tool_choice,
                           parallel_tool_calls: bool = True) -> ChatPrompt:

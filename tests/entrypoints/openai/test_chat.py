@@ -93,3 +93,28 @@ def test_tools_with_tool_choice_none_are_shown_to_the_model(client):
     with_tools = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, tools=tools,
                                                 tool_choice="none")
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
+def test_a_chat_whose_template_writes_the_bos_gets_one_through_the_server(tiny_model, tmp_path):
+    """The tokenizer adds a BOS to text and the template writes one: a completion's prompt has the tokenizer's,
+    a chat's only the template's."""
+    from helpers.engine import with_bos
+    from helpers.http_server import start_server
+
+    from deltaserve.tokenizer import load_tokenizer
+
+    folder = with_bos(tiny_model, tmp_path / "bos")
+    tokenizer = load_tokenizer(folder)
+    messages = [{"role": "user", "content": "hi"}]
+    chat_ids = tokenizer.encode_prompt(tokenizer.apply_chat_template(messages))
+    assert chat_ids.count(tokenizer.bos_token_id) == 1
+    srv = start_server(folder, max_model_len=128)
+    try:
+        with srv.http() as http:
+            chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 1})
+            text = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1,
+                                                      "echo": True, "logprobs": 0})
+    finally:
+        srv.stop()
+    assert chat.json()["usage"]["prompt_tokens"] == len(chat_ids)
+    assert text.json()["usage"]["prompt_tokens"] == len(tokenizer.encode("hi")) + 1  # the tokenizer's BOS
