@@ -44,7 +44,7 @@ def prompt_ids(llm, request: dict) -> list[int]:
     if "prompt" in request:
         return request["prompt"]
     text = render_chat_prompt(llm.tokenizer, request["messages"]).text
-    return llm.tokenizer.encode(text, add_special_tokens=True)
+    return llm.tokenizer.encode_prompt(text)
 
 
 def run_offline(llm, run: dict) -> dict:

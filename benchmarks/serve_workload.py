@@ -56,7 +56,7 @@ def _words_that_fit(words: list[str], prompt_len: int, tokenizer) -> int:
 
     def length(count):
         text = render_chat_prompt(tokenizer, [{"role": "user", "content": " ".join(words[:count])}]).text
-        return len(tokenizer.encode(text, add_special_tokens=True))
+        return len(tokenizer.encode_prompt(text))
 
     low, high = 1, len(words)
     while low < high:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from deltaserve.core.outputs import CompletionOutput
 from deltaserve.entrypoints.forced_tools import ForcedToolCallParser, ForcedTools, forced_tools
-from deltaserve.tokenizer.base import Tokenizer
+from deltaserve.tokenizer.base import ChatText, Tokenizer
 from deltaserve.tokenizer.errors import ChatTemplateError
 from deltaserve.tokenizer.tool_calls import MARKERS, ParsedOutput, ToolCall, ToolCallStreamParser
 
@@ -37,7 +37,7 @@ class ToolRequestError(ChatTemplateError):
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    text: str  # the rendered chat; encode with add_special_tokens=True
+    text: ChatText  # the rendered chat; tokenizer.encode_prompt encodes it (no BOS added: the template wrote it)
     parse_tool_calls: bool  # tool_choice "auto": read tool calls out of the output
     forced: ForcedTools | None = None  # tool_choice "required" or a named function: the output's constraint
 

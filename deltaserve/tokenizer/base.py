@@ -60,16 +60,14 @@ class Tokenizer(ABC):
                 ) from None
         return self._encode(text, add_special_tokens)
 
-    # add_special_tokens=True also runs the back end's post-processor (a BOS, say); False: only special strings
-    # become their ids, which a rendered chat needs (False on the Kimi back end: no special strings parsed)
-    SPECIAL_FLAG_ADDS_TOKENS = True
-
-    def encode_prompt(self, text: str) -> list[int]:
-        """A prompt's token ids: special-token strings become their ids; what the post-processor adds (a BOS) is
-        added to plain text, not to a rendered chat (ChatText), whose template wrote it already. So a template that
-        writes `{{ bos_token }}` gets one BOS, not two, as vLLM encodes chat prompts."""
-        chat = isinstance(text, ChatText) and self.SPECIAL_FLAG_ADDS_TOKENS
-        return self.encode(text, add_special_tokens=not chat)
+    def encode_prompt(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """A prompt's token ids: special-token strings become their ids, and what the post-processor adds (a BOS)
+        is added when add_special_tokens, by default to plain text but not to a rendered chat (ChatText), whose
+        template wrote it already: a template that writes `{{ bos_token }}` gets one BOS, not two, as vLLM encodes
+        chat prompts (the OpenAI routes' `add_special_tokens` sets it per request, as vLLM's do)."""
+        if add_special_tokens is None:
+            add_special_tokens = not isinstance(text, ChatText)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     @abstractmethod
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:

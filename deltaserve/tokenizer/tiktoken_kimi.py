@@ -62,7 +62,9 @@ class KimiTokenizer(Tokenizer):
         self._special_ids = frozenset(self._special.values()) - kept_in_text
         super().__init__(config, str(config_path))
 
-    SPECIAL_FLAG_ADDS_TOKENS = False  # the flag only lets special strings become their ids
+    def encode_prompt(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        # here the flag only lets special strings become their ids, which every prompt gets: there is no BOS to add
+        return self.encode(text, add_special_tokens=True)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         allowed = "all" if add_special_tokens else set()

@@ -363,3 +363,13 @@ def test_without_config_every_special_id_is_reserved(kimi_dir):
 def _edit_config(folder, **fields):
     path = folder / "tokenizer_config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+@pytest.mark.parametrize("add_special_tokens", [None, True, False])
+def test_encode_prompt_parses_the_role_tokens_and_adds_nothing(kimi, add_special_tokens):
+    """Kimi's tokenizer adds no BOS: a chat and a plain prompt both get their special strings as ids, whatever the
+    request's add_special_tokens."""
+    chat = kimi.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert kimi.encode_prompt(chat, add_special_tokens) == kimi.encode(chat, add_special_tokens=True)
+    assert kimi.encode_prompt(str(chat), add_special_tokens) == kimi.encode(chat, add_special_tokens=True)
+    assert set(kimi.encode_prompt(chat, add_special_tokens)) & kimi.all_special_ids

@@ -160,6 +160,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's post-processor tokens (a BOS) before the prompt
 
 
 class TextPart(_Request):
@@ -184,3 +185,4 @@ class ChatCompletionRequest(SamplingFields):
     tools: ListOf(dict) | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
+    add_special_tokens: bool = False  # vLLM's: the template writes the BOS; True for a template that does not

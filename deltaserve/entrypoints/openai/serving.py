@@ -141,9 +141,10 @@ class ServingContext:
                               "'prompt' to /v1/completions instead")
         return self.tokenizer
 
-    async def encode(self, text: str, param: str) -> list[int]:
-        """Token ids of a text prompt; a text that cannot fit the context is refused before it is tokenized. A
-        text of OFF_LOOP_CHARS or more is tokenized in a worker thread, off the event loop."""
+    async def encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of a text prompt (add_special_tokens: the tokenizer's BOS before it; encode_prompt); a text
+        that cannot fit the context is refused before it is tokenized. A text of OFF_LOOP_CHARS or more is
+        tokenized in a worker thread, off the event loop."""
         tokenizer = self.need_tokenizer("a text prompt")
         try:
             num_bytes = len(text.encode("utf-8"))
@@ -154,9 +155,10 @@ class ServingContext:
         if min_tokens >= self.max_model_len:
             raise bad_request(f"'{param}' is {num_bytes} bytes, at least {min_tokens} tokens, and this model's "
                               f"maximum context length is {self.max_model_len} tokens; shorten it", param)
-        if len(text) < OFF_LOOP_CHARS:  # a rendered chat (ChatText) gets no BOS added: its template wrote it
-            return tokenizer.encode_prompt(text)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, tokenizer.encode_prompt, text)
+        if len(text) < OFF_LOOP_CHARS:
+            return tokenizer.encode_prompt(text, add_special_tokens)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, tokenizer.encode_prompt, text,
+                                                                add_special_tokens)
 
     async def render_chat(self, messages: list, as_dict, tools: list[dict] | None, tool_choice,
                           parallel_tool_calls: bool = True) -> ChatPrompt:

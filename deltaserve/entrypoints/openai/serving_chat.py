@@ -35,7 +35,7 @@ class ChatServing:
         ctx.check_fanout(body.n)
         prompt = await ctx.render_chat(body.messages, _template_message, body.tools, body.tool_choice,
                                        body.parallel_tool_calls is not False)
-        ids = await ctx.encode(prompt.text, "messages")
+        ids = await ctx.encode(prompt.text, "messages", body.add_special_tokens)
         max_tokens = ctx.default_max_tokens(len(ids)) if max_tokens is None else max_tokens
         ctx.check_length(len(ids), max_tokens, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None

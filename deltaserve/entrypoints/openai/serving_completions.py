@@ -31,7 +31,7 @@ class CompletionServing:
         ctx.check_max_tokens(body.max_tokens, "max_tokens")
         listed = _listed(body.prompt)
         ctx.check_fanout(len(listed) * body.n)  # before tokenizing: thousands of prompts cost the loop
-        prompts = await self._tokenized(listed)
+        prompts = await self._tokenized(listed, body.add_special_tokens)
         if body.echo and body.logprobs is not None:
             ctx.check_echo_logprobs(sum(len(ids) for _, ids in prompts), body.n, body.logprobs)
         constraint = structured_spec(body)
@@ -54,11 +54,13 @@ class CompletionServing:
             return ctx.sse(self._chunks(body, stream, echoes, meta), stream, watcher)
         return await respond_or_gone(self._whole(body, stream, watcher, echoes, meta))
 
-    async def _tokenized(self, prompts: list[str | list[int]]) -> list[tuple[str | None, list[int]]]:
-        """(text or None, token ids) of each prompt."""
+    async def _tokenized(self, prompts: list[str | list[int]], add_special_tokens: bool) \
+            -> list[tuple[str | None, list[int]]]:
+        """(text or None, token ids) of each prompt (add_special_tokens: the tokenizer's BOS before a text's)."""
         if not prompts or not all(prompts):  # no prompt, or an empty text or id list among them
             raise bad_request("'prompt' must not be empty: send text, or at least one token id", "prompt")
-        return [(None, p) if isinstance(p, list) else (p, await self.ctx.encode(p, "prompt")) for p in prompts]
+        return [(None, p) if isinstance(p, list) else (p, await self.ctx.encode(p, "prompt", add_special_tokens))
+                for p in prompts]
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:
         if text is not None:

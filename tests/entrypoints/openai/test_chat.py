@@ -111,10 +111,16 @@ def test_a_chat_whose_template_writes_the_bos_gets_one_through_the_server(tiny_m
     srv = start_server(folder, max_model_len=128)
     try:
         with srv.http() as http:
-            chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 1})
-            text = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1,
-                                                      "echo": True, "logprobs": 0})
+            def prompt_tokens(route: str, **body) -> int:
+                response = http.post(route, json={"model": "tiny", "max_tokens": 1, **body})
+                assert response.status_code == 200, response.text
+                return response.json()["usage"]["prompt_tokens"]
+
+            chat = prompt_tokens("/v1/chat/completions", messages=messages)
+            chat_added = prompt_tokens("/v1/chat/completions", messages=messages, add_special_tokens=True)
+            text = prompt_tokens("/v1/completions", prompt="hi")
+            text_bare = prompt_tokens("/v1/completions", prompt="hi", add_special_tokens=False)
     finally:
         srv.stop()
-    assert chat.json()["usage"]["prompt_tokens"] == len(chat_ids)
-    assert text.json()["usage"]["prompt_tokens"] == len(tokenizer.encode("hi")) + 1  # the tokenizer's BOS
+    assert (chat, chat_added) == (len(chat_ids), len(chat_ids) + 1)  # vLLM's add_special_tokens, per request
+    assert (text, text_bare) == (len(tokenizer.encode("hi")) + 1, len(tokenizer.encode("hi")))
