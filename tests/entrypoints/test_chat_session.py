@@ -68,3 +68,23 @@ def test_after_ctrl_c_no_more_words_are_printed(capsys):
     out, err = capsys.readouterr()
     assert out == "In the\n" and "[2 tokens" in err and "stopped]" in err
     assert session.llm.aborted == ["0"] and session.messages[-1] == {"role": "assistant", "content": "In the"}
+
+
+def test_the_chat_command_encodes_its_prompt_as_a_chat(tiny_model, tmp_path):
+    """One BOS when the template writes it and the tokenizer would add one too (the rendered ChatText reaches the
+    engine unedited)."""
+    from helpers.engine import with_bos
+
+    from deltaserve import LLM
+
+    with LLM(str(with_bos(tiny_model, tmp_path / "bos")), max_model_len=128, threads=1) as llm:
+        prompts = []
+
+        def stream(prompt, params):
+            prompts.append(llm.tokenizer.encode_prompt(prompt))
+            return iter(())
+
+        llm.stream = stream
+        ChatSession(llm, SamplingParams(max_tokens=1)).answer("hi")
+        [ids] = prompts
+        assert ids[0] == llm.tokenizer.bos_token_id and ids.count(llm.tokenizer.bos_token_id) == 1
