@@ -305,6 +305,12 @@ class Engine:
         it, so the engine is idle, every pin and page back, once this is False)."""
         return self.scheduler.has_unfinished_requests() or bool(self._compiling) or self._inflight is not None
 
+    @property
+    def group_error(self) -> BaseException | None:
+        """The RankError of a worker that exited while the group ran (group_watch saw it); None while it runs whole,
+        and on one process."""
+        return None if self.group_watch is None else self.group_watch.error
+
     def step(self) -> list[RequestOutput]:
         with contextlib.nullcontext() if self.group_watch is None else self.group_watch.waiting():
             failed = self._admit_compiled() if self._compiling else []

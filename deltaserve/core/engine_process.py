@@ -209,9 +209,8 @@ def _serve(core: _Core) -> None:
     except (BrokenPipeError, EOFError):
         pass  # the server is gone
     except BaseException:
-        watch = core.engine.group_watch
-        if watch is not None and watch.failed.is_set():  # one line: the traceback is the step's, not the cause
-            log.error("the engine's loop ended: %s; restart the server", watch.error)
+        if core.engine.group_error is not None:  # one line: the traceback is the step's, not the cause
+            log.error("the engine's loop ended: %s; restart the server", core.engine.group_error)
             return
         log.exception("the engine's loop died")
         raise
@@ -301,8 +300,7 @@ class EngineThread:
     def is_alive(self) -> bool:
         """The loop runs and can step: not when a rank of its tensor-parallel group has exited (the server's /health
         then answers 503 and new requests are refused at once, before one fails a step)."""
-        watch = self.engine.group_watch
-        return self._thread.is_alive() and not (watch is not None and watch.failed.is_set())
+        return self._thread.is_alive() and self.engine.group_error is None
 
     def close(self, timeout: float = 30.0) -> None:
         """Ask the loop to stop and wait for it (a step in progress finishes first)."""

@@ -133,8 +133,7 @@ def stop_engine(engine: Engine, workers: list | None) -> None:
     if watch is not None:
         watch.expect_exits()
     try:
-        if not engine.mid_step and not (watch is not None and watch.failed.is_set()) \
-                and _exited_worker(workers, 0.0) is None:
+        if not engine.mid_step and engine.group_error is None and _exited_worker(workers, 0.0) is None:
             engine.shutdown()
             stop_group(workers)
             return

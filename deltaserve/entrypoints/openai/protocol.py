@@ -115,11 +115,6 @@ class StructuredOutputsFields(_Request):
             data = {key: value for key, value in data.items() if value is not None and not key.startswith("_backend")}
         return data
 
-    def constraint(self) -> dict:
-        """The constraint's fields that were given, by their body names (StructuredOutputsParams' arguments)."""
-        fields = self.model_dump(exclude_none=True, by_alias=True)
-        return {name: fields[name] for name in STRUCTURED_CONSTRAINTS if name in fields}
-
 
 class SamplingFields(_Request):
     """What completions and chat share; None means OpenAI's default."""

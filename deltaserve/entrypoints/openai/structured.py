@@ -33,7 +33,8 @@ def structured_spec(body: SamplingFields, forced: ForcedTools | None = None) -> 
         return _response_format(fmt), "response_format"
     if body.structured_outputs is not None:
         try:
-            return StructuredOutputsParams(**body.structured_outputs.constraint()), "structured_outputs"
+            fields = body.structured_outputs.model_dump(exclude_none=True, by_alias=True)  # its arguments, by name
+            return StructuredOutputsParams(**fields), "structured_outputs"
         except ParamError as e:
             where = "structured_outputs" + (f".{e.field}" if e.field else "")
             raise bad_request("structured_outputs" + str(e).removeprefix("StructuredOutputsParams"), where) from e
