@@ -85,6 +85,7 @@ class StructuredOutputsParams:
 
 @dataclass
 class SamplingParams:
+    n: int = 1  # outputs per prompt (LLM.generate and stream run n requests; with a seed, output i uses seed + i)
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
@@ -122,6 +123,8 @@ class SamplingParams:
         def is_num(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
 
+        if not is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
         if not is_int(self.max_tokens) or self.max_tokens < 0:
             bad("max_tokens", "must be an integer >= 0")
         if not is_num(self.temperature) or self.temperature < 0:

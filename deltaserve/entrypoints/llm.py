@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from deltaserve.config import EngineConfig
 from deltaserve.core.engine import Engine
-from deltaserve.core.outputs import RequestOutput
+from deltaserve.core.outputs import CompletionOutput, RequestOutput
 from deltaserve.entrypoints.chat_tools import chat_completion_output, render_chat_prompt
 from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams, generation_defaults
 from deltaserve.structured import errors
@@ -65,6 +65,9 @@ class LLM:
         # each unfinished request's call's outputs not yet taken (one deque a call: generate, or a stream), so that
         # a step's outputs reach the call that added them, whichever call ran the step
         self._inboxes: dict[str, deque[RequestOutput]] = {}
+        # a prompt of SamplingParams.n > 1 runs as n requests: the first one's id (its outputs' request_id) -> the
+        # other n - 1 ids, so that abort(id) stops them all
+        self._siblings: dict[str, list[str]] = {}
         self._lock = threading.RLock()  # one engine step, add or abort at a time, from whichever thread
         self._closed = False
 
@@ -97,9 +100,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion together (continuous batching); outputs in prompt order. Requests of
-        other calls (a stream, or another thread's generate) run in the same steps."""
-        req_ids, inbox = self._add(prompts, sampling_params)
+        """Run every prompt to completion together (continuous batching); outputs in prompt order, each with
+        SamplingParams.n completions. Requests of other calls (a stream, or another thread's generate) run in the
+        same steps."""
+        families, inbox = self._add(prompts, sampling_params)
+        req_ids = [r for family in families for r in family]
         final: dict[str, RequestOutput] = {}
         try:
             with tqdm(total=len(req_ids), desc="generating", disable=not use_tqdm, unit="req") as bar:
@@ -110,25 +115,37 @@ class LLM:
         except BaseException:
             self._abort_all(req_ids)  # an error or Ctrl-C leaves none of this call's requests in the engine
             raise
-        return [final[r] for r in req_ids]
+        finally:
+            self._forget_families(families)
+        return [merge_family(family, final) for family in families]
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
                sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> OutputStream:
-        """An iterator of this call's requests' cumulative RequestOutputs, one each time a request gains tokens,
-        until all finish. Invalid prompts raise here, at the call, with nothing queued. Closing the stream, or
-        dropping it, aborts the requests it has not finished."""
+        """An iterator of this call's prompts' cumulative RequestOutputs, one each time a prompt's request gains
+        tokens (with SamplingParams.n > 1: all n completions so far, each time one gains), until all finish. Invalid
+        prompts raise here, at the call, with nothing queued. Closing the stream, or dropping it, aborts the
+        requests it has not finished."""
         return OutputStream(self, *self._add(prompts, sampling_params))
 
     def abort(self, request_id: str) -> None:
-        """Stop a request started with stream(); its cache is freed at once, and its stream yields no more of it."""
+        """Stop a request started with stream() (a RequestOutput's request_id: with n > 1, all n completions); its
+        cache is freed at once, and its stream yields no more of it."""
         with self._lock:
-            self._inboxes.pop(request_id, None)
-            self.engine.abort(request_id)
+            req_ids = [request_id, *self._siblings.pop(request_id, ())]
+            for req_id in req_ids:
+                box = self._inboxes.pop(req_id, None)
+                if box:  # outputs a step brought that its call has not taken yet
+                    kept = [o for o in box if o.request_id not in req_ids]
+                    box.clear()
+                    box.extend(kept)
+                self.engine.abort(req_id)
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False, *, tools: list[dict] | None = None,
-             tool_choice: str | dict | None = None, parallel_tool_calls: bool = True) -> RequestOutput:
-        """One chat (a list of {role, content}) through the model's chat template. outputs[0] is a
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False, *,
+             tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+             parallel_tool_calls: bool = True) -> RequestOutput | list[RequestOutput]:
+        """One chat (a list of {role, content}) through the model's chat template, or a list of chats run together
+        (a list of RequestOutput back, in order; sampling_params one for all or one per chat). Each outputs[i] is a
         ChatCompletionOutput: .content and .tool_calls hold the assistant message read from .text. tools are
         OpenAI's, declared to the model; tool_choice "auto" (the default with tools) parses tool calls, "none"
         leaves the whole output as content, "required" or {"type": "function", "function": {"name": ...}} force a
@@ -136,20 +153,26 @@ class LLM:
         tool_calls (one call only with parallel_tool_calls false)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model folder has no tokenizer")
-        prompt = render_chat_prompt(self.tokenizer, messages, tools, tool_choice,
-                                    parallel_tool_calls=parallel_tool_calls)
-        if prompt.forced is not None:
-            if sampling_params is not None and sampling_params.structured_outputs is not None:
-                raise ValueError("tool_choice forces a tool call, which constrains the output, and sampling_params "
-                                 "carries structured_outputs too; send only one of them")
-            sampling_params = replace(sampling_params or self.get_default_sampling_params(),
-                                      structured_outputs=StructuredOutputsParams(json=prompt.forced.schema))
-        output = self.generate([prompt.text], sampling_params, use_tqdm=use_tqdm)[0]
-        output.outputs = [chat_completion_output(c, prompt.parse_tool_calls, prompt.forced) for c in output.outputs]
-        return output
+        batch = isinstance(messages, (list, tuple)) and bool(messages) and all(
+            isinstance(m, (list, tuple)) for m in messages)
+        chats = list(messages) if batch else [messages]
+        params = self._params_per_prompt(sampling_params, len(chats))
+        prompts = [render_chat_prompt(self.tokenizer, chat, tools, tool_choice, parallel_tool_calls=parallel_tool_calls)
+                   for chat in chats]
+        for i, prompt in enumerate(prompts):
+            if prompt.forced is not None:
+                if params[i].structured_outputs is not None:
+                    raise ValueError("tool_choice forces a tool call, which constrains the output, and sampling_params "
+                                     "carries structured_outputs too; send only one of them")
+                params[i] = replace(params[i], structured_outputs=StructuredOutputsParams(json=prompt.forced.schema))
+        outputs = self.generate([p.text for p in prompts], params, use_tqdm=use_tqdm)
+        for output, prompt in zip(outputs, prompts):
+            output.outputs = [chat_completion_output(c, prompt.parse_tool_calls, prompt.forced) for c in output.outputs]
+        return outputs if batch else outputs[0]
 
-    def _add(self, prompts, sampling_params) -> tuple[list[str], deque[RequestOutput]]:
-        """Queue prompts, all or none; their ids and the inbox their outputs go to."""
+    def _add(self, prompts, sampling_params) -> tuple[list[list[str]], deque[RequestOutput]]:
+        """Queue prompts, all or none; each prompt's request ids (n of them: the first is the prompt's id, see
+        merge_family) and the inbox their outputs go to."""
         if self._closed:
             raise RuntimeError("this LLM was shut down; make a new one")
         if isinstance(prompts, (str, dict)):
@@ -158,26 +181,36 @@ class LLM:
             raise TypeError(f"prompts of type {type(prompts).__name__}: pass a string, a {{'prompt_token_ids': "
                             "[...]}} dict, or a list of them")
         prompts = list(prompts)
-        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        elif not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
-            raise TypeError(f"sampling_params of type {type(params).__name__}: pass a SamplingParams, or a list of "
-                            "them (one per prompt)")
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams; pass one, or one per prompt")
+        params = self._params_per_prompt(sampling_params, len(prompts))
         encoded = [self._encode(p) for p in prompts]
         self._compile_grammars(params)
-        req_ids, inbox = [], deque()
+        families, inbox = [], deque()
         with self._lock:
             try:
                 for (text, ids), sp in zip(encoded, params):
-                    req_ids.append(self.engine.add_request(ids, sp, prompt=text))
-                    self._inboxes[req_ids[-1]] = inbox
+                    families.append(family := [])
+                    for i, child in enumerate(fan_out(sp)):  # the first id names the family: later ids derive from it
+                        family.append(self.engine.add_request(ids, child, prompt=text,
+                                                              request_id=f"{i}_{family[0]}" if i else None))
+                        self._inboxes[family[-1]] = inbox
+                    if len(family) > 1:
+                        self._siblings[family[0]] = family[1:]
             except BaseException:
-                self._abort_all(req_ids)  # all or nothing: one rejected prompt leaves none of its batch queued
+                self._abort_all([r for f in families for r in f])  # all or nothing: one rejected prompt leaves
+                self._forget_families(families)                    # none of its batch queued
                 raise
-        return req_ids, inbox
+        return families, inbox
+
+    def _params_per_prompt(self, sampling_params, num_prompts: int) -> list[SamplingParams]:
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
+        if isinstance(params, SamplingParams):
+            return [params] * num_prompts
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError(f"sampling_params of type {type(params).__name__}: pass a SamplingParams, or a list of "
+                            "them (one per prompt)")
+        if len(params) != num_prompts:
+            raise ValueError(f"{num_prompts} prompts but {len(params)} SamplingParams; pass one, or one per prompt")
+        return list(params)
 
     def _outputs(self, req_ids: list[str], inbox: deque[RequestOutput]) -> Iterator[RequestOutput]:
         """req_ids' outputs as the engine steps, until each has finished or was aborted. A step's outputs of other
@@ -205,6 +238,12 @@ class LLM:
     def _forget(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
             self._inboxes.pop(req_id, None)
+
+    def _forget_families(self, families: list[list[str]]) -> None:
+        with self._lock:
+            for family in families:
+                if family:  # empty: its prompt's first request was refused
+                    self._siblings.pop(family[0], None)
 
     def _compile_grammars(self, params: list[SamplingParams]) -> None:
         """Compile every constraint first (in parallel, cached by the engine), so that a bad schema, regex or grammar
@@ -252,13 +291,29 @@ class LLM:
 
 
 class OutputStream:
-    """What LLM.stream returns: an iterator of its own requests' outputs. close(), or dropping it before the end,
-    aborts the requests it has not finished (they would otherwise run on, and a later generate would wait for
-    them)."""
+    """What LLM.stream returns: an iterator of its own prompts' outputs (a prompt of SamplingParams.n > 1: its n
+    completions merged, merge_family). close(), or dropping it before the end, aborts the requests it has not
+    finished (they would otherwise run on, and a later generate would wait for them)."""
 
-    def __init__(self, llm: LLM, req_ids: list[str], inbox: deque[RequestOutput]):
-        self._llm, self.request_ids = llm, req_ids
-        self._outputs = llm._outputs(req_ids, inbox)
+    def __init__(self, llm: LLM, families: list[list[str]], inbox: deque[RequestOutput]):
+        self._llm, self._families = llm, families
+        self.request_ids = [family[0] for family in families]  # one per prompt: its outputs' request_id
+        self._req_ids = [r for family in families for r in family]
+        self._outputs = self._merged(llm._outputs(self._req_ids, inbox))
+
+    def _merged(self, outputs: Iterator[RequestOutput]) -> Iterator[RequestOutput]:
+        family_of = {r: family for family in self._families if len(family) > 1 for r in family}
+        latest: dict[str, RequestOutput] = {}
+        try:
+            for output in outputs:
+                family = family_of.get(output.request_id)
+                if family is None:
+                    yield output
+                else:
+                    latest[output.request_id] = output
+                    yield merge_family(family, latest)
+        finally:
+            self._llm._forget_families(self._families)
 
     def __iter__(self) -> OutputStream:
         return self
@@ -268,10 +323,42 @@ class OutputStream:
 
     def close(self) -> None:
         self._outputs.close()
-        self._llm._abort_all(self.request_ids)
+        self._llm._abort_all(self._req_ids)
 
     def __del__(self):
         try:
             self.close()
         except Exception:  # the interpreter is exiting, or the engine already failed: nothing to free
             pass
+
+
+def fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """The n requests of a prompt whose params ask for n completions: n = 1 each; with a seed, request i uses
+    seed + i (as the server's choices do), so that they differ; prompt logprobs only on the first, whose output
+    carries them."""
+    if params.n == 1:
+        return [params]
+    first = replace(params, n=1)
+    rest = replace(first, prompt_logprobs=None)
+    return [first] + [replace(rest, seed=None if params.seed is None else params.seed + i) for i in range(1, params.n)]
+
+
+def merge_family(family: list[str], outputs: dict[str, RequestOutput]) -> RequestOutput:
+    """One prompt's RequestOutput from its requests' latest outputs (family: their ids, the first naming it):
+    completion i is request i's (empty until it has one), finished once all are; prompt, prompt logprobs and cached
+    tokens are the first request's (or, before it has an output, the first that has one)."""
+    if len(family) == 1:
+        return outputs[family[0]]
+    present = [outputs[r] for r in family if r in outputs]
+    head = outputs.get(family[0], present[0])
+    completions = [replace(outputs[r].outputs[0], index=i) if r in outputs else CompletionOutput(i, "", [])
+                   for i, r in enumerate(family)]
+    finished = len(present) == len(family) and all(o.finished for o in present)
+    metrics = {"arrival_time": min(o.metrics["arrival_time"] for o in present)}
+    first_tokens = [o.metrics["first_token_time"] for o in present if "first_token_time" in o.metrics]
+    if first_tokens:
+        metrics["first_token_time"] = min(first_tokens)
+    if finished:
+        metrics["finish_time"] = max(o.metrics["finish_time"] for o in present)
+    return RequestOutput(family[0], head.prompt, head.prompt_token_ids, completions, finished, head.prompt_logprobs,
+                         metrics, head.num_cached_tokens)
