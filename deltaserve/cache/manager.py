@@ -175,6 +175,29 @@ class CacheManager:
                 return CachedPrefix(block_ids[:num_blocks], slot)
         return CachedPrefix()
 
+    def computing_prompts(self, running: list[Request]) -> list[Request]:
+        """Those of running whose prompt-end snapshot and pages (what a request of the same prompt would reuse) no
+        applied step has cached yet: empty without prefix caching."""
+        if self.prefix_cache is None:
+            return []
+        return [r for r in running if r.num_indexed_blocks < self._prompt_end(r) // self.block_size]
+
+    def awaits_prefix(self, req: Request, hit: CachedPrefix | None, computing: list[Request]) -> bool:
+        """Whether req would find a longer cached prefix than `hit` once one of `computing` (computing_prompts) has
+        computed its prompt: that prompt's prefix up to its snapshot is req's too, and longer than hit. Admitting req
+        now would compute those tokens twice (n completions of one prompt, a burst of requests that repeat one
+        prompt)."""
+        if hit is None or not computing:
+            return False  # no prefix caching, or req asks for prompt logprobs
+        block_hashes = self._block_hashes(req)[: (req.num_tokens - 1) // self.block_size]
+        for other in computing:
+            num_blocks = self._prompt_end(other) // self.block_size
+            # chained hashes: one equal hash means equal blocks up to it
+            if len(hit.block_ids) < num_blocks <= len(block_hashes) \
+                    and self._block_hashes(other)[num_blocks - 1] == block_hashes[num_blocks - 1]:
+                return True
+        return False
+
     def plan_snapshot_saves(self, req: Request, num_tokens: int, lookahead: int = 0) -> list[tuple[int, int, int]]:
         """The snapshot saves of req's step, computing num_tokens from req.num_computed_tokens and then `lookahead`
         decode steps: (state slot, snapshot slot, position) each, in position order, for the runner to copy req's

@@ -3,8 +3,8 @@
 Each step has a budget of max_num_batched_tokens tokens. Running requests are served first, in admission order,
 each min(tokens it has left, budget left): one token for a decode, a chunk of an unfinished prompt, so prefill
 chunks and decodes share a step and a long prompt spans steps. Then waiting requests are admitted first come,
-first served while budget, a KDA state slot (max_num_seqs) and MLA pages remain; the head of the queue is never
-skipped (no starvation), and nothing is admitted in a step that preempted (it would only thrash).
+first served while budget, a KDA state slot (max_num_seqs) and MLA pages remain; a request that waits for pages
+is never passed over (no starvation), and nothing is admitted in a step that preempted (it would only thrash).
 
 Preemption (recompute). When a running request cannot get the pages for its tokens, the most recently admitted
 running request (the tail of `running`) is preempted: its pages and slot freed, num_computed_tokens back to 0, it
@@ -15,9 +15,12 @@ alone it fits, since add_request rejects a request whose longest sequence needs 
 
 Prefix caching (CacheManager's docstring has the rules). A waiting request is admitted with its longest cached
 prefix: its pages (shared, ref counted) and num_computed_tokens = the prefix's tokens; NewRequestData names the
-KDA snapshot the runner restores into its slot. SchedulerOutput.snapshot_saves asks the runner to copy a request's
-state once it has computed a snapshot's position: inside the step's chunk (the KDA layers split their pass there),
-at its end, or after the lookahead step that reaches it. A preempted request's full pages stay cached.
+KDA snapshot the runner restores into its slot. A waiting request whose cached prefix a running request's prompt
+will lengthen (the same prompt, or one it begins with: n completions, a burst of one prompt) is passed over until
+that prompt's pages and snapshot are cached, and then admitted before those behind it, so those tokens are
+computed once; it waits at most that prompt's prefill. SchedulerOutput.snapshot_saves asks the runner to copy a
+request's state once it has computed a snapshot's position: inside the step's chunk (the KDA layers split their pass
+there), at its end, or after the lookahead step that reaches it. A preempted request's full pages stay cached.
 
 Length limits (as vLLM): a prompt of max_model_len tokens or more is rejected; generation finishes with 'length'
 at max_model_len tokens (or max_tokens outputs).
@@ -212,17 +215,23 @@ class Scheduler:
         return new_block_ids, preempted
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting requests first come, first served while budget, slots and pages allow."""
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        """Admit waiting requests first come, first served while budget, slots and pages allow, passing over those
+        that wait for a running request's prompt (module docstring, Prefix caching)."""
+        computing = self.cache.computing_prompts(self.running)
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
             if req.num_pending_outputs:
                 break  # preempted while its last step ran: it starts again from all its tokens once that is applied
             hit = self.cache.find_cached_prefix(req)
+            if self.cache.awaits_prefix(req, hit, computing):
+                i += 1
+                continue
             start = len(hit.block_ids) * self.cache.block_size if hit else 0
             num_tokens = self._num_new_tokens(req, start, budget)
             if self.cache.allocate_slots(req, num_tokens, hit) is None:
-                break  # the head waits for pages; admitting later ones past it could starve it
-            self.waiting.popleft()
+                break  # the first admissible request waits for pages; admitting later ones past it could starve it
+            del self.waiting[i]
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             if req.num_preemptions == 0:
@@ -234,6 +243,7 @@ class Scheduler:
             ))
             self._schedule_tokens(out, req, num_tokens, 0)
             budget -= num_tokens
+            computing.extend(self.cache.computing_prompts([req]))
 
     def _lookahead(self) -> int:
         """Lookahead tokens for every running request this step (module docstring, Lookahead); 0 for none."""

@@ -137,15 +137,39 @@ def test_a_hit_skips_the_prefill_of_the_cached_prefix(make_llm):
     assert scheduled == len(follow_up) - 64 + 5 - 1, "only the uncached tokens and the decodes were computed"
 
 
-def test_requests_admitted_together_share_nothing_until_their_pages_are_computed(make_llm):
-    (prompt,) = random_prompts((50,), seed=5)
+def test_a_request_of_a_prompt_being_computed_waits_for_it_and_reuses_its_pages(make_llm):
+    """Two requests of one prompt queued together: the second waits until the first's prompt is cached and then
+    computes only its last partial block; a request of another prompt queued between them is not held up."""
+    prompt, other = random_prompts((50, 30), seed=5)
     params = greedy(4)
     llm = make_llm(enable_prefix_caching=True)
-    together = llm.generate(as_inputs([prompt, prompt]), params, use_tqdm=False)
-    assert [o.num_cached_tokens for o in together] == [0, 0]
-    assert llm.engine.prefix_cache_stats.num_cached_blocks == 3, "one copy of each computed block is indexed"
+    steps = record_steps(llm)
+    together = llm.generate(as_inputs([prompt, other, prompt]), params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in together] == [0, 0, 48]
+    first, second, third = (o.request_id for o in together)
+    assert [r.req_id for r in steps[0].new_reqs] == [first, second], "the repeat waits, the other prompt does not"
+    admitted = next(i for i, s in enumerate(steps) if third in {r.req_id for r in s.new_reqs})
+    assert admitted <= 2 and steps[admitted].num_scheduled_tokens[third] == 2
+    assert llm.engine.prefix_cache_stats.num_cached_blocks == 3 + 2, "one copy of each computed block is indexed"
     later = llm.generate(as_inputs([prompt]), params, use_tqdm=False)[0]
-    assert later.num_cached_tokens == 48 and token_ids([later]) == token_ids(together[:1]) == token_ids(together[1:])
+    assert later.num_cached_tokens == 48
+    assert token_ids([later]) == token_ids(together[:1]) == token_ids(together[2:])
+    with make_llm(enable_prefix_caching=False) as plain:
+        assert token_ids(plain.generate(as_inputs([prompt, other, prompt]), params, use_tqdm=False)) == \
+            token_ids(together)
+
+
+def test_a_prompt_that_begins_with_a_computing_prompt_waits_for_its_snapshot(make_llm):
+    """A request whose prompt extends a running request's prompt waits for that prompt's snapshot; a request that
+    asks for prompt logprobs (which a hit would skip) does not wait."""
+    (prompt,) = random_prompts((40,), seed=6)
+    llm = make_llm(enable_prefix_caching=True)
+    longer = prompt + [3, 4, 5, 6, 7, 8, 9, 10]
+    outs = llm.generate(as_inputs([prompt, longer, longer]), [greedy(3), greedy(3),
+                                                                SamplingParams(max_tokens=3, temperature=0,
+                                                                               ignore_eos=True, prompt_logprobs=0)],
+                        use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 0]
 
 
 def test_preempted_requests_come_back_through_their_cached_prefix(make_llm):
