@@ -502,6 +502,9 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ParamError("stop strings need a tokenizer and this model folder has none; "
                              "use stop_token_ids instead", "stop")
+        if params.n != 1:
+            raise ParamError(f"SamplingParams.n = {params.n}: an engine request is one sequence; LLM.generate runs "
+                             "n requests for it (deltaserve.entrypoints.llm.fan_out), or add n requests", "n")
 
     def _advance_grammar(self, req: Request, new_ids: list[int]) -> list[int]:
         """Move a constrained request's matcher over its new tokens; returns those it took. A token its grammar

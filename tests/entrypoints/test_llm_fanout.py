@@ -117,3 +117,10 @@ def test_chat_over_a_list_of_conversations_runs_them_together(make_llm):
     assert all(isinstance(c, ChatCompletionOutput) for c in per_chat[1].outputs)
     with pytest.raises(ValueError, match="2 prompts but 3 SamplingParams"):
         llm.chat(chats, [greedy] * 3)
+
+
+def test_the_engine_refuses_n_it_would_not_honour(make_llm):
+    llm = make_llm()
+    with pytest.raises(ParamError, match="n = 2: an engine request is one sequence") as e:
+        llm.engine.add_request([1, 2, 3], SamplingParams(n=2))
+    assert e.value.field == "n" and not llm.engine.scheduler.requests
