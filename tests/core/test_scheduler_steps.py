@@ -170,16 +170,22 @@ def test_pools_refill_after_lookahead_aborts_and_tight_pages(ahead):
 
 
 @pytest.mark.parametrize("steps", [1, 4])
-@pytest.mark.parametrize("snapshots", [0, 8])
-def test_steps_in_flight_give_the_outcome_of_synchronous_steps(steps, snapshots):
+@pytest.mark.parametrize("snapshots, shared", [(0, True), (8, False), (8, True)])
+def test_steps_in_flight_give_the_outcome_of_synchronous_steps(steps, snapshots, shared):
     """Mixed prompts (chunked by the budget), stops, limits, more requests than slots, aborts, and a cache small
-    enough to preempt: the same tokens, finish reasons and full pools, with or without a step in flight."""
+    enough to preempt: the same tokens, finish reasons and full pools, with or without a step in flight. shared:
+    the prompts are 1..len, each beginning with the shorter ones, so that with prefix caching (snapshots) a request
+    waits for a running one's prompt; else each request has prompt ids of its own (nothing waits, and the cache
+    preempts)."""
     def requests():
-        return [greedy("a", prompt_len=6, max_tokens=11, ignore_eos=True),
+        reqs = [greedy("a", prompt_len=6, max_tokens=11, ignore_eos=True),
                 greedy("b", prompt_len=19, max_tokens=30),
                 greedy("c", prompt_len=9, max_tokens=17, ignore_eos=True),
                 greedy("d", prompt_len=3, max_tokens=25, ignore_eos=True),
                 greedy("e", prompt_len=14, max_tokens=20, ignore_eos=True)]
+        for i, req in enumerate(reqs if not shared else ()):
+            req.prompt_token_ids = [t + 100 * (i + 1) for t in req.prompt_token_ids]  # never EOS (99)
+        return reqs
 
     tokens = {r: stream(40, 1000 * (i + 1)) for i, r in enumerate("abcde")}
     tokens["b"][13] = EOS
@@ -190,7 +196,10 @@ def test_steps_in_flight_give_the_outcome_of_synchronous_steps(steps, snapshots)
         reqs = requests()
         run(sched, reqs, tokens, ahead, between=lambda i: i == 9 and sched.abort_request("d"))
         results.append([(r.output_token_ids, r.finish_reason) for r in reqs])
-        assert sched.num_preemptions > 0
+        if snapshots and shared:
+            assert sum(r.num_cached_tokens for r in reqs) > 0
+        else:
+            assert sched.num_preemptions > 0
     assert results[0] == results[1]
 
 
