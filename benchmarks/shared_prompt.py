@@ -1,11 +1,13 @@
-"""Requests that repeat a prompt while it is being computed: prefill tokens computed, wall time and TTFT, for the
-scheduler that holds a repeat until the first copy's prompt is cached, against the same engine without that hold
-(the schedule before it: every copy computes the whole prompt) and with prefix caching off.
+"""Requests that share a prompt or its beginning: prefill tokens computed, wall time and TTFT, for the scheduler
+that shares them (a request waits while a running one computes the state it would reuse, and saves a snapshot where
+its prompt parts from a cached one), against the same engine without either (the schedule before them) and with
+prefix caching off.
 
-Three workloads, each queued at once on a fresh engine after a warm-up:
+Three workloads of N requests queued at once, on fresh prompts each run, after a warm-up:
   n       one prompt with SamplingParams(n=N): N requests of one prompt (what LLM.generate and the server's `n` run)
   burst   N requests of one prompt (clients that send the same prompt together)
-  system  N requests of one shared system prompt, each with its own user message (nothing to hold: the control)
+  system  N requests of one system prompt, each with its own 40-token message, queued after one such request ran
+          alone (a server's steady traffic: the system prompt's pages are cached, no snapshot inside it)
 
     python benchmarks/shared_prompt.py                        # the bundled demo model, CPU, float32, 1 thread
 
@@ -31,7 +33,15 @@ from deltaserve.core.engine import Engine
 from deltaserve.entrypoints.llm import engine_arguments
 from deltaserve.sampling_params import SamplingParams
 
-SETTINGS = ("caching off", "caching, no hold", "caching, hold")
+SETTINGS = ("caching off", "caching, before", "caching, now")
+
+
+def no_branch(find):
+    """find_cached_prefix without branches (the cache before them)."""
+    def found(self, req):
+        hit = find(self, req)
+        return None if hit is None else replace(hit, branch_blocks=0)
+    return found
 
 
 def workload(kind: str, vocab: int, copies: int, prompt_len: int, seed: int) -> list[list[int]]:
@@ -46,6 +56,10 @@ def workload(kind: str, vocab: int, copies: int, prompt_len: int, seed: int) -> 
 def run(engine: Engine, prompts: list[list[int]], kind: str, output_len: int) -> dict:
     """Queue every prompt at once and step to the end: tokens computed, wall time, TTFT per request."""
     params = SamplingParams(max_tokens=output_len, temperature=0.8, seed=1, ignore_eos=True)
+    if kind == "system":  # one alone first: the system prompt's pages cached, as a running server has them
+        engine.add_request(prompts[0][:-40] + prompts[0][-40:][::-1], params)
+        while engine.has_unfinished_requests():
+            engine.step()
     before = {k: t.tokens for k, t in engine.step_totals.items()}
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):  # n: seed + i per request, as LLM.generate fans out SamplingParams(n=...)
@@ -76,9 +90,11 @@ def main() -> None:
     for setting in SETTINGS:
         model, config = engine_arguments(args.model, device=args.device, max_model_len=args.prompt_len + 64,
                                          enable_prefix_caching=setting != "caching off")
-        hold = mock.patch.object(CacheManager, "awaits_prefix", lambda *a: False) if setting == "caching, no hold" \
-            else mock.patch.object(CacheManager, "awaits_prefix", CacheManager.awaits_prefix)
-        with hold:
+        before = setting == "caching, before"
+        with mock.patch.object(CacheManager, "awaits_prefix", (lambda *a: False) if before
+                               else CacheManager.awaits_prefix), \
+                mock.patch.object(CacheManager, "find_cached_prefix", no_branch(CacheManager.find_cached_prefix)
+                                  if before else CacheManager.find_cached_prefix):
             engine = Engine(model, config)
             vocab = engine.model_config.vocab_size
             run(engine, workload("burst", vocab, 2, 200, seed=0), "burst", 4)  # warm-up

@@ -5,12 +5,14 @@ the scheduler and the runner read one source of truth. A request needs ceil((num
 / block_size) pages after a step; its state slot is taken on the first allocation and kept until free().
 
 With prefix caching (num_snapshot_slots > 0) pages are shared by reference count through a PrefixCache, and copies
-of the KDA state are kept in a SnapshotCache at two positions of each request:
+of the KDA state are kept in a SnapshotCache at up to three positions of each request:
 - the last block boundary before its prompt's last token, published as soon as it is saved, for the next turn of
   a chat and for repeats of the prompt (a hit leaves at least one token to compute, so a snapshot at the very end
   of a whole-block prompt could serve no repeat of it);
 - the last full block boundary its computed tokens have reached: a rolling snapshot held privately (one slot,
-  overwritten at each boundary), published when the request finishes, is preempted or aborted.
+  overwritten at each boundary), published when the request finishes, is preempted or aborted;
+- where its prompt parts from a cached sequence that has no snapshot there (CachedPrefix.branch_blocks: requests
+  that share a system prompt and then differ), published as soon as it is saved: its first chunk ends there.
 plan_snapshot_saves names the slot and the position after which the runner copies the state, which may lie inside
 a step's chunk: the runner's KDA layers then split their pass there (forward_batch.SnapshotSplit), so that a chunk is
 never cut short for a snapshot. Pages and snapshots enter the indexes only once the step that computed them is
@@ -40,6 +42,10 @@ class CachedPrefix:
 
     block_ids: list[int] = field(default_factory=list)
     snapshot_slot: int | None = None
+    # where the request's tokens part from a cached sequence's with no snapshot there (a shared system prompt):
+    # blocks past block_ids whose pages are cached. Its first chunk ends there and saves a shared snapshot, which
+    # later requests that begin the same way restore. 0: none (or no snapshot slot to save it in)
+    branch_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,7 @@ class CacheManager:
         self.snapshots = SnapshotCache(num_snapshot_slots) if caching else None
         self._writes: dict[str, list[_SnapshotWrite]] = {}  # snapshot saves scheduled and not yet applied, by request
         self._rolling: dict[str, _SnapshotWrite] = {}  # running requests' private snapshots at their last boundary
+        self._branches: dict[str, int] = {}  # admitted requests' branch positions, until their save is planned
         self._pinned: list[int] = []  # snapshot slots restored from in this step
         self._lookups = _Lookups()
 
@@ -141,6 +148,8 @@ class CacheManager:
             return None
         if hit is not None:
             self._take_hit(req, hit)
+            if hit.branch_blocks:
+                self._branches[req.req_id] = hit.branch_blocks * self.block_size
         if req.state_slot is None:
             req.state_slot = self.state_pool.allocate()
         new_block_ids = (self.prefix_cache or self.block_pool).allocate(self.blocks_needed(req, num_new_tokens))
@@ -153,6 +162,7 @@ class CacheManager:
         if self.prefix_cache is None:
             self.block_pool.free(req.block_ids)
         else:
+            self._branches.pop(req.req_id, None)
             self._publish_rolling(req)
             self.prefix_cache.release(req.block_ids)
             req.num_indexed_blocks = 0
@@ -169,33 +179,43 @@ class CacheManager:
             return None
         block_hashes = self._block_hashes(req)[: (req.num_tokens - 1) // self.block_size]
         block_ids = self.prefix_cache.lookup(block_hashes)
-        for num_blocks in range(len(block_ids), 0, -1):
-            slot = self.snapshots.get(block_hashes[num_blocks - 1])
-            if slot is not None:
-                return CachedPrefix(block_ids[:num_blocks], slot)
-        return CachedPrefix()
+        for num_blocks in range(len(block_ids), -1, -1):
+            slot = self.snapshots.get(block_hashes[num_blocks - 1]) if num_blocks else None
+            if slot is not None or num_blocks == 0:
+                # a branch: cached pages past the snapshot, short of the prompt's own snapshot (which serves there)
+                branch = len(block_ids) > num_blocks and len(block_ids) * self.block_size < self._prompt_end(req) \
+                    and self.snapshots.num_available > 0
+                return CachedPrefix(block_ids[:num_blocks], slot, len(block_ids) if branch else 0)
 
     def computing_prompts(self, running: list[Request]) -> list[Request]:
-        """Those of running whose prompt-end snapshot and pages (what a request of the same prompt would reuse) no
-        applied step has cached yet: empty without prefix caching."""
+        """Those of running that will publish a shared snapshot (with its pages) that no applied step has cached yet:
+        at their prompt's end, or at a branch. Empty without prefix caching."""
         if self.prefix_cache is None:
             return []
-        return [r for r in running if r.num_indexed_blocks < self._prompt_end(r) // self.block_size]
+        return [r for r in running if self._shares_to_come(r)]
+
+    def _shares_to_come(self, req: Request) -> list[int]:
+        """The positions of req's shared snapshots still to be computed: its prompt end unless its pages there are
+        indexed, and its planned saves (a branch)."""
+        planned = [w.position for w in self._writes.get(req.req_id, ()) if w.shared]
+        prompt_end = self._prompt_end(req)
+        return planned + [prompt_end] if req.num_indexed_blocks < prompt_end // self.block_size else planned
 
     def awaits_prefix(self, req: Request, hit: CachedPrefix | None, computing: list[Request]) -> bool:
         """Whether req would find a longer cached prefix than `hit` once one of `computing` (computing_prompts) has
-        computed its prompt: that prompt's prefix up to its snapshot is req's too, and longer than hit. Admitting req
-        now would compute those tokens twice (n completions of one prompt, a burst of requests that repeat one
-        prompt)."""
+        saved a shared snapshot: the tokens up to it are req's too, and longer than hit. Admitting req now would
+        compute those tokens twice (n completions of one prompt, a burst of requests that repeat one prompt or
+        begin with one system prompt)."""
         if hit is None or not computing:
             return False  # no prefix caching, or req asks for prompt logprobs
         block_hashes = self._block_hashes(req)[: (req.num_tokens - 1) // self.block_size]
         for other in computing:
-            num_blocks = self._prompt_end(other) // self.block_size
-            # chained hashes: one equal hash means equal blocks up to it
-            if len(hit.block_ids) < num_blocks <= len(block_hashes) \
-                    and self._block_hashes(other)[num_blocks - 1] == block_hashes[num_blocks - 1]:
-                return True
+            for position in self._shares_to_come(other):
+                num_blocks = position // self.block_size
+                # chained hashes: one equal hash means equal blocks up to it
+                if len(hit.block_ids) < num_blocks <= len(block_hashes) \
+                        and self._block_hashes(other)[num_blocks - 1] == block_hashes[num_blocks - 1]:
+                    return True
         return False
 
     def plan_snapshot_saves(self, req: Request, num_tokens: int, lookahead: int = 0) -> list[tuple[int, int, int]]:
@@ -211,6 +231,9 @@ class CacheManager:
             return []
         saves = []
         start, chunk_end = req.num_computed_tokens, req.num_computed_tokens + num_tokens
+        branch = self._branches.pop(req.req_id, None)  # its first chunk ends there (the scheduler cuts it)
+        if branch is not None and start < branch == chunk_end and self._unpublished(req, branch):
+            return [self._plan_write(req, self.snapshots.allocate(), branch, True)]
         shared = self._prompt_end(req)
         shared_inside = False
         if start < shared <= chunk_end and self._wants_snapshot(req, shared):
@@ -305,9 +328,13 @@ class CacheManager:
     def _wants_snapshot(self, req: Request, position: int) -> bool:
         """Whether a save at position is needed (none there yet, for the shared one) and has a slot to go to."""
         if position == self._prompt_end(req):
-            published = self.snapshots.get(self._block_hashes(req)[position // self.block_size - 1])
-            return published is None and self.snapshots.num_available > 0
+            return self._unpublished(req, position)
         return self._rolling_slot(req.req_id) is not None or self.snapshots.num_available > 0
+
+    def _unpublished(self, req: Request, position: int) -> bool:
+        """Whether no snapshot is published at req's block boundary `position` and a slot is free to save one."""
+        published = self.snapshots.get(self._block_hashes(req)[position // self.block_size - 1])
+        return published is None and self.snapshots.num_available > 0
 
     def _publish_rolling(self, req: Request) -> None:
         """req leaves: its saves not made yet are dropped (their slots hold nothing usable), and its rolling snapshot

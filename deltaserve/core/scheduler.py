@@ -229,6 +229,8 @@ class Scheduler:
                 continue
             start = len(hit.block_ids) * self.cache.block_size if hit else 0
             num_tokens = self._num_new_tokens(req, start, budget)
+            if hit and hit.branch_blocks:  # the first chunk ends where req parts from a cached sequence
+                num_tokens = min(num_tokens, hit.branch_blocks * self.cache.block_size - start)
             if self.cache.allocate_slots(req, num_tokens, hit) is None:
                 break  # the first admissible request waits for pages; admitting later ones past it could starve it
             del self.waiting[i]

@@ -159,6 +159,51 @@ def test_a_request_of_a_prompt_being_computed_waits_for_it_and_reuses_its_pages(
             token_ids(together)
 
 
+def test_prompts_that_share_a_system_prompt_share_its_state_from_the_second_on(make_llm):
+    """A prompt that parts from a cached one where no snapshot is (a shared system prompt, then its own message)
+    computes its first chunk up to there and saves a snapshot, which the next such prompt restores; one queued
+    with it waits for that snapshot. The tokens are those of an engine without caching."""
+    system, *messages = random_prompts((45, 9, 9, 9, 9), seed=7)
+    prompts = [system + m for m in messages]
+    params = greedy(3)
+    llm = make_llm(enable_prefix_caching=True)
+    steps = record_steps(llm)
+    first, second = llm.generate(as_inputs(prompts[:1]), params, use_tqdm=False) + llm.generate(
+        as_inputs(prompts[1:2]), params, use_tqdm=False)
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 0), "no snapshot inside the system prompt yet"
+    (admitted,) = [s for s in steps if second.request_id in {n.req_id for n in s.new_reqs}]
+    assert admitted.num_scheduled_tokens[second.request_id] == 32, "its first chunk ends where it parts"
+    assert any(position == 32 for _, _, position in admitted.snapshot_saves)
+    together = llm.generate(as_inputs(prompts[2:]), params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in together] == [32, 32]
+    with make_llm(enable_prefix_caching=False) as plain:
+        assert token_ids(plain.generate(as_inputs(prompts), params, use_tqdm=False)) == token_ids(
+            [first, second, *together])
+
+
+def test_a_request_queued_with_a_branching_one_waits_for_its_snapshot(make_llm):
+    system, *messages = random_prompts((45, 9, 9, 9), seed=8)
+    llm = make_llm(enable_prefix_caching=True)
+    llm.generate(as_inputs([system + messages[0]]), greedy(2), use_tqdm=False)
+    outs = llm.generate(as_inputs([system + m for m in messages[1:]]), greedy(2), use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0, 32]
+
+
+def test_no_branch_where_the_prompts_own_snapshot_serves_or_no_slot_is_free(make_llm):
+    """The cut costs a step: none where the cached pages reach the prompt's own snapshot position (its prompt-end
+    save serves there), and none when every snapshot slot is taken."""
+    system, tail, other = random_prompts((45, 9, 9), seed=9)
+    llm = make_llm(enable_prefix_caching=True)
+    llm.generate(as_inputs([system + tail]), greedy(2), use_tqdm=False)
+    cache = llm.engine.scheduler.cache
+    assert cache.find_cached_prefix(Request("a", system + other, greedy(1))).branch_blocks == 2
+    assert cache.find_cached_prefix(Request("b", system[:40], greedy(1))).branch_blocks == 0  # its prompt end: 32
+    taken = [cache.snapshots.allocate() for _ in range(cache.snapshots.num_available)]
+    assert cache.find_cached_prefix(Request("c", system + other, greedy(1))).branch_blocks == 0
+    for slot in taken:
+        cache.snapshots.discard(slot)
+
+
 def test_a_prompt_that_begins_with_a_computing_prompt_waits_for_its_snapshot(make_llm):
     """A request whose prompt extends a running request's prompt waits for that prompt's snapshot; a request that
     asks for prompt logprobs (which a hit would skip) does not wait."""
@@ -184,9 +229,13 @@ def test_preempted_requests_come_back_through_their_cached_prefix(make_llm):
     got = run_chats(on, openings, users, end, params)
     assert_same_turns(got, expected)
     assert on.engine.scheduler.num_preemptions > 0
-    resumed = [n for s in steps for n in s.new_reqs if n.num_computed_tokens > 0 and n.num_prompt_tokens < len(
-        n.token_ids)]
-    assert resumed, "no preempted request was re-admitted from a cached prefix"
+    admissions = [n for s in steps for n in s.new_reqs]
+    first = {}
+    for n in admissions:
+        first.setdefault(n.req_id, n)
+    resumed = [n for n in admissions
+               if n is not first[n.req_id] and n.num_computed_tokens > first[n.req_id].num_computed_tokens]
+    assert resumed, "no preempted request was re-admitted from a cached prefix longer than it first had"
     assert on.engine.prefix_cache_stats.num_block_evictions > 0
 
 
