@@ -187,6 +187,12 @@ class CacheManager:
                     and self.snapshots.num_available > 0
                 return CachedPrefix(block_ids[:num_blocks], slot, len(block_ids) if branch else 0)
 
+    def branch_cut(self, req: Request, num_tokens: int) -> int:
+        """num_tokens for req's next chunk, cut to end at its branch (CachedPrefix.branch_blocks) until one reaches
+        it: the chunk that saves a snapshot there ends there (a step's budget may end an earlier one short of it)."""
+        branch = self._branches.get(req.req_id)
+        return num_tokens if branch is None else min(num_tokens, branch - req.num_computed_tokens)
+
     def computing_prompts(self, running: list[Request]) -> list[Request]:
         """Those of running that will publish a shared snapshot (with its pages) that no applied step has cached yet:
         at their prompt's end, or at a branch. Empty without prefix caching."""
@@ -231,9 +237,11 @@ class CacheManager:
             return []
         saves = []
         start, chunk_end = req.num_computed_tokens, req.num_computed_tokens + num_tokens
-        branch = self._branches.pop(req.req_id, None)  # its first chunk ends there (the scheduler cuts it)
-        if branch is not None and start < branch == chunk_end and self._unpublished(req, branch):
-            return [self._plan_write(req, self.snapshots.allocate(), branch, True)]
+        branch = self._branches.get(req.req_id)  # a chunk ends there (branch_cut)
+        if branch is not None and chunk_end >= branch:
+            del self._branches[req.req_id]
+            if start < branch == chunk_end and self._unpublished(req, branch):
+                return [self._plan_write(req, self.snapshots.allocate(), branch, True)]
         shared = self._prompt_end(req)
         shared_inside = False
         if start < shared <= chunk_end and self._wants_snapshot(req, shared):

@@ -190,7 +190,7 @@ class Scheduler:
             if self._ends_in_flight(req):
                 index += 1  # it finishes when its steps in flight are applied
                 continue
-            num_tokens = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            num_tokens = self.cache.branch_cut(req, self._num_new_tokens(req, req.num_computed_tokens, budget))
             new_block_ids, preempted_any = self._allocate_or_preempt(req, num_tokens + lookahead)
             preempted = preempted or preempted_any
             if new_block_ids is None:

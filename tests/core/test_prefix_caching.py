@@ -5,6 +5,8 @@ page free or cached-unreferenced and every snapshot slot free or cached (the mak
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from helpers.engine import SAMPLING_KINDS, as_inputs, assert_same_logprobs, random_prompts, token_ids
 from scheduler_harness import step
@@ -187,6 +189,20 @@ def test_a_request_queued_with_a_branching_one_waits_for_its_snapshot(make_llm):
     llm.generate(as_inputs([system + messages[0]]), greedy(2), use_tqdm=False)
     outs = llm.generate(as_inputs([system + m for m in messages[1:]]), greedy(2), use_tqdm=False)
     assert [o.num_cached_tokens for o in outs] == [0, 32]
+
+
+@pytest.mark.parametrize("budget", [8, 24])
+def test_a_branch_beyond_a_steps_budget_is_reached_by_a_later_chunk(make_llm, budget):
+    """A step's budget ends the first chunk short of the branch (or past a block boundary before it): the chunks
+    after it are cut to end there, and the snapshot is saved."""
+    system, *messages = random_prompts((45, 9, 9, 9), seed=10)
+    llm = make_llm(enable_prefix_caching=True, max_num_batched_tokens=budget)
+    steps = record_steps(llm)
+    outs = [llm.generate(as_inputs([system + m]), greedy(2), use_tqdm=False)[0] for m in messages]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 32]
+    rid = outs[1].request_id
+    chunks = [s.num_scheduled_tokens[rid] for s in steps if rid in s.num_scheduled_tokens]
+    assert 32 in itertools.accumulate(chunks), f"no chunk ended at the branch: {chunks}"
 
 
 def test_no_branch_where_the_prompts_own_snapshot_serves_or_no_slot_is_free(make_llm):
