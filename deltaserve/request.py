@@ -49,6 +49,15 @@ class Request:
         self.stop_token_set = frozenset(self.sampling_params.stop_token_ids)
 
     @property
+    def min_tokens_stop_ids(self) -> tuple[int, ...]:
+        """The ids its first min_tokens outputs may not be (the sampler masks them): those that would end it, its eos
+        ids (unless ignore_eos) and stop_token_ids; () without min_tokens."""
+        params = self.sampling_params
+        if params.min_tokens == 0:
+            return ()
+        return tuple(sorted(set(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)))
+
+    @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

@@ -87,6 +87,8 @@ class StructuredOutputsParams:
 class SamplingParams:
     n: int = 1  # outputs per prompt (LLM.generate and stream run n requests; with a seed, output i uses seed + i)
     max_tokens: int = 16
+    # outputs before EOS, stop_token_ids or a stop string may end it (vLLM's); max_tokens and max_model_len still do
+    min_tokens: int = 0
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = off
@@ -127,6 +129,9 @@ class SamplingParams:
             bad("n", "must be an integer >= 1")
         if not is_int(self.max_tokens) or self.max_tokens < 0:
             bad("max_tokens", "must be an integer >= 0")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", f"must be an integer in [0, max_tokens = {self.max_tokens}]; lower it or raise "
+                "max_tokens")
         if not is_num(self.temperature) or self.temperature < 0:
             bad("temperature", "must be a number >= 0 (0 means greedy)")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:

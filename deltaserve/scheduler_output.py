@@ -21,6 +21,7 @@ class NewRequestData:
     state_slot: int
     num_computed_tokens: int = 0  # > 0 only when a cached prefix was restored
     restore_snapshot_slot: int | None = None  # with a cached prefix: the KDA snapshot to copy into state_slot
+    min_tokens_stop_ids: tuple[int, ...] = ()  # Request.min_tokens_stop_ids: masked until min_tokens outputs
 
 
 @dataclass

@@ -188,7 +188,7 @@ class Engine:
         req = Request(req_id, list(prompt_token_ids), params, self.eos_token_ids)
         detok = None if self.tokenizer is None else IncrementalDetokenizer(  # before the queue: it checks stop
             self.tokenizer, prompt_token_ids, skip_special_tokens=True, stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output)
+            include_stop_str_in_output=params.include_stop_str_in_output, min_tokens=params.min_tokens)
         if params.structured_outputs is None:
             self.scheduler.add_request(req)
         else:
@@ -220,6 +220,9 @@ class Engine:
                              "the grammar's mask; use tensor_parallel_size 1")
         if req.sampling_params.ignore_eos:
             raise ValueError("ignore_eos cannot go with structured outputs: the output ends where its grammar does")
+        if req.sampling_params.min_tokens:  # a grammar may allow only EOS, which min_tokens masks
+            raise ParamError(f"min_tokens = {req.sampling_params.min_tokens} cannot go with structured outputs: the "
+                             "output ends where its grammar does; leave min_tokens at 0", "min_tokens")
         if req.req_id in self._compiling:
             raise ValueError(f"request id {req.req_id!r} is already in the engine; give each request a unique id")
         self.scheduler.check_admissible(req)

@@ -241,7 +241,7 @@ class Scheduler:
             out.new_reqs.append(NewRequestData(
                 req.req_id, req.all_token_ids, req.num_prompt_tokens, req.sampling_params,
                 list(req.block_ids), req.state_slot, req.num_computed_tokens,
-                hit.snapshot_slot if hit else None,
+                hit.snapshot_slot if hit else None, req.min_tokens_stop_ids,
             ))
             self._schedule_tokens(out, req, num_tokens, 0)
             budget -= num_tokens
@@ -335,13 +335,15 @@ class Scheduler:
         return new_token_ids, None
 
     def _stop_status(self, req: Request, token_id: int) -> RequestStatus | None:
-        """Why req ends after token_id, or None. A stop token wins over a length limit hit at the same token."""
+        """Why req ends after token_id, or None. A stop token wins over a length limit hit at the same token; no stop
+        token ends it among its first min_tokens outputs (the sampler masks them there; this guards the host's side)."""
         params = req.sampling_params
-        if not params.ignore_eos and token_id in req.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED  # stop_reason stays None for eos, as in vLLM and OpenAI
-        if token_id in req.stop_token_set:
-            req.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) > params.min_tokens:
+            if not params.ignore_eos and token_id in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED  # stop_reason stays None for eos, as in vLLM and OpenAI
+            if token_id in req.stop_token_set:
+                req.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

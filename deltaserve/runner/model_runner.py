@@ -319,7 +319,7 @@ class ModelRunner:
         for new in sched.new_reqs:
             self.requests[new.req_id] = RequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params, list(new.block_ids),
-                new.state_slot, new.num_computed_tokens)
+                new.state_slot, new.num_computed_tokens, new.min_tokens_stop_ids)
             if new.restore_snapshot_slot is not None:
                 restores.append((new.restore_snapshot_slot, new.state_slot))
             elif new.num_computed_tokens == 0:

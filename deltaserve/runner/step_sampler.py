@@ -9,6 +9,7 @@ import torch
 
 from deltaserve.kernels import sampling
 from deltaserve.kernels.sampling import SampledLogprobs, build_sampling_metadata, plain_greedy, row_generators
+from deltaserve.kernels.varlen import to_device
 from deltaserve.runner.logprobs import sampled_logprobs
 from deltaserve.runner_output import RunnerOutput
 from deltaserve.sampling_params import SamplingParams
@@ -25,6 +26,7 @@ class RequestState:
     block_ids: list[int]
     state_slot: int
     num_computed_tokens: int
+    min_tokens_stop_ids: tuple[int, ...] = ()  # masked while it has fewer than min_tokens outputs
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -56,7 +58,8 @@ class StepSampler:
     lookahead: penalties and a grammar's mask read the outputs the host has, which the scheduler guarantees are all
     of them for a request that has either (SamplingParams.samples_from_outputs); seeded rows draw from generators
     seeded by their token's output number, counted from positions, so a step whose previous tokens are still in
-    flight draws what single synchronous steps would."""
+    flight draws what single synchronous steps would. A request short of min_tokens outputs has its stop ids masked
+    there, as a grammar's mask is: its logprobs are those of the masked distribution."""
 
     def __init__(self, states: list[RequestState], rows: list[int], vocab_size: int, generator: torch.Generator,
                  logits_processor=None):
@@ -75,6 +78,11 @@ class StepSampler:
             self.meta = build_sampling_metadata(params, prompts, outputs, vocab_size, self.device, generator,
                                                 self.num_outputs)
         self.all_rows = list(range(len(states)))
+        # (row, steps it is masked for, ids): the rows short of min_tokens outputs, from this step on (a stop id past
+        # the vocabulary is never sampled: nothing to mask)
+        self.min_tokens_rows = [(row, p.min_tokens - n, [t for t in s.min_tokens_stop_ids if t < vocab_size])
+                                for row, (s, p, n) in enumerate(zip(states, params, self.num_outputs))
+                                if n < p.min_tokens and s.min_tokens_stop_ids]
         self.result = None  # the first step's SamplerOutput, for its logprobs
 
     def sample(self, logits_at, step: int) -> torch.Tensor:
@@ -83,6 +91,8 @@ class StepSampler:
         logits = logits_at(self.rows if step == 0 else self.all_rows)
         if step == 0 and self.logits_processor is not None:
             logits = self.logits_processor([s.req_id for s in self.states], logits)
+        if self.min_tokens_rows:
+            logits = self._mask_min_tokens(logits, step)
         if self.meta is None:
             return logits.argmax(dim=-1)
         if step == 0:
@@ -91,6 +101,17 @@ class StepSampler:
             generators = row_generators(self.params, [n + step for n in self.num_outputs], self.device)
             result = sampling.sample(logits, replace(self.meta, generators=generators))
         return result.token_ids
+
+    def _mask_min_tokens(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """logits [S, V] with -inf at the stop ids of the rows whose token at lookahead step `step` is one of their
+        first min_tokens outputs; a copy (logits may be a CUDA graph's output buffer), or logits when none is."""
+        pairs = [(row, token) for row, steps, ids in self.min_tokens_rows if step < steps for token in ids]
+        if not pairs:
+            return logits
+        index = to_device([row for row, _ in pairs] + [token for _, token in pairs], torch.int64, self.device)
+        masked = logits.clone()
+        masked[index[:len(pairs)], index[len(pairs):]] = float("-inf")
+        return masked
 
     def pending(self, tokens: list[torch.Tensor], out: RunnerOutput, to_host) -> PendingOutput:
         """The step's output once its tokens (per step, [S] on the device) reach the host; the requests' computed

@@ -4,6 +4,8 @@ same outputs with num_decode_steps 1, 3 and 8, and the lookahead did run."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from helpers.engine import as_inputs, assert_same_outputs, random_prompts, record_steps, token_ids
 
@@ -38,6 +40,30 @@ def test_a_stop_token_inside_a_burst_ends_the_request_there(make_llm):
         out = make_llm(num_decode_steps=steps).generate(as_inputs([prompt]), params, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == single.outputs[0].token_ids[:first + 1]
         assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+
+
+def test_min_tokens_lifts_its_mask_at_the_right_lookahead_step(make_llm):
+    """A greedy and a seeded request whose stop tokens fall inside the first burst: with min_tokens = i the stop at
+    output i still ends the greedy one there (its mask covers outputs 0..i-1 only), with more it is masked; bursts
+    give the tokens of single steps, and min_tokens keeps the lookahead on."""
+    prompts = random_prompts((30, 9), seed=5)
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)]
+    single, bursts = make_llm(num_decode_steps=1), make_llm(num_decode_steps=8)
+    free = token_ids(single.generate(as_inputs(prompts), params, use_tqdm=False))
+    stops = [ids[5] for ids in free]  # the 6th tokens: inside the first burst of 8
+    first = free[0].index(stops[0])
+    seen = record_steps(bursts)
+    for min_tokens in (first, first + 1, first + 4):
+        limited = [replace(p, stop_token_ids=[stop], min_tokens=min_tokens) for p, stop in zip(params, stops)]
+        expected = single.generate(as_inputs(prompts), limited, use_tqdm=False)
+        got = bursts.generate(as_inputs(prompts), limited, use_tqdm=False)
+        assert token_ids(got) == token_ids(expected), min_tokens
+        assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in expected]
+        for out, stop in zip(token_ids(got), stops):
+            assert stop not in out[:min_tokens]
+        assert (token_ids(got)[0] == free[0][: first + 1]) == (min_tokens == first)
+    assert max(steps for steps, _ in seen) == 8
 
 
 def test_streaming_a_burst_yields_its_tokens_together(make_llm):

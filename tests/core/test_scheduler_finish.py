@@ -96,3 +96,35 @@ def test_missing_token_after_the_last_chunk_is_a_runner_error(make_scheduler):
     out = sched.schedule()
     with pytest.raises(RuntimeError, match="returned 0 sampled tokens for request 'a', owed 1"):
         sched.update_from_output(out, RunnerOutput(["a"], {"a": []}))
+
+
+def test_no_stop_token_ends_the_first_min_tokens_outputs(make_scheduler):
+    sched = make_scheduler()
+    req = make_request("a", max_tokens=8, min_tokens=3, stop_token_ids=[42])
+    run_with(sched, req, [EOS, 42, EOS, 42, 8, 9, 10, 11])
+    assert req.output_token_ids == [EOS, 42, EOS, 42] and req.finish_reason == "stop" and req.stop_reason == 42
+    after = make_request("b", max_tokens=8, min_tokens=3)
+    run_with(sched, after, [7, 8, 9, EOS, 10, 11, 12, 13])
+    assert after.output_token_ids == [7, 8, 9, EOS] and after.finish_reason == "stop"
+
+
+def test_min_tokens_yields_to_max_model_len(make_scheduler):
+    sched = make_scheduler(max_model_len=8)
+    req = make_request("a", prompt_len=5, max_tokens=10, min_tokens=10)
+    sched.add_request(req)
+    run_to_completion(sched)
+    assert len(req.output_token_ids) == 3 and req.finish_reason == "length"
+
+
+@pytest.mark.parametrize("params, banned", [
+    (dict(min_tokens=2, stop_token_ids=[42, 7, 42]), (7, 42, EOS)),
+    (dict(min_tokens=2, stop_token_ids=[42], ignore_eos=True), (42,)),
+    (dict(min_tokens=2, ignore_eos=True), ()),
+    (dict(min_tokens=0, stop_token_ids=[42]), ()),
+])
+def test_the_runner_is_sent_the_ids_min_tokens_masks(make_scheduler, params, banned):
+    """The eos ids (unless ignore_eos) and stop_token_ids reach the runner with the request (and every
+    tensor-parallel rank: they build their RequestStates from the same NewRequestData)."""
+    sched = make_scheduler()
+    sched.add_request(make_request("a", max_tokens=4, **params))
+    assert sched.schedule().new_reqs[0].min_tokens_stop_ids == banned

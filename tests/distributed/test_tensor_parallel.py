@@ -22,12 +22,15 @@ def _prompts(vocab: int) -> list[dict]:
             for i, n in enumerate([1, 5, 17, 40])]
 
 
-def _tokens(model_dir, prompts, **options) -> list[list[int]]:
+def _tokens(model_dir, prompts, vocab: int, **options) -> list[list[int]]:
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    # min_tokens masks every even id: a rank that did not mask would compute its next steps from other tokens
+    masked = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, min_tokens=8,
+                            stop_token_ids=list(range(0, vocab, 2)))
     sampled = SamplingParams(max_tokens=8, temperature=0.9, seed=3, ignore_eos=True)
     llm = LLM(model_dir, threads=1, max_model_len=128, max_num_batched_tokens=32, **options)
     try:
-        outputs = llm.generate(prompts, [greedy] * (len(prompts) - 1) + [sampled], use_tqdm=False)
+        outputs = llm.generate(prompts, [greedy, masked] + [greedy] * (len(prompts) - 3) + [sampled], use_tqdm=False)
     finally:
         llm.shutdown()
     return [o.outputs[0].token_ids for o in outputs]
@@ -35,9 +38,10 @@ def _tokens(model_dir, prompts, **options) -> list[list[int]]:
 
 def _check_equal_tokens(model_dir, vocab: int) -> None:
     prompts = _prompts(vocab)
-    single = _tokens(model_dir, prompts)
+    single = _tokens(model_dir, prompts, vocab)
+    assert all(token % 2 for token in single[1])
     for options in PARALLEL_RUNS:
-        assert _tokens(model_dir, prompts, **options) == single, options
+        assert _tokens(model_dir, prompts, vocab, **options) == single, options
 
 
 def test_tensor_and_expert_parallel_match_one_process_on_make_tiny(tiny_model):

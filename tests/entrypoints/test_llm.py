@@ -129,6 +129,67 @@ def test_stop_token_id_ends_output_and_stays_out_of_the_text(greedy_text):
     assert out.text == llm.tokenizer.decode(ids[:index], skip_special_tokens=True)
 
 
+def masked_greedy(llm, prompt: list[int], stop: int, min_tokens: int, max_tokens: int) -> list[int]:
+    """The slow twin of min_tokens: greedy tokens by whole-sequence prefills, stop at -inf while fewer than
+    min_tokens are out, ending at a stop past them."""
+    tokens = []
+    while len(tokens) < max_tokens and (not tokens or tokens[-1] != stop):
+        logits = prefill_logits(llm.engine.runner.model, prompt + tokens)[-1].clone()
+        if len(tokens) < min_tokens:
+            logits[stop] = float("-inf")
+        tokens.append(int(logits.argmax()))
+    return tokens
+
+
+@pytest.mark.parametrize("as_eos", [False, True], ids=["stop_token_ids", "eos"])
+def test_min_tokens_keeps_a_stop_token_from_ending_the_first_tokens(greedy_text, as_eos):
+    """A stop token (or EOS) that ends the greedy output at index i: min_tokens i still lets it end there, and
+    min_tokens past i masks it until then, giving the masked greedy decode's tokens."""
+    llm, ids, _ = greedy_text
+    index = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])
+    stop = ids[index]
+    if as_eos:
+        llm.engine.eos_token_ids = (stop,)  # what add_request gives its requests
+    params = dict(max_tokens=20, temperature=0) | ({} if as_eos else dict(ignore_eos=True, stop_token_ids=[stop]))
+    prompt = llm.generate(TEXT_PROMPT, SamplingParams(max_tokens=0), use_tqdm=False)[0].prompt_token_ids
+    for min_tokens in (0, index, index + 1, index + 4):
+        out = llm.generate(TEXT_PROMPT, SamplingParams(min_tokens=min_tokens, **params), use_tqdm=False)[0].outputs[0]
+        expected = masked_greedy(llm, prompt, stop, min_tokens, 20)
+        assert out.token_ids == expected and stop not in expected[:min_tokens], min_tokens
+        assert out.finish_reason == ("stop" if expected[-1] == stop else "length")
+        if min_tokens <= index:
+            assert out.token_ids == ids[: index + 1]
+
+
+def test_min_tokens_keeps_a_seeded_request_going_past_its_stop_token(make_llm):
+    llm = make_llm()
+    prompt = as_inputs(random_prompts([12], seed=9))
+    free = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    index = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=5, ignore_eos=True, stop_token_ids=[free[index]],
+                            min_tokens=index + 3)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:index] == free[:index] and free[index] not in out.token_ids[: index + 3]
+    assert len(out.token_ids) > index + 3 or out.finish_reason == "length"
+    assert out.token_ids == llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_min_tokens_ignores_a_stop_string_in_the_text_of_the_first_tokens(greedy_text):
+    """A stop string counts only where it ends in text after that of the first min_tokens tokens."""
+    llm, ids, text = greedy_text
+    stop = ascii_stop_string(text, len(text) // 3)
+    num_tokens = first_tokens_containing(llm.tokenizer, ids, stop)
+    for min_tokens in (num_tokens - 1, num_tokens, num_tokens + 3):
+        out = llm.generate(TEXT_PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop],
+                                                       min_tokens=min_tokens), use_tqdm=False)[0].outputs[0]
+        first_text = llm.tokenizer.decode(ids[:min_tokens], skip_special_tokens=True).rstrip("\ufffd")
+        start = text.find(stop, max(0, len(first_text) - len(stop) + 1))
+        assert (out.text, out.finish_reason) == ((text[:start], "stop") if start >= 0 else (text, "length"))
+        if min_tokens < num_tokens:
+            assert out.token_ids == ids[:num_tokens]
+
+
 def test_max_tokens_finishes_with_length(greedy_text):
     llm, ids, _ = greedy_text
     out = llm.generate(TEXT_PROMPT, SamplingParams(max_tokens=7, temperature=0, ignore_eos=True),

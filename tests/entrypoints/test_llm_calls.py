@@ -11,6 +11,7 @@ import pytest
 from helpers.engine import as_inputs, assert_idle, random_prompts, token_ids
 
 from deltaserve import SamplingParams
+from deltaserve.sampling_params import ParamError
 
 LONG = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 SHORT = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -68,12 +69,23 @@ def test_generate_from_several_threads_at_once(make_llm):
 
 def test_params_changed_after_construction_are_checked_at_the_call(make_llm):
     llm = make_llm()
-    for field, value in (("temperature", -1.0), ("max_tokens", "7"), ("stop_token_ids", None), ("stop", 5)):
+    for field, value in (("temperature", -1.0), ("max_tokens", "7"), ("stop_token_ids", None), ("stop", 5),
+                         ("min_tokens", 4)):
         params = SamplingParams(max_tokens=3)
         setattr(params, field, value)
         with pytest.raises(ValueError, match=f"SamplingParams.{field} = "):
             llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": [7]}], [LONG, params], use_tqdm=False)
         assert_idle(llm)  # the first prompt, queued before the second failed, was taken back
+
+
+@pytest.mark.parametrize("fields", [dict(min_tokens=-1), dict(min_tokens=1.5), dict(min_tokens=True),
+                                    dict(min_tokens="2"), dict(min_tokens=None), dict(max_tokens=3, min_tokens=4)])
+def test_bad_min_tokens_is_a_param_error_saying_how_to_fix(fields):
+    with pytest.raises(ParamError, match=r"SamplingParams.min_tokens = .*: must be an integer in \[0, max_tokens = "
+                                         r"\d+\]; lower it or raise max_tokens") as e:
+        SamplingParams(**fields)
+    assert e.value.field == "min_tokens"
+    assert SamplingParams(max_tokens=3, min_tokens=3).min_tokens == 3
 
 
 @pytest.mark.parametrize("prompts, params, error, words", [

@@ -13,7 +13,7 @@ import pytest
 from structured.schemas import random_schema
 
 from deltaserve import LLM
-from deltaserve.sampling_params import SamplingParams, StructuredOutputsParams
+from deltaserve.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar", reason="the structured extra is part of the test extra")
@@ -93,6 +93,14 @@ def test_ignore_eos_is_refused_with_a_constraint(llm):
     with pytest.raises(ValueError, match="ignore_eos cannot go with structured outputs"):
         llm.generate(["x"], SamplingParams(ignore_eos=True, structured_outputs=StructuredOutputsParams(regex="a")),
                      use_tqdm=False)
+
+
+def test_min_tokens_is_refused_with_a_constraint(llm):
+    """A grammar may allow only EOS where min_tokens masks it."""
+    params = SamplingParams(min_tokens=2, structured_outputs=StructuredOutputsParams(regex="a"))
+    with pytest.raises(ParamError, match="min_tokens = 2 cannot go with structured outputs") as e:
+        llm.generate(["x"], params, use_tqdm=False)
+    assert e.value.field == "min_tokens" and not llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])

@@ -108,6 +108,42 @@ def test_finish_flushes_held_back_text(tokenizer):
     assert detok.stopped is None and "".join(deltas) == "ends with xy" and deltas[-1] == "xy"
 
 
+def _stop_read_char_by_char(text: str, stop: list[str], end_after: int) -> tuple[int, str] | None:
+    """The slow twin of the stop search: (start, stop string) of the first one a reader of text, one character at a
+    time, sees end past text[:end_after] (the longest of those ending there)."""
+    for end in range(end_after + 1, len(text) + 1):
+        for s in sorted(stop, key=len, reverse=True):
+            if text[:end].endswith(s):
+                return end - len(s), s
+    return None
+
+
+def test_min_tokens_stop_strings_end_after_the_first_tokens_text_as_a_char_by_char_twin(tokenizer, byte_ids):
+    """vLLM's rule: a stop string counts only where it ends in text after that of the first min_tokens tokens (it
+    may begin inside it), wherever the pushes split the tokens."""
+    rng = random.Random(3)
+    for _ in range(300):
+        text = "".join(rng.choice("ab_") for _ in range(rng.randint(0, 14)))
+        stop = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 3))]
+        min_tokens, include = rng.randint(0, len(text) + 1), rng.random() < 0.5
+        ids = [byte_ids[ord(c)] for c in text]  # one character a token
+        chunks = [rng.randint(1, 4) for _ in ids]
+        deltas, detok = _stream(tokenizer, ids, chunk_sizes=chunks, stop=stop, include_stop_str_in_output=include,
+                                min_tokens=min_tokens)
+        found = _stop_read_char_by_char(text, stop, min_tokens)
+        end = len(text) if found is None else found[0] + (len(found[1]) if include else 0)
+        assert (detok.stopped, "".join(deltas)) == (found and found[1], text[:end]), (text, stop, min_tokens)
+
+
+def test_min_tokens_counts_a_character_ended_by_the_next_token_as_after(tokenizer, byte_ids):
+    """A character whose bytes the min_tokens-th token begins and a later one ends comes out after it (as vLLM's
+    incremental decode emits it), so a stop string ending there counts."""
+    ids = [byte_ids[b] for b in "日x".encode()]
+    for min_tokens, stopped in ((2, "日"), (3, None)):
+        _, detok = _stream(tokenizer, ids, stop=["日"], min_tokens=min_tokens)
+        assert detok.stopped == stopped
+
+
 @pytest.mark.parametrize("stop", [[""], "abc", ["ok", 3], 5])
 def test_bad_stop(tokenizer, stop):
     with pytest.raises(TokenizerError, match=r"stop = .*, expected a list of non-empty strings"):

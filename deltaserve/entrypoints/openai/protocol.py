@@ -132,6 +132,7 @@ class SamplingFields(_Request):
     stop: Stop = None
     stop_token_ids: ListOf(TokenId, max_length=MAX_STOP_TOKEN_IDS) | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)  # vLLM's: outputs before EOS or a stop may end the output
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict | None = None  # refused when given (serving.py): its entries are not read

@@ -236,7 +236,8 @@ class ServingContext:
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0, stop_token_ids=body.stop_token_ids or [],
             stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or ()), ignore_eos=body.ignore_eos,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, structured_outputs=structured)
+            min_tokens=body.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured)
         try:
             return [SamplingParams(seed=None if seed is None else seed + i, **fields) for i in range(body.n)]
         except ParamError as e:  # a request field of the same name (max_tokens was checked before, by its own)

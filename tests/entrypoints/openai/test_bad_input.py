@@ -61,6 +61,8 @@ CASES = [
     ("logprobs too many", COMPLETIONS, completion(logprobs=21), 400, "'logprobs'"),
     ("top_p out of range", CHAT, chat(top_p=1.5), 400, "'top_p'"),
     ("top_k past int64", COMPLETIONS, completion(top_k=2**70), 400, "'top_k'"),
+    ("min_tokens over max_completion_tokens", CHAT, chat(max_completion_tokens=1, min_tokens=2), 400,
+     "min_tokens = 2: must be an integer in [0, max_tokens = 1]"),
     ("content None outside a tool call", CHAT, chat(messages=[{"role": "user", "content": None}]), 400, "content"),
     ("empty stop string", COMPLETIONS, completion(stop=[""]), 400, "'stop'"),
     ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
@@ -124,8 +126,10 @@ def test_bad_request_gets_openai_error(http, path, body, status, words):
     (completion(stop=list("abcdefghijklmnopq")), "stop", "a list of at most 16 non-empty strings"),
     (completion(max_tokens=10**400), "max_tokens", "'max_tokens' = 100000... (401 digits) must be less than"),
     (completion(prompt=[1, 999999]), "prompt", "prompt token id 999999 is out of range"),
+    (completion(max_tokens=2, min_tokens=3), "min_tokens", "min_tokens = 3: must be an integer in [0, max_tokens = 2]"),
+    (completion(min_tokens=-1), "min_tokens", "greater than or equal to 0"),
 ], ids=["empty stop string", "repetition_penalty infinite", "17 stop strings", "a 401-digit max_tokens",
-        "a token id past the vocabulary"])
+        "a token id past the vocabulary", "min_tokens over max_tokens", "negative min_tokens"])
 def test_a_bad_sampling_field_is_named_in_param(http, body, param, words):
     """The field SamplingParams refused is the error's param; a huge number is not echoed whole."""
     if isinstance(body, bytes):  # JSON's Infinity, which Python's json reads

@@ -84,6 +84,23 @@ def test_stop_string_cuts_the_text(client):
     assert choice.finish_reason == "stop"
 
 
+def test_min_tokens_keeps_a_stop_token_from_ending_the_first_tokens(client, offline_llm):
+    """vLLM's min_tokens field reaches the engine: the first greedy token as a stop token ends a plain request at
+    once, and one with min_tokens 3 only after its third token; the text is the offline API's."""
+    first = offline(offline_llm, PROMPT, max_tokens=1, temperature=0).outputs[0].token_ids[0]
+    fields = dict(max_tokens=6, temperature=0, ignore_eos=True, stop_token_ids=[first])
+
+    def run(**extra):
+        return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True, "stop_token_ids": [first], **extra})
+
+    assert run().usage.completion_tokens == 1
+    response = run(min_tokens=3)
+    expected = offline(offline_llm, PROMPT, min_tokens=3, **fields).outputs[0]
+    assert response.usage.completion_tokens == len(expected.token_ids) > 3
+    assert (response.choices[0].text, response.choices[0].finish_reason) == (expected.text, expected.finish_reason)
+
+
 @pytest.mark.parametrize("max_tokens", [0, 1])
 def test_echo_logprobs_score_the_prompt(client, offline_llm, max_tokens):
     """lm-eval's loglikelihood request: echo + logprobs; the prompt's logprobs equal the offline API's."""

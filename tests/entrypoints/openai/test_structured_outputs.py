@@ -201,6 +201,8 @@ def test_a_forced_call_cut_off_by_max_tokens_streams_the_text_the_whole_response
      "response_format.json_schema.schema", "keyword 'not' at '/not'"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
      "response_format and structured_outputs both constrain the output"),
+    ({"structured_outputs": {"regex": "a+"}, "min_tokens": 2}, "min_tokens",
+     "min_tokens = 2 cannot go with structured outputs"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"if": {}}}}], "tool_choice": "required"},
      "tools", "keyword 'if'"),
 ])
