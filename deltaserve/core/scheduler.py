@@ -15,10 +15,12 @@ alone it fits, since add_request rejects a request whose longest sequence needs 
 
 Prefix caching (CacheManager's docstring has the rules). A waiting request is admitted with its longest cached
 prefix: its pages (shared, ref counted) and num_computed_tokens = the prefix's tokens; NewRequestData names the
-KDA snapshot the runner restores into its slot. A waiting request whose cached prefix a running request's prompt
-will lengthen (the same prompt, or one it begins with: n completions, a burst of one prompt) is passed over until
-that prompt's pages and snapshot are cached, and then admitted before those behind it, so those tokens are
-computed once; it waits at most that prompt's prefill. SchedulerOutput.snapshot_saves asks the runner to copy a
+KDA snapshot the runner restores into its slot. A request whose tokens part from a cached sequence where no
+snapshot lies (CachedPrefix.branch_blocks: a shared system prompt) has its chunks cut to end there, where a snapshot
+is saved for the requests after it. A waiting request whose cached prefix a running request's shared snapshot will
+lengthen (the same prompt, one it begins with, a branch it shares: n completions, a burst of one prompt) is passed
+over until those pages and that snapshot are cached, and then admitted before those behind it, so those tokens are
+computed once; it waits at most that request's prefill. SchedulerOutput.snapshot_saves asks the runner to copy a
 request's state once it has computed a snapshot's position: inside the step's chunk (the KDA layers split their pass
 there), at its end, or after the lookahead step that reaches it. A preempted request's full pages stay cached.
 
