@@ -11,8 +11,9 @@ of the KDA state are kept in a SnapshotCache at up to three positions of each re
   of a whole-block prompt could serve no repeat of it);
 - the last full block boundary its computed tokens have reached: a rolling snapshot held privately (one slot,
   overwritten at each boundary), published when the request finishes, is preempted or aborted;
-- where its prompt parts from a cached sequence that has no snapshot there (CachedPrefix.branch_blocks: requests
-  that share a system prompt and then differ), published as soon as it is saved: its first chunk ends there.
+- where its prompt parts from a cached sequence that has no snapshot there, BRANCH_MIN_TOKENS or more past its hit
+  (CachedPrefix.branch_blocks: requests that share a system prompt and then differ), published as soon as it is
+  saved: the chunk that reaches it is cut to end there (branch_cut), one step more for that request.
 plan_snapshot_saves names the slot and the position after which the runner copies the state, which may lie inside
 a step's chunk: the runner's KDA layers then split their pass there (forward_batch.SnapshotSplit), so that a chunk is
 never cut short for a snapshot. Pages and snapshots enter the indexes only once the step that computed them is
@@ -35,6 +36,10 @@ from deltaserve.cache.snapshot_cache import SnapshotCache
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.request import Request
 
+# the fewest tokens a branch snapshot must save a later request (past what it finds cached) to be worth the step its
+# cut costs the request that saves it: a one-step prefill of this many tokens costs about one decode step's weights
+BRANCH_MIN_TOKENS = 256
+
 
 @dataclass
 class CachedPrefix:
@@ -42,9 +47,10 @@ class CachedPrefix:
 
     block_ids: list[int] = field(default_factory=list)
     snapshot_slot: int | None = None
-    # where the request's tokens part from a cached sequence's with no snapshot there (a shared system prompt):
-    # blocks past block_ids whose pages are cached. Its first chunk ends there and saves a shared snapshot, which
-    # later requests that begin the same way restore. 0: none (or no snapshot slot to save it in)
+    # where the request's tokens part from a cached sequence's with no snapshot there (a shared system prompt): the
+    # blocks from the start whose pages are cached, BRANCH_MIN_TOKENS or more past block_ids. The chunk that reaches
+    # it ends there and saves a shared snapshot, which later requests that begin the same way restore. 0: none (or no
+    # snapshot slot to save it in)
     branch_blocks: int = 0
 
 
@@ -72,7 +78,7 @@ class _Lookups:
 class _SnapshotWrite:
     slot: int
     position: int  # tokens before the saved state
-    shared: bool  # the prompt-end snapshot (published after the step) vs the request's rolling one
+    shared: bool  # the prompt-end or a branch snapshot (published after the step) vs the request's rolling one
 
 
 class CacheManager:
@@ -182,9 +188,10 @@ class CacheManager:
         for num_blocks in range(len(block_ids), -1, -1):
             slot = self.snapshots.get(block_hashes[num_blocks - 1]) if num_blocks else None
             if slot is not None or num_blocks == 0:
-                # a branch: cached pages past the snapshot, short of the prompt's own snapshot (which serves there)
-                branch = len(block_ids) > num_blocks and len(block_ids) * self.block_size < self._prompt_end(req) \
-                    and self.snapshots.num_available > 0
+                # a branch: cached pages well past the snapshot, short of the prompt's own snapshot (which serves
+                # there)
+                branch = (len(block_ids) - num_blocks) * self.block_size >= BRANCH_MIN_TOKENS \
+                    and len(block_ids) * self.block_size < self._prompt_end(req) and self.snapshots.num_available > 0
                 return CachedPrefix(block_ids[:num_blocks], slot, len(block_ids) if branch else 0)
 
     def branch_cut(self, req: Request, num_tokens: int) -> int:
@@ -193,36 +200,38 @@ class CacheManager:
         branch = self._branches.get(req.req_id)
         return num_tokens if branch is None else min(num_tokens, branch - req.num_computed_tokens)
 
-    def computing_prompts(self, running: list[Request]) -> list[Request]:
-        """Those of running that will publish a shared snapshot (with its pages) that no applied step has cached yet:
-        at their prompt's end, or at a branch. Empty without prefix caching."""
+    def pending_shares(self, running: list[Request]) -> dict[int, set[bytes]]:
+        """The shared snapshots (with their pages) that running requests may still publish, as {blocks before it:
+        {hash of its last block}}: at their prompt's end unless their pages there are indexed, and at a branch.
+        Empty without prefix caching. add_shares extends it with a request admitted after."""
+        shares: dict[int, set[bytes]] = {}
+        for req in running:
+            self.add_shares(shares, req)
+        return shares
+
+    def add_shares(self, shares: dict[int, set[bytes]], req: Request) -> None:
         if self.prefix_cache is None:
-            return []
-        return [r for r in running if self._shares_to_come(r)]
-
-    def _shares_to_come(self, req: Request) -> list[int]:
-        """The positions of req's shared snapshots still to be computed: its prompt end unless its pages there are
-        indexed, and its planned saves (a branch)."""
-        planned = [w.position for w in self._writes.get(req.req_id, ()) if w.shared]
+            return
+        positions = {w.position for w in self._writes.get(req.req_id, ()) if w.shared}
         prompt_end = self._prompt_end(req)
-        return planned + [prompt_end] if req.num_indexed_blocks < prompt_end // self.block_size else planned
+        if req.num_indexed_blocks < prompt_end // self.block_size:
+            positions.add(prompt_end)
+        for position in positions:
+            num_blocks = position // self.block_size
+            shares.setdefault(num_blocks, set()).add(self._block_hashes(req)[num_blocks - 1])
 
-    def awaits_prefix(self, req: Request, hit: CachedPrefix | None, computing: list[Request]) -> bool:
-        """Whether req would find a longer cached prefix than `hit` once one of `computing` (computing_prompts) has
-        saved a shared snapshot: the tokens up to it are req's too, and longer than hit. Admitting req now would
-        compute those tokens twice (n completions of one prompt, a burst of requests that repeat one prompt or
-        begin with one system prompt)."""
-        if hit is None or not computing:
+    def awaits_prefix(self, req: Request, hit: CachedPrefix | None, shares: dict[int, set[bytes]]) -> bool:
+        """Whether req would find a longer cached prefix than `hit` once a running request publishes one of `shares`
+        (pending_shares): the tokens before it are req's too, and more than hit's. Admitting req now would compute
+        them twice (n completions of one prompt, a burst of requests that repeat one prompt or begin with one
+        system prompt). Such a share may end up with pages and no snapshot (no slot was free): req then waited for
+        nothing, at most until that request's prefill reaches there."""
+        if hit is None or not shares:
             return False  # no prefix caching, or req asks for prompt logprobs
         block_hashes = self._block_hashes(req)[: (req.num_tokens - 1) // self.block_size]
-        for other in computing:
-            for position in self._shares_to_come(other):
-                num_blocks = position // self.block_size
-                # chained hashes: one equal hash means equal blocks up to it
-                if len(hit.block_ids) < num_blocks <= len(block_hashes) \
-                        and self._block_hashes(other)[num_blocks - 1] == block_hashes[num_blocks - 1]:
-                    return True
-        return False
+        # chained hashes: one equal hash means equal blocks up to it
+        return any(len(hit.block_ids) < n <= len(block_hashes) and block_hashes[n - 1] in hashes
+                   for n, hashes in shares.items())
 
     def plan_snapshot_saves(self, req: Request, num_tokens: int, lookahead: int = 0) -> list[tuple[int, int, int]]:
         """The snapshot saves of req's step, computing num_tokens from req.num_computed_tokens and then `lookahead`
@@ -232,7 +241,8 @@ class CacheManager:
         last block boundary before its last token; the rolling one where the chunk or its lookahead reaches the
         last full block boundary of req's tokens (those of its steps in flight and lookahead included), unless the
         shared one is saved inside the same chunk (the runner splits a chunk once: a recompute of prompt and
-        outputs then keeps the shared one, and its rolling one waits for the next boundary its decode reaches)."""
+        outputs then keeps the shared one, and its rolling one waits for the next boundary its decode reaches). A
+        chunk cut at req's branch (branch_cut) saves the branch snapshot at its end, and nothing else."""
         if self.prefix_cache is None:
             return []
         saves = []

@@ -1,7 +1,8 @@
 """Scheduler: which requests run this step and how many tokens each computes, under a token budget.
 
 Each step has a budget of max_num_batched_tokens tokens. Running requests are served first, in admission order,
-each min(tokens it has left, budget left): one token for a decode, a chunk of an unfinished prompt, so prefill
+each min(tokens it has left, budget left; a prompt's chunk may end sooner, at a branch snapshot below): one token
+for a decode, a chunk of an unfinished prompt, so prefill
 chunks and decodes share a step and a long prompt spans steps. Then waiting requests are admitted first come,
 first served while budget, a KDA state slot (max_num_seqs) and MLA pages remain; a request that waits for pages
 is never passed over (no starvation), and nothing is admitted in a step that preempted (it would only thrash).
@@ -16,13 +17,15 @@ alone it fits, since add_request rejects a request whose longest sequence needs 
 Prefix caching (CacheManager's docstring has the rules). A waiting request is admitted with its longest cached
 prefix: its pages (shared, ref counted) and num_computed_tokens = the prefix's tokens; NewRequestData names the
 KDA snapshot the runner restores into its slot. A request whose tokens part from a cached sequence where no
-snapshot lies (CachedPrefix.branch_blocks: a shared system prompt) has its chunks cut to end there, where a snapshot
-is saved for the requests after it. A waiting request whose cached prefix a running request's shared snapshot will
-lengthen (the same prompt, one it begins with, a branch it shares: n completions, a burst of one prompt) is passed
-over until those pages and that snapshot are cached, and then admitted before those behind it, so those tokens are
-computed once; it waits at most that request's prefill. SchedulerOutput.snapshot_saves asks the runner to copy a
-request's state once it has computed a snapshot's position: inside the step's chunk (the KDA layers split their pass
-there), at its end, or after the lookahead step that reaches it. A preempted request's full pages stay cached.
+snapshot lies (CachedPrefix.branch_blocks: a shared system prompt) has the chunk that reaches there cut to end
+there, where a snapshot is saved for the requests after it. A waiting request whose cached prefix a running
+request's shared snapshot will lengthen (the same prompt, one it begins with, a branch it shares: n completions, a
+burst of one prompt) is passed over until those pages are indexed (with the snapshot, where a slot was free), and
+then admitted before those behind it, so those tokens are computed once; it waits at most that request's prefill.
+At most MAX_PASSED_OVER requests are passed over a step (each costs a cache lookup). SchedulerOutput.snapshot_saves
+asks the runner to copy a request's state once it has computed a snapshot's position: inside the step's chunk (the
+KDA layers split their pass there), at its end, or after the lookahead step that reaches it. A preempted request's
+full pages stay cached.
 
 Length limits (as vLLM): a prompt of max_model_len tokens or more is rejected; generation finishes with 'length'
 at max_model_len tokens (or max_tokens outputs).
@@ -54,6 +57,8 @@ from deltaserve.config import EngineConfig
 from deltaserve.request import Request, RequestStatus
 from deltaserve.runner_output import RunnerOutput
 from deltaserve.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
+
+MAX_PASSED_OVER = 64  # waiting requests a step passes over (they wait for a running prompt) before it stops looking
 
 
 class Scheduler:
@@ -219,19 +224,21 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting requests first come, first served while budget, slots and pages allow, passing over those
         that wait for a running request's prompt (module docstring, Prefix caching)."""
-        computing = self.cache.computing_prompts(self.running)
+        shares = self.cache.pending_shares(self.running)
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
             if req.num_pending_outputs:
                 break  # preempted while its last step ran: it starts again from all its tokens once that is applied
             hit = self.cache.find_cached_prefix(req)
-            if self.cache.awaits_prefix(req, hit, computing):
+            if self.cache.awaits_prefix(req, hit, shares):
                 i += 1
+                if i >= MAX_PASSED_OVER:
+                    break
                 continue
             start = len(hit.block_ids) * self.cache.block_size if hit else 0
             num_tokens = self._num_new_tokens(req, start, budget)
-            if hit and hit.branch_blocks:  # the first chunk ends where req parts from a cached sequence
+            if hit and hit.branch_blocks:  # the chunk ends where req parts from a cached sequence (branch_cut)
                 num_tokens = min(num_tokens, hit.branch_blocks * self.cache.block_size - start)
             if self.cache.allocate_slots(req, num_tokens, hit) is None:
                 break  # the first admissible request waits for pages; admitting later ones past it could starve it
@@ -247,7 +254,7 @@ class Scheduler:
             ))
             self._schedule_tokens(out, req, num_tokens, 0)
             budget -= num_tokens
-            computing.extend(self.cache.computing_prompts([req]))
+            self.cache.add_shares(shares, req)
 
     def _lookahead(self) -> int:
         """Lookahead tokens for every running request this step (module docstring, Lookahead); 0 for none."""

@@ -165,7 +165,7 @@ def test_prompts_that_share_a_system_prompt_share_its_state_from_the_second_on(m
     """A prompt that parts from a cached one where no snapshot is (a shared system prompt, then its own message)
     computes its first chunk up to there and saves a snapshot, which the next such prompt restores; one queued
     with it waits for that snapshot. The tokens are those of an engine without caching."""
-    system, *messages = random_prompts((45, 9, 9, 9, 9), seed=7)
+    system, *messages = random_prompts((300, 9, 9, 9, 9), seed=7)
     prompts = [system + m for m in messages]
     params = greedy(3)
     llm = make_llm(enable_prefix_caching=True)
@@ -174,48 +174,49 @@ def test_prompts_that_share_a_system_prompt_share_its_state_from_the_second_on(m
         as_inputs(prompts[1:2]), params, use_tqdm=False)
     assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 0), "no snapshot inside the system prompt yet"
     (admitted,) = [s for s in steps if second.request_id in {n.req_id for n in s.new_reqs}]
-    assert admitted.num_scheduled_tokens[second.request_id] == 32, "its first chunk ends where it parts"
-    assert any(position == 32 for _, _, position in admitted.snapshot_saves)
+    assert admitted.num_scheduled_tokens[second.request_id] == 288, "its first chunk ends where it parts"
+    assert [position for _, _, position in admitted.snapshot_saves] == [288]
     together = llm.generate(as_inputs(prompts[2:]), params, use_tqdm=False)
-    assert [o.num_cached_tokens for o in together] == [32, 32]
+    assert [o.num_cached_tokens for o in together] == [288, 288]
     with make_llm(enable_prefix_caching=False) as plain:
         assert token_ids(plain.generate(as_inputs(prompts), params, use_tqdm=False)) == token_ids(
             [first, second, *together])
 
 
 def test_a_request_queued_with_a_branching_one_waits_for_its_snapshot(make_llm):
-    system, *messages = random_prompts((45, 9, 9, 9), seed=8)
+    system, *messages = random_prompts((300, 9, 9, 9), seed=8)
     llm = make_llm(enable_prefix_caching=True)
     llm.generate(as_inputs([system + messages[0]]), greedy(2), use_tqdm=False)
     outs = llm.generate(as_inputs([system + m for m in messages[1:]]), greedy(2), use_tqdm=False)
-    assert [o.num_cached_tokens for o in outs] == [0, 32]
+    assert [o.num_cached_tokens for o in outs] == [0, 288]
 
 
-@pytest.mark.parametrize("budget", [8, 24])
+@pytest.mark.parametrize("budget", [64, 200])
 def test_a_branch_beyond_a_steps_budget_is_reached_by_a_later_chunk(make_llm, budget):
     """A step's budget ends the first chunk short of the branch (or past a block boundary before it): the chunks
     after it are cut to end there, and the snapshot is saved."""
-    system, *messages = random_prompts((45, 9, 9, 9), seed=10)
+    system, *messages = random_prompts((300, 9, 9, 9), seed=10)
     llm = make_llm(enable_prefix_caching=True, max_num_batched_tokens=budget)
     steps = record_steps(llm)
     outs = [llm.generate(as_inputs([system + m]), greedy(2), use_tqdm=False)[0] for m in messages]
-    assert [o.num_cached_tokens for o in outs] == [0, 0, 32]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 288]
     rid = outs[1].request_id
     chunks = [s.num_scheduled_tokens[rid] for s in steps if rid in s.num_scheduled_tokens]
-    assert 32 in itertools.accumulate(chunks), f"no chunk ended at the branch: {chunks}"
+    assert 288 in itertools.accumulate(chunks), f"no chunk ended at the branch: {chunks}"
 
 
-def test_no_branch_where_the_prompts_own_snapshot_serves_or_no_slot_is_free(make_llm):
-    """The cut costs a step: none where the cached pages reach the prompt's own snapshot position (its prompt-end
-    save serves there), and none when every snapshot slot is taken."""
-    system, tail, other = random_prompts((45, 9, 9), seed=9)
+def test_no_branch_where_it_saves_little_the_prompts_own_snapshot_serves_or_no_slot_is_free(make_llm):
+    """The cut costs a step: none for fewer than BRANCH_MIN_TOKENS tokens, none where the cached pages reach the
+    prompt's own snapshot position (its prompt-end save serves there), and none when every snapshot slot is taken."""
+    system, tail, other = random_prompts((300, 9, 9), seed=9)
     llm = make_llm(enable_prefix_caching=True)
     llm.generate(as_inputs([system + tail]), greedy(2), use_tqdm=False)
     cache = llm.engine.scheduler.cache
-    assert cache.find_cached_prefix(Request("a", system + other, greedy(1))).branch_blocks == 2
-    assert cache.find_cached_prefix(Request("b", system[:40], greedy(1))).branch_blocks == 0  # its prompt end: 32
+    assert cache.find_cached_prefix(Request("a", system + other, greedy(1))).branch_blocks == 18
+    assert cache.find_cached_prefix(Request("b", system[:290], greedy(1))).branch_blocks == 0  # its prompt end: 288
+    assert cache.find_cached_prefix(Request("c", system[:200] + other, greedy(1))).branch_blocks == 0  # 192 < 256
     taken = [cache.snapshots.allocate() for _ in range(cache.snapshots.num_available)]
-    assert cache.find_cached_prefix(Request("c", system + other, greedy(1))).branch_blocks == 0
+    assert cache.find_cached_prefix(Request("d", system + other, greedy(1))).branch_blocks == 0
     for slot in taken:
         cache.snapshots.discard(slot)
 

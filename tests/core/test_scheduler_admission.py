@@ -1,10 +1,12 @@
 """Admission, the max_num_seqs limit, rejections and aborts."""
 
 import pytest
-from scheduler_harness import assert_pools_full, make_request, run_to_completion, step
+from scheduler_harness import EOS, assert_pools_full, make_request, new_scheduler, run_to_completion, step
 
-from deltaserve.request import RequestStatus
+from deltaserve.core.scheduler import MAX_PASSED_OVER
+from deltaserve.request import Request, RequestStatus
 from deltaserve.runner_output import RunnerOutput
+from deltaserve.sampling_params import SamplingParams
 
 
 def test_new_request_is_sent_in_full_then_as_diffs(make_scheduler):
@@ -109,3 +111,17 @@ def test_abort_between_schedule_and_update_is_skipped(make_scheduler):
     sched.abort_request("a")
     updates = sched.update_from_output(out, RunnerOutput(["a"], {"a": [5]}))
     assert updates == [] and req.output_token_ids == [] and req.block_ids == [] and req.state_slot is None
+
+
+def test_requests_waiting_for_a_running_prompt_are_passed_over_at_most_a_bounded_number_a_step():
+    """A burst of one prompt waits for its first copy; a request of its own prompt behind fewer than MAX_PASSED_OVER
+    of them is admitted in the same step, one behind more waits (each one passed over costs a cache lookup)."""
+    sched = new_scheduler(num_blocks=512, max_num_seqs=4, max_num_batched_tokens=64, num_snapshot_slots=8)
+    burst = [make_request(f"r{i}", prompt_len=12) for i in range(MAX_PASSED_OVER + 4)]
+    near, far = (Request(name, [200 + i, 201 + i, 202 + i], SamplingParams(max_tokens=4), eos_token_ids=(EOS,))
+                 for i, name in ((0, "near"), (50, "far")))
+    for req in [*burst[:3], near, *burst[3:], far]:
+        sched.add_request(req)
+    out = sched.schedule()
+    assert [n.req_id for n in out.new_reqs] == ["r0", "near"]
+    assert far in sched.waiting and len(sched.waiting) == len(burst)
