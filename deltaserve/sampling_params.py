@@ -13,6 +13,14 @@ MAX_LOGPROBS = 20
 # the fields of a model folder's generation_config.json that set sampling defaults (those vLLM reads too)
 GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_CHOICES = 1024  # StructuredOutputsParams.choice: alternatives per request
+# a logit_bias value is applied clamped to [-100, 100] (OpenAI's range; vLLM clamps): RequestState.logit_bias
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def is_num(value) -> bool:
+    """A number field's check: an int or float (not a bool), finite."""
+    finite = isinstance(value, (int, float)) and value == value and abs(value) != float("inf")
+    return finite and not isinstance(value, bool)
 
 
 class ParamError(ValueError):
@@ -104,10 +112,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-n logprobs per prompt token
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # constrain the output (deltaserve.structured)
+    # token id -> added to its logit before sampling, clamped to [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT] (vLLM's)
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's); None: any
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         for name in ("stop", "stop_token_ids"):  # None or a tuple as a list; anything else, validate names
             value = getattr(self, name)
             if value is None or isinstance(value, tuple):
@@ -121,9 +134,6 @@ class SamplingParams:
         can be set after construction (a dataclass), and a bad value there failed deep in a step, or not at all."""
         def bad(name, expectation):
             raise ParamError(f"SamplingParams.{name} = {getattr(self, name)!r}: {expectation}", name)
-
-        def is_num(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
 
         if not is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
@@ -160,6 +170,27 @@ class SamplingParams:
                 bad(name, "must be True or False")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             bad("structured_outputs", "must be a StructuredOutputsParams or None")
+        self._validate_token_sets()
+
+    def _validate_token_sets(self) -> None:
+        """logit_bias and allowed_token_ids: ParamError naming the first bad entry (not the whole of a long one)."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ParamError(f"SamplingParams.logit_bias = {self.logit_bias!r:.80}: must be a dict of token ids "
+                                 "to numbers, or None", "logit_bias")
+            entry = next(((t, v) for t, v in self.logit_bias.items() if not (is_int(t) and t >= 0 and is_num(v))),
+                         None)
+            if entry is not None:
+                raise ParamError(f"SamplingParams.logit_bias[{entry[0]!r:.40}] = {entry[1]!r:.40}: keys must be token "
+                                 "ids (integers >= 0) and values finite numbers", "logit_bias")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ParamError(f"SamplingParams.allowed_token_ids = {self.allowed_token_ids!r:.80}: must be a "
+                                 "non-empty list of token ids, or None for any", "allowed_token_ids")
+            bad = next((i for i, t in enumerate(self.allowed_token_ids) if not (is_int(t) and t >= 0)), None)
+            if bad is not None:
+                raise ParamError(f"SamplingParams.allowed_token_ids[{bad}] = {self.allowed_token_ids[bad]!r:.40}: "
+                                 "token ids are integers >= 0", "allowed_token_ids")
 
     @property
     def greedy(self) -> bool:

@@ -502,6 +502,17 @@ class Engine:
         if bad is not None:
             raise ParamError(f"prompt token id {bad!r} is out of range: ids must be integers in [0, {vocab})",
                              "prompt")
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            bad = next((t for t in ids or () if t >= vocab), None)
+            if bad is not None:
+                raise ParamError(f"{name} names token id {bad}, past this model's vocabulary: ids must be in "
+                                 f"[0, {vocab})", name)
+        if params.min_tokens and params.allowed_token_ids:  # every id masked: a row of -inf, whose draw is garbage
+            masked = set(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
+            if masked.issuperset(params.allowed_token_ids):
+                raise ParamError(f"allowed_token_ids = {params.allowed_token_ids!r:.80} are all stop or EOS ids, "
+                                 f"which min_tokens = {params.min_tokens} masks: nothing could be sampled; allow "
+                                 "another id or leave min_tokens at 0", "allowed_token_ids")
         if params.stop and self.tokenizer is None:
             raise ParamError("stop strings need a tokenizer and this model folder has none; "
                              "use stop_token_ids instead", "stop")

@@ -12,7 +12,7 @@ from deltaserve.kernels.sampling import SampledLogprobs, build_sampling_metadata
 from deltaserve.kernels.varlen import to_device
 from deltaserve.runner.logprobs import sampled_logprobs
 from deltaserve.runner_output import RunnerOutput
-from deltaserve.sampling_params import SamplingParams
+from deltaserve.sampling_params import LOGIT_BIAS_LIMIT, SamplingParams
 
 
 @dataclass
@@ -34,6 +34,24 @@ class RequestState:
 
     def __post_init__(self):
         self._pages = torch.tensor(self.block_ids, dtype=torch.int64)  # block_ids as a tensor, grown in place
+        self._allowed_ids = self._bias = None  # on the device from its first step that samples
+
+    def allowed_ids(self, device: torch.device) -> torch.Tensor:
+        """allowed_token_ids as int64 [A] on device; sent once, read by every step after (a step of 256 rows of long
+        lists would otherwise send them all again)."""
+        if self._allowed_ids is None:
+            self._allowed_ids = to_device(self.sampling_params.allowed_token_ids, torch.int64, device)
+        return self._allowed_ids
+
+    def logit_bias(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias as (token ids int64 [B], values float32 [B], clamped to +-LOGIT_BIAS_LIMIT) on device; sent
+        once, as allowed_ids."""
+        if self._bias is None:
+            bias = self.sampling_params.logit_bias
+            # clamped before float(): an int past float's range clamps too
+            values = [float(min(max(v, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)) for v in bias.values()]
+            self._bias = to_device(list(bias), torch.int64, device), to_device(values, torch.float32, device)
+        return self._bias
 
     def add_pages(self, block_ids: list[int]) -> None:
         """Append pages to the block table (block_ids and its tensor, page_row)."""
@@ -58,8 +76,9 @@ class StepSampler:
     lookahead: penalties and a grammar's mask read the outputs the host has, which the scheduler guarantees are all
     of them for a request that has either (SamplingParams.samples_from_outputs); seeded rows draw from generators
     seeded by their token's output number, counted from positions, so a step whose previous tokens are still in
-    flight draws what single synchronous steps would. A request short of min_tokens outputs has its stop ids masked
-    there, as a grammar's mask is: its logprobs are those of the masked distribution."""
+    flight draws what single synchronous steps would. Each step's logits are adjusted before sampling (_adjust:
+    allowed_token_ids, logit_bias, a request short of min_tokens outputs having its stop ids masked), after a
+    grammar's mask: logprobs are those of the adjusted distribution."""
 
     def __init__(self, states: list[RequestState], rows: list[int], vocab_size: int, generator: torch.Generator,
                  logits_processor=None):
@@ -83,6 +102,15 @@ class StepSampler:
         self.min_tokens_rows = [(row, p.min_tokens - n, [t for t in s.min_tokens_stop_ids if t < vocab_size])
                                 for row, (s, p, n) in enumerate(zip(states, params, self.num_outputs))
                                 if n < p.min_tokens and s.min_tokens_stop_ids]
+        # the same at every lookahead step (they do not read outputs): their indices go to the device once
+        allowed = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+        self.allowed = None if not allowed else (  # (rows [R], (row, id) pairs [P] and [P])
+            to_device(allowed, torch.int64, self.device),
+            *_pairs(allowed, [states[row].allowed_ids(self.device) for row in allowed], self.device))
+        biased = [row for row, p in enumerate(params) if p.logit_bias]
+        biases = [states[row].logit_bias(self.device) for row in biased]
+        self.bias = None if not biased else (  # ((row, id) pairs [P] and [P], values [P])
+            *_pairs(biased, [ids for ids, _ in biases], self.device), torch.cat([values for _, values in biases]))
         self.result = None  # the first step's SamplerOutput, for its logprobs
 
     def sample(self, logits_at, step: int) -> torch.Tensor:
@@ -91,8 +119,7 @@ class StepSampler:
         logits = logits_at(self.rows if step == 0 else self.all_rows)
         if step == 0 and self.logits_processor is not None:
             logits = self.logits_processor([s.req_id for s in self.states], logits)
-        if self.min_tokens_rows:
-            logits = self._mask_min_tokens(logits, step)
+        logits = self._adjust(logits, step)
         if self.meta is None:
             return logits.argmax(dim=-1)
         if step == 0:
@@ -102,16 +129,34 @@ class StepSampler:
             result = sampling.sample(logits, replace(self.meta, generators=generators))
         return result.token_ids
 
-    def _mask_min_tokens(self, logits: torch.Tensor, step: int) -> torch.Tensor:
-        """logits [S, V] with -inf at the stop ids of the rows whose token at lookahead step `step` is one of their
-        first min_tokens outputs; a copy (logits may be a CUDA graph's output buffer), or logits when none is."""
+    def _adjust(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """logits [S, V] of lookahead step `step` as the requests' parameters adjust them, in vLLM's order:
+        allowed_token_ids (every other id -inf), logit_bias (added), then min_tokens (the stop ids of a row whose
+        token here is one of its first min_tokens outputs -inf, whatever their bias). A copy (logits may be a CUDA
+        graph's output buffer), or logits itself when no row is adjusted."""
+        min_tokens = self._min_tokens_pairs(step)
+        if self.allowed is None and self.bias is None and min_tokens is None:
+            return logits
+        adjusted = logits.clone()
+        if self.allowed is not None:  # -inf rows, then their allowed ids' logits put back
+            rows, pair_rows, ids = self.allowed
+            kept = adjusted[pair_rows, ids]
+            adjusted.index_fill_(0, rows, float("-inf"))
+            adjusted.index_put_((pair_rows, ids), kept)
+        if self.bias is not None:  # a row's ids are distinct (a dict's keys): one addition each
+            pair_rows, ids, values = self.bias
+            adjusted.index_put_((pair_rows, ids), values, accumulate=True)
+        if min_tokens is not None:
+            adjusted[min_tokens] = float("-inf")
+        return adjusted
+
+    def _min_tokens_pairs(self, step: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows [P], stop ids [P]) that min_tokens masks at lookahead step `step`, or None for none."""
         pairs = [(row, token) for row, steps, ids in self.min_tokens_rows if step < steps for token in ids]
         if not pairs:
-            return logits
+            return None
         index = to_device([row for row, _ in pairs] + [token for _, token in pairs], torch.int64, self.device)
-        masked = logits.clone()
-        masked[index[:len(pairs)], index[len(pairs):]] = float("-inf")
-        return masked
+        return index[:len(pairs)], index[len(pairs):]
 
     def pending(self, tokens: list[torch.Tensor], out: RunnerOutput, to_host) -> PendingOutput:
         """The step's output once its tokens (per step, [S] on the device) reach the host; the requests' computed
@@ -136,6 +181,15 @@ class StepSampler:
             return out
 
         return PendingOutput(finish=finish, copied=copied)
+
+
+def _pairs(rows: list[int], ids: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row of each id [P], the ids [P]) on device, for rows[i]'s ids[i] [n_i] on device; no host sync (the
+    repeats' total is known here)."""
+    counts = [t.numel() for t in ids]
+    index = to_device(rows + counts, torch.int64, device)
+    pair_rows = torch.repeat_interleave(index[:len(rows)], index[len(rows):], output_size=sum(counts))
+    return pair_rows, torch.cat(ids)
 
 
 class PendingOutput:

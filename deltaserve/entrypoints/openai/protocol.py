@@ -17,6 +17,8 @@ from deltaserve.sampling_params import MAX_LOGPROBS
 MAX_N = 128  # choices per request, OpenAI's limit
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_TOKEN_IDS = 1024  # stop token ids per request: each choice's SamplingParams checks them all
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request, for the same reason
+MAX_ALLOWED_TOKEN_IDS = 1024  # allowed_token_ids per request, likewise
 
 INT32_MAX = 2**31 - 1  # bounds what reaches int64 tensors
 
@@ -135,7 +137,10 @@ class SamplingFields(_Request):
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)  # vLLM's: outputs before EOS or a stop may end the output
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict | None = None  # refused when given (serving.py): its entries are not read
+    # {"token id": bias}: keys read by serving.logit_bias, values by SamplingParams, each naming the first bad one
+    # (values typed here, a million bad ones made a million errors: pydantic's fail_fast is for lists only)
+    logit_bias: Annotated[dict[str, Any], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    allowed_token_ids: ListOf(TokenId, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS) | None = None  # vLLM's
     user: str | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsFields | None = None

@@ -7,6 +7,7 @@ import asyncio
 import functools
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,7 @@ RENDER_PIECE = 1 << 14  # values of a long list rendered as JSON in one call
 BODY_BYTES_A_TOKEN = 16
 MIN_BODY_BYTES = 4 << 20
 MIN_ECHO_LOGPROBS = 1 << 20
+TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")  # a logit_bias key: a token id in decimal (int64 tensors hold it)
 
 
 def echo_logprobs_limit(max_model_len: int) -> int:
@@ -120,8 +122,6 @@ class ServingContext:
     def check_request(self, body: SamplingFields) -> None:
         """What both endpoints refuse before any tokenizing: another model, unsupported fields."""
         self.check_model(body.model)
-        if body.logit_bias:
-            raise bad_request("'logit_bias' is not supported by this server; leave it out", "logit_bias")
         if body.stream_options is not None and not body.stream:
             raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
         for name, kind in GUIDED_FIELDS.items():
@@ -237,7 +237,8 @@ class ServingContext:
             frequency_penalty=body.frequency_penalty or 0.0, stop_token_ids=body.stop_token_ids or [],
             stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or ()), ignore_eos=body.ignore_eos,
             min_tokens=body.min_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-            structured_outputs=structured)
+            structured_outputs=structured, logit_bias=logit_bias(body.logit_bias),
+            allowed_token_ids=body.allowed_token_ids)
         try:
             return [SamplingParams(seed=None if seed is None else seed + i, **fields) for i in range(body.n)]
         except ParamError as e:  # a request field of the same name (max_tokens was checked before, by its own)
@@ -335,6 +336,18 @@ async def _abort_on_disconnect(request: Request, stream: RequestStream) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
     stream.abort()
+
+
+def logit_bias(entries: dict[str, object] | None) -> dict[int, object] | None:
+    """OpenAI's logit_bias, {"token id": bias}, keyed by token id (SamplingParams checks the values; the sampler clamps
+    them to [-100, 100], as vLLM does); a key that is not a token id in decimal is a 400 naming it."""
+    if not entries:
+        return None
+    bad = next((key for key in entries if not TOKEN_ID_KEY.fullmatch(key)), None)
+    if bad is not None:
+        raise bad_request(f"'logit_bias' key {bad!r:.40} is not a token id: keys are token ids written in decimal, "
+                          "such as {\"1234\": -100}", "logit_bias")
+    return {int(key): value for key, value in entries.items()}
 
 
 def wants_usage(body: SamplingFields) -> bool:

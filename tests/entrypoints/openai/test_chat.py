@@ -64,6 +64,18 @@ def test_logprobs_and_top_logprobs(client):
         assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
 
 
+def test_logit_bias_reaches_the_engine(client, offline_llm):
+    """A chat's logit_bias ({"token id": bias}) gives LLM.chat's text with the same bias: +100 on one token makes
+    it every token."""
+    token = offline_llm.chat(MESSAGES, SamplingParams(max_tokens=1, temperature=0)).outputs[0].token_ids[0] + 1
+    expected = offline_llm.chat(MESSAGES, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                         logit_bias={token: 100}))
+    response = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
+                                              logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert expected.outputs[0].token_ids == [token] * 6
+    assert response.choices[0].message.content == expected.outputs[0].text
+
+
 def test_n_choices_with_seed_are_reproducible(client):
     def run():
         response = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, n=3, seed=5,

@@ -101,6 +101,26 @@ def test_min_tokens_keeps_a_stop_token_from_ending_the_first_tokens(client, offl
     assert (response.choices[0].text, response.choices[0].finish_reason) == (expected.text, expected.finish_reason)
 
 
+def test_logit_bias_and_allowed_token_ids_reach_the_engine(client, offline_llm):
+    """OpenAI's logit_bias, keyed by token ids written as strings (values past 100 clamped), and vLLM's
+    allowed_token_ids: the text is the offline API's with the same fields, and not the plain request's."""
+    plain = offline(offline_llm, PROMPT, max_tokens=8, temperature=0, ignore_eos=True).outputs[0]
+    bias = {plain.token_ids[0]: -100, 123: 5, plain.token_ids[1]: -250}
+    expected = offline(offline_llm, PROMPT, max_tokens=8, temperature=0, ignore_eos=True, logit_bias=bias).outputs[0]
+    response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0,
+                                         logit_bias={str(t): b for t, b in bias.items()},
+                                         extra_body={"ignore_eos": True})
+    assert response.choices[0].text == expected.text != plain.text
+
+    allowed = [plain.token_ids[2], 123, 300, 301]
+    fields = dict(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True, allowed_token_ids=allowed)
+    expected = offline(offline_llm, PROMPT, **fields).outputs[0]
+    response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=1.0, seed=3,
+                                         logprobs=0, extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert response.choices[0].text == expected.text and set(expected.token_ids) <= set(allowed)
+    assert response.usage.completion_tokens == 16
+
+
 @pytest.mark.parametrize("max_tokens", [0, 1])
 def test_echo_logprobs_score_the_prompt(client, offline_llm, max_tokens):
     """lm-eval's loglikelihood request: echo + logprobs; the prompt's logprobs equal the offline API's."""
