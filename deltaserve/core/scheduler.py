@@ -2,10 +2,10 @@
 
 Each step has a budget of max_num_batched_tokens tokens. Running requests are served first, in admission order,
 each min(tokens it has left, budget left; a prompt's chunk may end sooner, at a branch snapshot below): one token
-for a decode, a chunk of an unfinished prompt, so prefill
-chunks and decodes share a step and a long prompt spans steps. Then waiting requests are admitted first come,
-first served while budget, a KDA state slot (max_num_seqs) and MLA pages remain; a request that waits for pages
-is never passed over (no starvation), and nothing is admitted in a step that preempted (it would only thrash).
+for a decode, a chunk of an unfinished prompt, so prefill chunks and decodes share a step and a long prompt spans
+steps. Then waiting requests are admitted first come, first served while budget, a KDA state slot (max_num_seqs)
+and MLA pages remain; a request that waits for pages is never passed over (no starvation), and nothing is admitted
+in a step that preempted (it would only thrash).
 
 Preemption (recompute). When a running request cannot get the pages for its tokens, the most recently admitted
 running request (the tail of `running`) is preempted: its pages and slot freed, num_computed_tokens back to 0, it
