@@ -22,6 +22,11 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
+def ending_ids(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> set[int]:
+    """The token ids that end a request when sampled: its eos ids (unless ignore_eos) and stop_token_ids."""
+    return set(params.stop_token_ids).union(() if params.ignore_eos else eos_token_ids)
+
+
 @dataclass
 class Request:
     req_id: str
@@ -50,12 +55,10 @@ class Request:
 
     @property
     def min_tokens_stop_ids(self) -> tuple[int, ...]:
-        """The ids its first min_tokens outputs may not be (the sampler masks them): those that would end it, its eos
-        ids (unless ignore_eos) and stop_token_ids; () without min_tokens."""
+        """The ids its first min_tokens outputs may not be (the sampler masks them): ending_ids; () without
+        min_tokens."""
         params = self.sampling_params
-        if params.min_tokens == 0:
-            return ()
-        return tuple(sorted(set(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)))
+        return tuple(sorted(ending_ids(params, self.eos_token_ids))) if params.min_tokens else ()
 
     @property
     def all_token_ids(self) -> list[int]:

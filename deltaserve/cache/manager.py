@@ -185,20 +185,23 @@ class CacheManager:
             return None
         block_hashes = self._block_hashes(req)[: (req.num_tokens - 1) // self.block_size]
         block_ids = self.prefix_cache.lookup(block_hashes)
-        for num_blocks in range(len(block_ids), -1, -1):
-            slot = self.snapshots.get(block_hashes[num_blocks - 1]) if num_blocks else None
-            if slot is not None or num_blocks == 0:
-                # a branch: cached pages well past the snapshot, short of the prompt's own snapshot (which serves
-                # there)
-                branch = (len(block_ids) - num_blocks) * self.block_size >= BRANCH_MIN_TOKENS \
-                    and len(block_ids) * self.block_size < self._prompt_end(req) and self.snapshots.num_available > 0
-                return CachedPrefix(block_ids[:num_blocks], slot, len(block_ids) if branch else 0)
+        num_blocks, slot = len(block_ids), None
+        while num_blocks and (slot := self.snapshots.get(block_hashes[num_blocks - 1])) is None:
+            num_blocks -= 1
+        # a branch: cached pages well past the snapshot, short of the prompt's own snapshot (which serves there)
+        branch = (len(block_ids) - num_blocks) * self.block_size >= BRANCH_MIN_TOKENS \
+            and len(block_ids) * self.block_size < self._prompt_end(req) and self.snapshots.num_available > 0
+        return CachedPrefix(block_ids[:num_blocks], slot, len(block_ids) if branch else 0)
 
-    def branch_cut(self, req: Request, num_tokens: int) -> int:
+    def branch_cut(self, req: Request, num_tokens: int, hit: CachedPrefix | None = None) -> int:
         """num_tokens for req's next chunk, cut to end at its branch (CachedPrefix.branch_blocks) until one reaches
-        it: the chunk that saves a snapshot there ends there (a step's budget may end an earlier one short of it)."""
-        branch = self._branches.get(req.req_id)
-        return num_tokens if branch is None else min(num_tokens, branch - req.num_computed_tokens)
+        it: the chunk that saves a snapshot there ends there (a step's budget may end an earlier one short of it).
+        hit: a waiting request's, whose chunk starts after it (allocate_slots takes the hit and the branch)."""
+        if hit is not None:
+            start, branch = len(hit.block_ids) * self.block_size, hit.branch_blocks * self.block_size or None
+        else:
+            start, branch = req.num_computed_tokens, self._branches.get(req.req_id)
+        return num_tokens if branch is None else min(num_tokens, branch - start)
 
     def pending_shares(self, running: list[Request]) -> dict[int, set[bytes]]:
         """The shared snapshots (with their pages) that running requests may still publish, as {blocks before it:

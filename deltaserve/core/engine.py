@@ -40,7 +40,7 @@ from deltaserve.kernels import compile_watch
 from deltaserve.kernels.compile_watch import CompileWatch
 from deltaserve.kernels.tuning_cache import TuningWatch
 from deltaserve.loader.model_loader import DTYPES
-from deltaserve.request import Request, RequestStatus
+from deltaserve.request import Request, RequestStatus, ending_ids
 from deltaserve.runner.allocator_watch import AllocatorWatch
 from deltaserve.runner.model_runner import ModelRunner
 from deltaserve.runner.startup import ProgressBar, phase
@@ -508,8 +508,7 @@ class Engine:
                 raise ParamError(f"{name} names token id {bad}, past this model's vocabulary: ids must be in "
                                  f"[0, {vocab})", name)
         if params.min_tokens and params.allowed_token_ids:  # every id masked: a row of -inf, whose draw is garbage
-            masked = set(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
-            if masked.issuperset(params.allowed_token_ids):
+            if ending_ids(params, self.eos_token_ids).issuperset(params.allowed_token_ids):
                 raise ParamError(f"allowed_token_ids = {params.allowed_token_ids!r:.80} are all stop or EOS ids, "
                                  f"which min_tokens = {params.min_tokens} masks: nothing could be sampled; allow "
                                  "another id or leave min_tokens at 0", "allowed_token_ids")

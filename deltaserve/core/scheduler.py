@@ -237,9 +237,7 @@ class Scheduler:
                     break
                 continue
             start = len(hit.block_ids) * self.cache.block_size if hit else 0
-            num_tokens = self._num_new_tokens(req, start, budget)
-            if hit and hit.branch_blocks:  # the chunk ends where req parts from a cached sequence (branch_cut)
-                num_tokens = min(num_tokens, hit.branch_blocks * self.cache.block_size - start)
+            num_tokens = self.cache.branch_cut(req, self._num_new_tokens(req, start, budget), hit)
             if self.cache.allocate_slots(req, num_tokens, hit) is None:
                 break  # the first admissible request waits for pages; admitting later ones past it could starve it
             del self.waiting[i]
